@@ -1,0 +1,58 @@
+"""The exception tree of cpr.
+
+Every error a user can cause or a failure can raise is one of these, with the numbers
+that explain it in the message. They pickle (``__reduce__``) so they cross Ray actors intact.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "CprError",
+    "ConfigError",
+    "DataFormatError",
+    "CheckpointCorrupt",
+    "CheckpointNotFound",
+    "ShardUnavailable",
+]
+
+
+class CprError(Exception):
+    """Base class of every error raised by cpr."""
+
+    def __reduce__(self):
+        return (type(self), self.args)
+
+
+class ConfigError(CprError, ValueError):
+    """A config value is out of its allowed range; the message names field and range."""
+
+
+class DataFormatError(CprError, ValueError):
+    """A malformed input record.
+
+    Args:
+        path: the file that holds it.
+        line: 1-based line number (TSV) or row number (Parquet) of the record.
+        reason: what is wrong, e.g. ``"expected 40 columns, got 39"``.
+    """
+
+    def __init__(self, path: str, line: int, reason: str):
+        super().__init__(path, line, reason)
+        self.path = path
+        self.line = line
+        self.reason = reason
+
+    def __str__(self) -> str:
+        return f"{self.path}:{self.line}: {self.reason}"
+
+
+class CheckpointCorrupt(CprError):
+    """A checkpoint file is missing or its size/checksum does not match its manifest."""
+
+
+class CheckpointNotFound(CprError):
+    """No valid checkpoint exists under the storage URI."""
+
+
+class ShardUnavailable(CprError):
+    """An embedding shard did not answer within its timeout, or died."""
