@@ -1,0 +1,118 @@
+"""Sharding plans: which embedding shard owns which rows of which table.
+
+A plan is a list of slices ``(table, row_start, row_end)`` per shard. Table-wise plans give
+whole tables to shards; row-wise plans cut every table into contiguous row ranges. Both are
+routed the same way, and sum pooling makes partial pools of a row-wise table add up.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+__all__ = ["TableSlice", "ShardingPlan", "ShardBatch", "make_plan"]
+
+
+@dataclass(frozen=True)
+class TableSlice:
+    """Rows ``[row_start, row_end)`` of table ``table``; local row = global row - row_start."""
+
+    table: int
+    row_start: int
+    row_end: int
+
+    @property
+    def num_rows(self) -> int:
+        return self.row_end - self.row_start
+
+
+@dataclass(frozen=True)
+class ShardBatch:
+    """The part of a batch one shard sees, in fbgemm's table-major layout.
+
+    lengths: int64 [S, B] ids of sample b in the shard's slice s (0 or 1 for Criteo).
+    indices: int64 [sum(lengths)] local row ids, slice-major then sample order.
+    """
+
+    lengths: np.ndarray
+    indices: np.ndarray
+
+    @property
+    def batch_rows(self) -> int:
+        return int(self.lengths.shape[1])
+
+
+@dataclass(frozen=True)
+class ShardingPlan:
+    kind: str
+    table_rows: tuple[int, ...]
+    shards: tuple[tuple[TableSlice, ...], ...]
+
+    @property
+    def num_shards(self) -> int:
+        return len(self.shards)
+
+    def shard_rows(self, shard: int) -> int:
+        return sum(s.num_rows for s in self.shards[shard])
+
+    def shard_fraction(self, shard: int) -> float:
+        """Fraction of all embedding rows held by ``shard`` (weights lost samples)."""
+        return self.shard_rows(shard) / sum(self.table_rows)
+
+    def slice_tables(self, shard: int) -> np.ndarray:
+        return np.array([s.table for s in self.shards[shard]], dtype=np.int64)
+
+    def route(self, rows: np.ndarray, shard: int) -> ShardBatch:
+        """Selects the ids of ``rows`` (int64 [B, F], table rows) that ``shard`` owns."""
+        slices = self.shards[shard]
+        cols = rows[:, [s.table for s in slices]].T  # [S, B]
+        start = np.array([s.row_start for s in slices], dtype=np.int64)[:, None]
+        end = np.array([s.row_end for s in slices], dtype=np.int64)[:, None]
+        owned = (cols >= start) & (cols < end)
+        if owned.all():
+            return ShardBatch(np.ones(cols.shape, dtype=np.int64), (cols - start).ravel())
+        return ShardBatch(owned.astype(np.int64), (cols - start)[owned])
+
+    def scatter_pooled(self, pooled: np.ndarray, shard: int, out: np.ndarray) -> None:
+        """Adds a shard's pooled output float32 [B, S*D] into ``out`` float32 [B, F, D]."""
+        batch, _, dim = out.shape
+        parts = pooled.reshape(batch, -1, dim)
+        for i, s in enumerate(self.shards[shard]):
+            out[:, s.table, :] += parts[:, i, :]
+
+    def gather_grad(self, grad: np.ndarray, shard: int) -> np.ndarray:
+        """The gradient a shard needs, float32 [B, S*D], from the pooled gradient [B, F, D]."""
+        batch = grad.shape[0]
+        return np.ascontiguousarray(grad[:, self.slice_tables(shard), :]).reshape(batch, -1)
+
+
+def make_plan(kind: str, table_rows: list[int], num_shards: int) -> ShardingPlan:
+    """Builds a table-wise or row-wise plan that gives every row to exactly one shard.
+
+    Table-wise balances rows greedily (largest table to the least-loaded shard), which is
+    what TorchRec's planner does for a memory-bound CPU placement.
+    """
+    if num_shards < 1:
+        raise ValueError(f"num_shards must be >= 1, got {num_shards}")
+    per_shard: list[list[TableSlice]] = [[] for _ in range(num_shards)]
+    if kind == "table_wise":
+        if num_shards > len(table_rows):
+            raise ValueError(f"table_wise needs num_shards <= {len(table_rows)} tables")
+        load = [0] * num_shards
+        for t in sorted(range(len(table_rows)), key=lambda t: (-table_rows[t], t)):
+            # Ties go to the lowest shard, and a shard without tables is filled first.
+            k = min(range(num_shards), key=lambda k: (len(per_shard[k]) > 0, load[k], k))
+            per_shard[k].append(TableSlice(t, 0, table_rows[t]))
+            load[k] += table_rows[t]
+        for k in range(num_shards):
+            per_shard[k].sort(key=lambda s: s.table)
+    elif kind == "row_wise":
+        for t, rows in enumerate(table_rows):
+            bounds = np.linspace(0, rows, num_shards + 1).round().astype(np.int64)
+            for k in range(num_shards):
+                if bounds[k + 1] > bounds[k]:
+                    per_shard[k].append(TableSlice(t, int(bounds[k]), int(bounds[k + 1])))
+    else:
+        raise ValueError(f"sharding must be table_wise or row_wise, got {kind!r}")
+    return ShardingPlan(kind, tuple(table_rows), tuple(tuple(s) for s in per_shard))

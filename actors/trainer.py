@@ -1,0 +1,233 @@
+"""The trainer loop, run by every Ray Train worker (one torchft replica group each).
+
+A step ``s`` is M microbatches with stable ids; the live trainers split them round-robin
+over the torchft quorum, look up pooled embeddings on the shards, run the dense model,
+push embedding gradients back to the shards and all-reduce the dense gradients.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+
+import numpy as np
+
+__all__ = ["train_loop", "StepSchedule"]
+
+
+@dataclass(frozen=True)
+class StepSchedule:
+    """Which cached microbatch is microbatch ``m`` of step ``s``: a per-epoch permutation."""
+
+    num_microbatches: int
+    microbatches_per_step: int
+    total_steps: int
+    seed: int
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return self.num_microbatches // self.microbatches_per_step
+
+    @classmethod
+    def from_config(cls, num_microbatches: int, m: int, epochs: float, max_steps: int | None, seed: int):
+        per_epoch = num_microbatches // m
+        if per_epoch < 1:
+            raise ValueError(
+                f"the training data holds {num_microbatches} microbatches, fewer than "
+                f"microbatches_per_step={m}: lower training.microbatch_rows or add data"
+            )
+        total = max(1, math.floor(epochs * per_epoch))
+        if max_steps is not None:
+            total = min(total, max_steps)
+        return cls(num_microbatches, m, total, seed)
+
+    def microbatch(self, step: int, m: int) -> int:
+        epoch, pos = divmod(step, self.steps_per_epoch)
+        perm = np.random.default_rng([self.seed, epoch]).permutation(self.num_microbatches)
+        return int(perm[pos * self.microbatches_per_step + m])
+
+    def assignment(self, step: int, rank: int, live: int) -> list[int]:
+        """Microbatch positions 0..M-1 of ``step`` that participant ``rank`` of ``live`` runs."""
+        return [m for m in range(self.microbatches_per_step) if m % live == rank]
+
+
+class _ShardClient:
+    """Routes ids to the shards and gathers their pooled outputs, with timeouts."""
+
+    def __init__(self, shards, plan, dim: int, timeout_s: float):
+        self.shards = shards
+        self.plan = plan
+        self.dim = dim
+        self.timeout_s = timeout_s
+
+    def lookup(self, rows: np.ndarray, step: int | None = None, chunk: tuple[int, ...] = ()) -> np.ndarray:
+        import ray
+
+        batch = rows.shape[0]
+        refs = []
+        for k, shard in enumerate(self.shards):
+            sb = self.plan.route(rows, k)
+            if step is None:
+                refs.append(shard.lookup_eval.remote(sb.lengths, sb.indices))
+            else:
+                refs.append(shard.lookup.remote(step, chunk, sb.lengths, sb.indices))
+        pooled = np.zeros((batch, rows.shape[1], self.dim), dtype=np.float32)
+        for k, part in enumerate(ray.get(refs, timeout=self.timeout_s)):
+            self.plan.scatter_pooled(part, k, pooled)
+        return pooled
+
+    def push_grads(self, step: int, chunk: tuple[int, ...], grad: np.ndarray) -> list[dict]:
+        import ray
+
+        refs = [
+            shard.push_grads.remote(step, chunk, self.plan.gather_grad(grad, k))
+            for k, shard in enumerate(self.shards)
+        ]
+        return ray.get(refs, timeout=self.timeout_s)
+
+
+def _evaluate(model, client: _ShardClient, eval_file, table_rows) -> dict:
+    import torch
+    from torchmetrics.functional.classification import binary_auroc
+
+    from app.data import sparse_to_rows
+
+    preds, labels = [], []
+    model.eval()
+    with torch.no_grad():
+        for i in range(len(eval_file)):
+            y, dense, sparse = eval_file.get(i)
+            pooled = client.lookup(sparse_to_rows(sparse, table_rows))
+            logits = model(torch.from_numpy(dense), torch.from_numpy(pooled))
+            preds.append(torch.sigmoid(logits))
+            labels.append(torch.from_numpy(y))
+    model.train()
+    p = torch.cat(preds)
+    y = torch.cat(labels)
+    log_loss = torch.nn.functional.binary_cross_entropy(p.clamp(1e-7, 1 - 1e-7), y).item()
+    return {
+        "auc": float(binary_auroc(p, y.to(torch.int64))),
+        "log_loss": log_loss,
+        "eval_rows": int(y.numel()),
+        "positive_rate": float(y.mean()),
+    }
+
+
+def train_loop(loop_config: dict) -> None:
+    """Ray Train ``train_loop_per_worker``: trains until the schedule's last step, then
+    (on the first participant) evaluates on the held-out split and reports to the supervisor.
+    """
+    import ray
+    import ray.train
+    import torch
+    from torch.distributed import ReduceOp
+    from torchft import Manager, ProcessGroupGloo
+    from torchft.checkpointing.pg_transport import PGTransport
+
+    from app.cache import MicrobatchFile
+    from app.config import config_from_dict
+    from app.data import NUM_DENSE, NUM_SPARSE, sparse_to_rows
+    from app.model import DenseModel
+
+    cfg = config_from_dict(loop_config["config"])
+    tr = cfg.training
+    torch.set_num_threads(tr.threads_per_worker)
+    rank = ray.train.get_context().get_world_rank()
+    supervisor = ray.get_actor(loop_config["supervisor"], namespace=cfg.ray.namespace)
+    setup = ray.get(supervisor.trainer_setup.remote(), timeout=cfg.embeddings.call_timeout_s)
+    schedule: StepSchedule = setup["schedule"]
+    table_rows = cfg.model.rows_per_table
+    client = _ShardClient(setup["shards"], setup["plan"], cfg.model.embedding_dim, cfg.embeddings.call_timeout_s)
+    train_file = MicrobatchFile(setup["train_cache"])
+
+    torch.manual_seed(cfg.seed)  # identical dense init on every trainer
+    model = DenseModel(NUM_DENSE, NUM_SPARSE, cfg.model.dense_arch, cfg.model.over_arch)
+    optimizer = torch.optim.Adagrad(model.parameters(), lr=tr.dense_learning_rate)
+    params = [p for p in model.parameters()]
+
+    def state_dict():
+        return {"model": model.state_dict(), "optim": optimizer.state_dict()}
+
+    def load_state_dict(sd):
+        model.load_state_dict(sd["model"])
+        optimizer.load_state_dict(sd["optim"])
+
+    collective_timeout = timedelta(seconds=tr.collective_timeout_s)
+    pg = ProcessGroupGloo(timeout=collective_timeout)
+    manager = Manager(
+        pg=pg,
+        min_replica_size=1,
+        load_state_dict=load_state_dict,
+        state_dict=state_dict,
+        replica_id=f"cpr_trainer_{rank}",
+        hostname=ray.util.get_node_ip_address(),
+        timeout=collective_timeout,
+        quorum_timeout=collective_timeout,
+        checkpoint_transport=PGTransport(pg, timeout=collective_timeout, device=torch.device("cpu")),
+        world_size=1,
+        rank=0,
+    )
+
+    samples_per_step = tr.microbatches_per_step * tr.microbatch_rows
+    loss_sum = 0.0
+    loss_rows = 0
+    t_last = time.perf_counter()
+    steps_since = 0
+    while manager.current_step() < schedule.total_steps:
+        manager.start_quorum()
+        manager.wait_quorum()
+        step = manager.current_step()
+        optimizer.zero_grad(set_to_none=False)
+        participant = manager.participating_rank()
+        mine = [] if participant is None else schedule.assignment(step, participant, manager.num_participants())
+        if mine:
+            ids = [schedule.microbatch(step, m) for m in mine]
+            parts = [train_file.get(i) for i in ids]
+            labels = np.concatenate([p[0] for p in parts])
+            dense = np.concatenate([p[1] for p in parts])
+            rows = sparse_to_rows(np.concatenate([p[2] for p in parts]), table_rows)
+            chunk = tuple(step * tr.microbatches_per_step + m for m in mine)
+            pooled = torch.from_numpy(client.lookup(rows, step, chunk)).requires_grad_(True)
+            logits = model(torch.from_numpy(dense), pooled)
+            # Scaled so that the SUM all-reduce gives the gradient of the step's mean loss
+            # over all M microbatches, whoever computed them.
+            loss_total = torch.nn.functional.binary_cross_entropy_with_logits(
+                logits, torch.from_numpy(labels), reduction="sum"
+            )
+            (loss_total / samples_per_step).backward()
+            client.push_grads(step, chunk, pooled.grad.numpy())
+            loss_sum += loss_total.item()
+            loss_rows += len(labels)
+        flat = torch.cat([p.grad.reshape(-1) for p in params])
+        manager.allreduce(flat, reduce_op=ReduceOp.SUM).wait()
+        if manager.should_commit():
+            offset = 0
+            for p in params:
+                n = p.numel()
+                p.grad.copy_(flat[offset : offset + n].view_as(p))
+                offset += n
+            optimizer.step()
+            steps_since += 1
+        done = manager.current_step()
+        if participant == 0 and (done % tr.progress_every_steps == 0 or done == schedule.total_steps):
+            now = time.perf_counter()
+            supervisor.record_progress.remote(
+                {
+                    "step": done,
+                    "total_steps": schedule.total_steps,
+                    "loss": loss_sum / max(loss_rows, 1),
+                    "samples_per_s": steps_since * samples_per_step / max(now - t_last, 1e-9),
+                    "trainers": manager.num_participants(),
+                }
+            )
+            loss_sum, loss_rows, steps_since, t_last = 0.0, 0, 0, now
+
+    if rank == 0:
+        t0 = time.perf_counter()
+        metrics = _evaluate(model, client, MicrobatchFile(setup["eval_cache"]), table_rows)
+        metrics["eval_s"] = time.perf_counter() - t0
+        metrics["steps"] = manager.current_step()
+        ray.get(supervisor.record_eval.remote(metrics), timeout=cfg.embeddings.call_timeout_s)
+    manager.shutdown()

@@ -1,0 +1,218 @@
+"""Typed, validated run configuration (YAML on disk, pydantic models in memory).
+
+Every field is documented where it is declared; a bad value fails at start with the
+field's dotted name and its allowed range, as a ``ConfigError``.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from app.errors import ConfigError
+
+__all__ = ["RunConfig", "load_config", "config_from_dict"]
+
+NUM_SPARSE = 26
+
+
+class _Section(BaseModel):
+    # Unknown keys are typos; failing on them beats silently ignoring a setting.
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class GenerateConfig(_Section):
+    """Synthetic data written by ``cpr datagen`` when the data files do not exist yet."""
+
+    train_rows: int = Field(200_000, ge=1, le=10**10)
+    """Training rows to write."""
+    eval_rows: int = Field(20_000, ge=1, le=10**9)
+    """Held-out rows to write (a separate file, never trained on)."""
+    seed: int = Field(0, ge=0)
+    """Generator seed: the same seed writes byte-identical files."""
+    format: Literal["tsv", "tsv.gz", "parquet"] = "tsv"
+    """File format of the generated data."""
+    vocab_rows: int = Field(100_000, ge=2, le=2**32)
+    """Distinct categorical values per feature before hashing to table rows."""
+
+
+class DataConfig(_Section):
+    """Where the Criteo-format data lives and how it is read."""
+
+    train: list[str] = Field(..., min_length=1)
+    """Training files: Criteo TSV (optionally .gz) or Parquet, read as a stream."""
+    eval: list[str] = Field(..., min_length=1)
+    """Held-out files; a fixed split that is never trained on."""
+    generate: GenerateConfig | None = None
+    """If set and the files are missing, synthetic data is generated first."""
+    skip_bad_lines: bool = False
+    """Count and skip malformed lines instead of stopping with an error."""
+    cache_dir: str | None = None
+    """Where the preprocessed microbatch cache goes; default ``<run_dir>/cache``."""
+
+
+class ModelConfig(_Section):
+    """The DLRM model: embedding tables and dense arches (torchrec.models.dlrm)."""
+
+    embedding_dim: int = Field(16, ge=1, le=1024)
+    """Dimension D of every embedding row (DLRM needs one D for the interaction)."""
+    table_rows: int | list[int] = 100_000
+    """Rows per table (``max_ind_range``): one number for all 26 tables or a list of 26."""
+    dense_arch: list[int] = [64, 16]
+    """DenseArch layer sizes; the last must equal ``embedding_dim``."""
+    over_arch: list[int] = [64, 1]
+    """OverArch layer sizes; the last must be 1 (one logit)."""
+
+    @field_validator("table_rows")
+    @classmethod
+    def _check_rows(cls, v: int | list[int]) -> int | list[int]:
+        rows = [v] * NUM_SPARSE if isinstance(v, int) else v
+        if len(rows) != NUM_SPARSE:
+            raise ValueError(f"must be one number or a list of {NUM_SPARSE}, got {len(rows)}")
+        if any(r < 1 or r > 2**32 for r in rows):
+            raise ValueError("every table needs between 1 and 2**32 rows")
+        return v
+
+    @model_validator(mode="after")
+    def _check_arches(self) -> "ModelConfig":
+        if not self.dense_arch or self.dense_arch[-1] != self.embedding_dim:
+            raise ValueError(
+                f"dense_arch must end with embedding_dim={self.embedding_dim}, got {self.dense_arch}"
+            )
+        if not self.over_arch or self.over_arch[-1] != 1:
+            raise ValueError(f"over_arch must end with 1, got {self.over_arch}")
+        if any(s < 1 for s in self.dense_arch + self.over_arch):
+            raise ValueError("layer sizes must be >= 1")
+        return self
+
+    @property
+    def rows_per_table(self) -> list[int]:
+        return [self.table_rows] * NUM_SPARSE if isinstance(self.table_rows, int) else list(self.table_rows)
+
+
+class EmbeddingsConfig(_Section):
+    """The embedding shard actors and their fused optimizer."""
+
+    num_shards: int = Field(2, ge=1, le=1024)
+    """Number of EmbeddingShard actors."""
+    sharding: Literal["table_wise", "row_wise"] = "table_wise"
+    """table_wise: whole tables per shard; row_wise: every table split in row ranges."""
+    learning_rate: float = Field(0.05, gt=0.0, le=10.0)
+    """Learning rate of fbgemm's fused row-wise Adagrad."""
+    eps: float = Field(1e-8, gt=0.0, le=1.0)
+    """Adagrad epsilon."""
+    num_cpus: float = Field(1.0, ge=0.0, le=64.0)
+    """Ray CPUs reserved per shard."""
+    num_gpus: float = Field(0.0, ge=0.0, le=8.0)
+    """Ray GPUs per shard; with a GPU the tables live in CUDA memory."""
+    call_timeout_s: float = Field(60.0, gt=0.0, le=3600.0)
+    """A shard that does not answer within this is treated as unavailable."""
+
+
+class TrainingConfig(_Section):
+    """The trainers (a Ray Train worker group, one torchft replica group each)."""
+
+    num_trainers: int = Field(2, ge=1, le=1024)
+    """Number of trainer workers."""
+    microbatch_rows: int = Field(512, ge=1, le=1_000_000)
+    """Samples per microbatch."""
+    microbatches_per_step: int = Field(4, ge=1, le=100_000)
+    """M: microbatches per training step, whatever the number of live trainers."""
+    epochs: float = Field(1.0, gt=0.0, le=1000.0)
+    """Passes over the training data (fractions allowed)."""
+    max_steps: int | None = Field(None, ge=1)
+    """Stop after this many steps even if epochs are not done."""
+    dense_learning_rate: float = Field(0.1, gt=0.0, le=10.0)
+    """Learning rate of the dense Adagrad optimizer."""
+    threads_per_worker: int = Field(1, ge=1, le=256)
+    """torch intra-op threads in each trainer and shard process."""
+    progress_every_steps: int = Field(10, ge=1)
+    """How often trainers report step, loss and samples/s."""
+    collective_timeout_s: float = Field(60.0, gt=0.0, le=3600.0)
+    """torchft quorum / all-reduce timeout."""
+
+
+class RayConfig(_Section):
+    """How to reach Ray."""
+
+    address: str | None = None
+    """Cluster address; default: ``RAY_ADDRESS`` if set, else an embedded local Ray on 127.0.0.1."""
+    num_cpus: int | None = Field(None, ge=1)
+    """Logical CPUs of the embedded Ray (default: enough for shards and trainers)."""
+    namespace: str = "cpr"
+    """Ray namespace of the named supervisor actor."""
+
+
+class RunConfig(_Section):
+    """A complete training run."""
+
+    run_dir: str = "runs/local"
+    """Where the report, events and caches of this run go."""
+    seed: int = Field(0, ge=0)
+    """Seed of model initialisation and data order."""
+    data: DataConfig
+    model: ModelConfig = ModelConfig()
+    embeddings: EmbeddingsConfig = EmbeddingsConfig()
+    training: TrainingConfig = TrainingConfig()
+    ray: RayConfig = RayConfig()
+
+    @model_validator(mode="after")
+    def _check_shards(self) -> "RunConfig":
+        if self.embeddings.sharding == "table_wise" and self.embeddings.num_shards > NUM_SPARSE:
+            raise ValueError(
+                f"embeddings.num_shards={self.embeddings.num_shards} exceeds {NUM_SPARSE} tables "
+                "for table_wise sharding; use row_wise or at most 26 shards"
+            )
+        if self.embeddings.sharding == "row_wise":
+            small = min(self.model.rows_per_table)
+            if small < self.embeddings.num_shards:
+                raise ValueError(
+                    f"row_wise sharding needs every table to have >= num_shards="
+                    f"{self.embeddings.num_shards} rows; the smallest has {small}"
+                )
+        return self
+
+    @property
+    def cache_dir(self) -> str:
+        return self.data.cache_dir or str(Path(self.run_dir) / "cache")
+
+
+def _format_validation_error(err: ValidationError) -> str:
+    lines = []
+    for e in err.errors():
+        field = ".".join(str(p) for p in e["loc"]) or "<config>"
+        got = e.get("input")
+        got_s = "" if isinstance(got, dict) else f" (got {got!r})"
+        lines.append(f"{field}: {e['msg']}{got_s}")
+    return "invalid config: " + "; ".join(lines)
+
+
+def config_from_dict(raw: dict[str, Any]) -> RunConfig:
+    """Validates a config dict; raises ConfigError naming every bad field and its range."""
+    try:
+        return RunConfig.model_validate(raw)
+    except ValidationError as err:
+        raise ConfigError(_format_validation_error(err)) from None
+
+
+def load_config(path: str | os.PathLike, overrides: dict[str, Any] | None = None) -> RunConfig:
+    """Reads a YAML config; relative data paths are taken relative to the working directory."""
+    try:
+        raw = yaml.safe_load(Path(path).read_text()) or {}
+    except FileNotFoundError:
+        raise ConfigError(f"config file not found: {path}") from None
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{path}: not valid YAML: {err}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping of sections")
+    for dotted, value in (overrides or {}).items():
+        node = raw
+        *parents, leaf = dotted.split(".")
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = value
+    return config_from_dict(raw)

@@ -1,0 +1,62 @@
+"""The run report: ``report.json`` for machines and ``summary.txt`` for people, written
+into the run directory at the end of every run.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from app.config import RunConfig
+
+__all__ = ["build_report", "write_report", "format_summary"]
+
+
+def build_report(cfg: RunConfig, summary: dict, data: dict, wall: dict) -> dict:
+    tr = cfg.training
+    evaluation = summary.get("eval") or {}
+    steps = evaluation.get("steps", 0)
+    samples = steps * tr.microbatches_per_step * tr.microbatch_rows
+    ceiling = data.get("ceiling_auc")
+    auc = evaluation.get("auc")
+    return {
+        "run_id": summary["run_id"],
+        "auc": auc,
+        "log_loss": evaluation.get("log_loss"),
+        "ceiling_auc": ceiling,
+        "auc_fraction_of_ceiling": (auc / ceiling) if (auc is not None and ceiling) else None,
+        "eval_rows": evaluation.get("eval_rows"),
+        "steps": steps,
+        "samples_trained": samples,
+        "samples_per_s": samples / wall["training_s"] if wall["training_s"] > 0 else None,
+        "bad_lines_skipped": data["train"].bad_lines + data["eval"].bad_lines,
+        "wall_time_s": {k: round(v, 3) for k, v in wall.items()},
+        "shards": summary.get("shards"),
+        "events": summary.get("events", []),
+        "config": cfg.model_dump(),
+    }
+
+
+def format_summary(report: dict) -> str:
+    w = report["wall_time_s"]
+    ceiling = report["ceiling_auc"]
+    lines = [
+        f"run {report['run_id']}",
+        f"  held-out AUC      {report['auc']:.4f}" + (f"  ({report['auc_fraction_of_ceiling']:.1%} of the generator's ceiling {ceiling:.4f})" if ceiling else ""),
+        f"  held-out log loss {report['log_loss']:.4f}  on {report['eval_rows']:,} rows",
+        f"  samples trained   {report['samples_trained']:,} in {report['steps']} steps"
+        + (f"  ({report['samples_per_s']:,.0f} samples/s)" if report["samples_per_s"] else ""),
+        f"  bad lines skipped {report['bad_lines_skipped']}",
+        f"  wall time         data {w['data_prep_s']:.1f}s, startup {w['startup_s']:.1f}s, "
+        f"training {w['training_s']:.1f}s, evaluation {w['evaluation_s']:.1f}s, total {w['total_s']:.1f}s",
+    ]
+    return "\n".join(lines)
+
+
+def write_report(run_dir: Path, report: dict) -> None:
+    run_dir = Path(run_dir)
+    (run_dir / "report.json").write_text(json.dumps(report, indent=2, default=str))
+    with open(run_dir / "events.jsonl", "w") as f:
+        for e in report["events"]:
+            f.write(json.dumps(e, default=str) + "\n")
+    (run_dir / "summary.txt").write_text(format_summary(report) + "\n")

@@ -1,0 +1,69 @@
+"""Config validation: a bad value fails at start, naming the field and the allowed range."""
+
+import pytest
+
+from app.config import config_from_dict, load_config
+from app.errors import ConfigError
+
+pytestmark = pytest.mark.timeout(60)
+
+BASE = {"data": {"train": ["t.tsv"], "eval": ["e.tsv"]}}
+
+
+def _with(section, key, value):
+    raw = {**BASE, section: {key: value}}
+    return raw
+
+
+def test_defaults_are_valid():
+    cfg = config_from_dict(BASE)
+    assert cfg.embeddings.num_shards == 2
+    assert cfg.model.rows_per_table == [100_000] * 26
+
+
+@pytest.mark.parametrize(
+    "section,key,value,expect",
+    [
+        ("training", "num_trainers", 0, r"training\.num_trainers: .*greater than or equal to 1"),
+        ("training", "microbatches_per_step", -3, r"training\.microbatches_per_step"),
+        ("embeddings", "learning_rate", 0, r"embeddings\.learning_rate: .*greater than 0"),
+        ("embeddings", "sharding", "diagonal", r"embeddings\.sharding: .*'table_wise' or 'row_wise'"),
+        ("model", "embedding_dim", 0, r"model\.embedding_dim"),
+        ("model", "table_rows", [10] * 25, r"model\.table_rows: .*list of 26"),
+        ("training", "epochs", "many", r"training\.epochs"),
+        ("training", "microbatch_rowz", 5, r"training\.microbatch_rowz: Extra inputs"),
+    ],
+)
+def test_bad_value_names_field_and_range(section, key, value, expect):
+    with pytest.raises(ConfigError, match=expect):
+        config_from_dict(_with(section, key, value))
+
+
+def test_dense_arch_must_end_with_embedding_dim():
+    with pytest.raises(ConfigError, match="dense_arch must end with embedding_dim=8"):
+        config_from_dict({**BASE, "model": {"embedding_dim": 8, "dense_arch": [32, 16]}})
+
+
+def test_table_wise_shards_limited_by_tables():
+    with pytest.raises(ConfigError, match="num_shards=27 exceeds 26 tables"):
+        config_from_dict({**BASE, "embeddings": {"num_shards": 27}})
+
+
+def test_missing_data_section():
+    with pytest.raises(ConfigError, match=r"data: Field required"):
+        config_from_dict({})
+
+
+def test_yaml_file_and_overrides(tmp_path):
+    p = tmp_path / "c.yaml"
+    p.write_text("data: {train: [a.tsv], eval: [b.tsv]}\ntraining: {epochs: 2}\n")
+    cfg = load_config(p, {"training.num_trainers": 3, "embeddings.sharding": "row_wise"})
+    assert cfg.training.epochs == 2 and cfg.training.num_trainers == 3
+    assert cfg.embeddings.sharding == "row_wise"
+    with pytest.raises(ConfigError, match="config file not found"):
+        load_config(tmp_path / "nope.yaml")
+
+
+def test_shipped_configs_validate():
+    for name in ["configs/local.yaml"]:
+        load_config(name)

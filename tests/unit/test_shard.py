@@ -1,0 +1,78 @@
+"""EmbeddingShard's kernel path without Ray: a step is applied once, when all M
+microbatches have arrived, to exactly the looked-up rows, independent of chunking."""
+
+import numpy as np
+import pytest
+
+from actors.plan import make_plan
+from actors.shard import EmbeddingShard
+
+pytestmark = pytest.mark.timeout(120)
+
+TABLE_ROWS = [50] * 26
+DIM = 4
+
+
+def _shard(plan, k, m=2):
+    return EmbeddingShard(k, list(plan.shards[k]), DIM, learning_rate=0.1, eps=1e-8, seed=3, microbatches_per_step=m)
+
+
+def _batch(seed, batch=8):
+    rng = np.random.default_rng(seed)
+    return rng.integers(0, 50, size=(batch, 26))
+
+
+def _rows_changed(before, after):
+    return [np.flatnonzero((b[0] != a[0]).any(axis=1)) for b, a in zip(before, after)]
+
+
+@pytest.mark.parametrize("kind", ["table_wise", "row_wise"])
+def test_update_applied_once_when_step_complete_and_only_to_looked_up_rows(kind):
+    plan = make_plan(kind, TABLE_ROWS, 2)
+    shard = _shard(plan, 0)
+    before = shard.get_rows()
+    r0, r1 = _batch(0), _batch(1)
+    sb0, sb1 = plan.route(r0, 0), plan.route(r1, 0)
+    shard.lookup(0, (0,), sb0.lengths, sb0.indices)
+    shard.lookup(0, (1,), sb1.lengths, sb1.indices)
+    g = np.ones((8, len(plan.shards[0]) * DIM), dtype=np.float32)
+    assert shard.push_grads(0, (0,), g) == {"applied": False, "duplicate": False}
+    assert all(np.array_equal(b[0], a[0]) for b, a in zip(before, shard.get_rows())), "applied before step complete"
+    assert shard.push_grads(0, (1,), g)["applied"] is True
+    after = shard.get_rows()
+    for i, s in enumerate(plan.shards[0]):
+        looked_up = set((np.concatenate([r0[:, s.table], r1[:, s.table]]) - s.row_start).tolist())
+        looked_up = {r for r in looked_up if 0 <= r < s.num_rows}
+        assert set(_rows_changed(before, after)[i].tolist()) == looked_up
+        assert (after[i][1][sorted(looked_up)] > 0).all(), "Adagrad state of updated rows"
+    # A redo resending the same microbatch must not apply it twice.
+    assert shard.push_grads(0, (1,), g)["duplicate"] is True
+    assert all(np.array_equal(a[0], c[0]) for a, c in zip(after, shard.get_rows()))
+
+
+def test_update_does_not_depend_on_chunking():
+    plan = make_plan("table_wise", TABLE_ROWS, 1)
+    r = np.concatenate([_batch(0), _batch(1)])
+    grad = np.random.default_rng(5).standard_normal((16, 26 * DIM)).astype(np.float32)
+
+    whole = _shard(plan, 0, m=2)
+    sb = plan.route(r, 0)
+    whole.lookup(0, (0, 1), sb.lengths, sb.indices)
+    whole.push_grads(0, (0, 1), grad)
+
+    split = _shard(plan, 0, m=2)
+    for mb, sl in ((1, slice(8, 16)), (0, slice(0, 8))):  # arrive out of order
+        sbm = plan.route(r[sl], 0)
+        split.lookup(0, (mb,), sbm.lengths, sbm.indices)
+    split.push_grads(0, (1,), grad[8:])
+    split.push_grads(0, (0,), grad[:8])
+    for (wa, ma), (wb, mb_) in zip(whole.get_rows(), split.get_rows()):
+        np.testing.assert_allclose(wa, wb, rtol=1e-6, atol=1e-7)
+        np.testing.assert_allclose(ma, mb_, rtol=1e-6, atol=1e-7)
+
+
+def test_gradient_without_lookup_is_an_error():
+    plan = make_plan("table_wise", TABLE_ROWS, 1)
+    shard = _shard(plan, 0)
+    with pytest.raises(KeyError, match="without its lookup"):
+        shard.push_grads(0, (0,), np.zeros((8, 26 * DIM), dtype=np.float32))
