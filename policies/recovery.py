@@ -1,0 +1,199 @@
+"""Full vs partial (CPR) recovery: which mode and which checkpoint interval, and why.
+
+``decide_recovery`` turns cost inputs into a ``RecoveryDecision`` carrying the numbers it used.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+from app.errors import ConfigError
+from policies._checks import check_int, check_non_negative, check_open_unit, check_positive
+from policies.interval import (
+    expected_pls,
+    feasible_interval_s,
+    pls_interval_s,
+    young_daly_interval_s,
+)
+
+__all__ = ["RecoveryMode", "CostInputs", "RecoveryDecision", "decide_recovery"]
+
+# expected_pls(pls_interval_s(x)) can come back as x * (1 + 1 ulp); without this
+# slack an unclamped partial interval would "miss" its own target by rounding.
+_PLS_RELATIVE_SLACK = 1e-9
+
+
+class RecoveryMode(str, Enum):
+    """How a dead embedding shard is recovered."""
+
+    FULL = "full"
+    """Every actor reloads the last checkpoint; no update is lost, work since it is redone."""
+    PARTIAL = "partial"
+    """Only the dead shard reloads; its updates since its checkpoint are lost (PLS)."""
+    AUTO = "auto"
+    """Partial where it is cheaper and keeps the PLS target, else full."""
+
+
+@dataclass(frozen=True)
+class CostInputs:
+    """What a recovery decision depends on; all times in seconds of wall clock.
+
+    Overheads are expressed per second of wall time, so no training horizon is needed.
+    """
+
+    mtbf_s: float
+    """Mean time between failures of the whole job (T_fail)."""
+    save_cost_s: float
+    """Training stall of one checkpoint save (o_save); must be > 0."""
+    load_cost_s: float
+    """Stall of one checkpoint load (o_load)."""
+    reschedule_cost_s: float
+    """Stall of respawning a dead actor (o_res)."""
+    num_shards: int
+    """Embedding shards N the model is split over."""
+    pls_target: float
+    """Largest acceptable expected portion of lost samples, in (0, 1)."""
+
+    def __post_init__(self) -> None:
+        check_positive("mtbf_s", self.mtbf_s)
+        check_positive("save_cost_s", self.save_cost_s)
+        check_non_negative("load_cost_s", self.load_cost_s)
+        check_non_negative("reschedule_cost_s", self.reschedule_cost_s)
+        check_int("num_shards", self.num_shards, 1)
+        check_open_unit("pls_target", self.pls_target)
+
+
+@dataclass(frozen=True)
+class RecoveryDecision:
+    """The recovery mode and interval chosen, with both modes' expected costs."""
+
+    requested: RecoveryMode
+    mode: RecoveryMode
+    """FULL or PARTIAL, never AUTO."""
+    interval_s: float
+    """Checkpoint interval of ``mode``: ``interval_full_s`` or ``interval_partial_s``."""
+    interval_full_s: float
+    """Young/Daly interval, clamped to >= one save."""
+    interval_partial_s: float
+    """PLS-target interval, clamped to >= one save."""
+    expected_overhead_frac_full: float
+    """Expected stalled fraction of wall time under full recovery (first order)."""
+    expected_overhead_frac_partial: float
+    """Expected stalled fraction of wall time under partial recovery (first order)."""
+    expected_pls: float
+    """Expected PLS of ``mode``: 0 for full, ``expected_pls_partial`` for partial."""
+    expected_pls_partial: float
+    """Expected PLS of partial recovery at ``interval_partial_s``."""
+    pls_target_met: bool
+    """Whether partial recovery at ``interval_partial_s`` keeps the PLS target."""
+    reason: str
+    inputs: CostInputs
+
+
+def _overhead_frac_full(interval_s: float, c: CostInputs) -> float:
+    # Saves every interval; per failure: load + respawn + on average half an
+    # interval of work redone since the checkpoint.
+    return c.save_cost_s / interval_s + (c.load_cost_s + c.reschedule_cost_s + interval_s / 2.0) / c.mtbf_s
+
+
+def _overhead_frac_partial(interval_s: float, c: CostInputs) -> float:
+    # The lost half interval is not redone (it is paid in PLS instead), so a
+    # failure costs only the dead shard's load and respawn.
+    return c.save_cost_s / interval_s + (c.load_cost_s + c.reschedule_cost_s) / c.mtbf_s
+
+
+def _pct(frac: float) -> str:
+    return f"{100.0 * frac:.3g}%"
+
+
+def decide_recovery(requested: RecoveryMode | str, inputs: CostInputs) -> RecoveryDecision:
+    """Chooses full or partial recovery and its checkpoint interval.
+
+    FULL and PARTIAL requests are honoured with that mode's interval (Young/Daly
+    for full, the PLS-target interval for partial); AUTO picks PARTIAL only where
+    its expected overhead is strictly lower and its expected PLS <= target, else
+    FULL (ties go to full: same cost, no lost samples). Where neither interval
+    is clamped, the load and respawn terms cancel and full's overhead at T* is
+    2*o_save/T*, so partial is cheaper exactly when T_pls > T*/2.
+
+    Both intervals are clamped to >= ``save_cost_s``: below that the job would
+    save back to back and never train. A PLS interval shorter than one save
+    therefore cannot keep the target; the clamped interval's expected PLS is
+    reported (above target), AUTO rejects partial, and a PARTIAL request is
+    honoured with a reason saying the target is missed. Overheads are the
+    first-order model; a value >= 100% means failures come about as often as
+    checkpoints, where the model (and steady progress) breaks down, and the
+    reason says so.
+    """
+    try:
+        requested = RecoveryMode(requested)
+    except ValueError:
+        allowed = ", ".join(m.value for m in RecoveryMode)
+        raise ConfigError(f"requested must be one of {allowed}, got {requested!r}") from None
+    c = inputs
+
+    t_full_raw_s = young_daly_interval_s(c.save_cost_s, c.mtbf_s)
+    t_full_s = feasible_interval_s(t_full_raw_s, c.save_cost_s)
+    t_part_raw_s = pls_interval_s(c.pls_target, c.mtbf_s, c.num_shards)
+    t_part_s = feasible_interval_s(t_part_raw_s, c.save_cost_s)
+    pls_part = expected_pls(t_part_s, c.mtbf_s, c.num_shards)
+    pls_ok = pls_part <= c.pls_target * (1.0 + _PLS_RELATIVE_SLACK)
+    ovh_full = _overhead_frac_full(t_full_s, c)
+    ovh_part = _overhead_frac_partial(t_part_s, c)
+
+    if requested is RecoveryMode.AUTO:
+        mode = RecoveryMode.PARTIAL if (pls_ok and ovh_part < ovh_full) else RecoveryMode.FULL
+    else:
+        mode = requested
+
+    numbers = (
+        f"full: interval {t_full_s:.4g} s, overhead {_pct(ovh_full)}; "
+        f"partial: interval {t_part_s:.4g} s, overhead {_pct(ovh_part)}, "
+        f"expected PLS {pls_part:.4g} vs target {c.pls_target:.4g}; "
+        f"MTBF {c.mtbf_s:.4g} s, save {c.save_cost_s:.4g} s, load {c.load_cost_s:.4g} s, "
+        f"reschedule {c.reschedule_cost_s:.4g} s, {c.num_shards} shards"
+    )
+    if requested is RecoveryMode.AUTO:
+        if mode is RecoveryMode.PARTIAL:
+            why = (
+                f"auto -> partial: overhead {_pct(ovh_part)} < full {_pct(ovh_full)} and "
+                f"expected PLS {pls_part:.4g} <= target {c.pls_target:.4g}"
+            )
+        elif not pls_ok:
+            why = (
+                f"auto -> full: partial cannot keep PLS target {c.pls_target:.4g} "
+                f"(its interval would be {t_part_raw_s:.4g} s, below one save of "
+                f"{c.save_cost_s:.4g} s; at {t_part_s:.4g} s expected PLS is {pls_part:.4g})"
+            )
+        else:
+            why = f"auto -> full: overhead {_pct(ovh_full)} <= partial {_pct(ovh_part)}"
+    else:
+        why = f"{requested.value} requested"
+        if mode is RecoveryMode.PARTIAL and not pls_ok:
+            why += (
+                f"; WARNING: expected PLS {pls_part:.4g} exceeds target {c.pls_target:.4g} "
+                f"because the PLS interval {t_part_raw_s:.4g} s is shorter than one save"
+            )
+    chosen_ovh = ovh_part if mode is RecoveryMode.PARTIAL else ovh_full
+    if chosen_ovh >= 1.0:
+        why += (
+            f"; WARNING: expected overhead {_pct(chosen_ovh)} >= 100%: failures are about as "
+            "frequent as checkpoints, the first-order model does not hold"
+        )
+
+    return RecoveryDecision(
+        requested=requested,
+        mode=mode,
+        interval_s=t_part_s if mode is RecoveryMode.PARTIAL else t_full_s,
+        interval_full_s=t_full_s,
+        interval_partial_s=t_part_s,
+        expected_overhead_frac_full=ovh_full,
+        expected_overhead_frac_partial=ovh_part,
+        expected_pls=pls_part if mode is RecoveryMode.PARTIAL else 0.0,
+        expected_pls_partial=pls_part,
+        pls_target_met=pls_ok,
+        reason=f"{why} ({numbers})",
+        inputs=c,
+    )
+

@@ -1,0 +1,115 @@
+"""Online MTBF/cost estimates and the interval controller's change reports."""
+
+from __future__ import annotations
+
+import pytest
+
+from app.errors import ConfigError
+from policies.estimates import IntervalController, OnlineCostModel
+from policies.recovery import RecoveryMode
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _model(**over: float) -> OnlineCostModel:
+    base = dict(mtbf_s=1000.0, save_cost_s=2.0, load_cost_s=5.0, reschedule_cost_s=10.0)
+    base.update(over)
+    return OnlineCostModel(**base)  # type: ignore[arg-type]
+
+
+def test_mtbf_moves_from_prior_towards_observed_gaps() -> None:
+    m = _model(alpha=0.2)
+    assert m.mtbf_s == 1000.0
+    estimates = []
+    for i in range(1, 31):
+        m.observe_failure(100.0 * i)
+        estimates.append(m.mtbf_s)
+    assert all(b < a for a, b in zip(estimates, estimates[1:]))  # strictly falling
+    assert estimates[0] < 1000.0
+    assert estimates[-1] == pytest.approx(100.0, rel=0.05)
+    assert m.failures_observed == 30
+
+
+def test_small_alpha_is_the_pooled_estimate() -> None:
+    m = _model(alpha=1e-12, prior_weight=2.0)
+    for i in range(1, 11):
+        m.observe_failure(100.0 * i)
+    # (2 * 1000 s prior + 1000 s observed) / (2 prior + 10 failures)
+    assert m.mtbf_s == pytest.approx(3000.0 / 12.0)
+
+
+def test_quiet_time_raises_mtbf() -> None:
+    m = _model()
+    m.observe_failure(100.0)
+    before = m.mtbf_s
+    m.observe_time(5000.0)
+    assert m.mtbf_s > before
+
+
+def test_costs_are_emas() -> None:
+    m = _model(alpha=0.5)
+    m.observe_save(4.0)
+    assert m.save_cost_s == pytest.approx(3.0)
+    m.observe_load(15.0)
+    assert m.load_cost_s == pytest.approx(10.0)
+    m.observe_reschedule(0.0)
+    assert m.reschedule_cost_s == pytest.approx(5.0)
+    c = m.inputs(4, 0.01)
+    assert (c.save_cost_s, c.load_cost_s, c.reschedule_cost_s, c.num_shards) == (3.0, 10.0, 5.0, 4)
+
+
+@pytest.mark.parametrize(
+    ("call", "arg"),
+    [
+        (lambda: _model(mtbf_s=0.0), "mtbf_s"),
+        (lambda: _model(alpha=0.0), "alpha"),
+        (lambda: _model(alpha=1.5), "alpha"),
+        (lambda: _model(prior_weight=-1.0), "prior_weight"),
+        (lambda: _model().observe_save(0.0), "duration_s"),
+        (lambda: _model().observe_load(-1.0), "duration_s"),
+        (lambda: _model(start_s=50.0).observe_failure(10.0), "t_s"),
+        (lambda: IntervalController("never", _model(), 2, 0.01), "mode"),
+        (lambda: IntervalController("auto", _model(), 2, 0.01, rel_threshold=0.0), "rel_threshold"),
+        (lambda: IntervalController("auto", _model(), 0, 0.01), "num_shards"),
+    ],
+)
+def test_invalid_args(call, arg: str) -> None:
+    with pytest.raises(ConfigError, match=rf"\b{arg}\b"):
+        call()
+
+
+def test_controller_reports_changes_past_threshold_only() -> None:
+    m = _model(mtbf_s=3600.0, alpha=0.5)
+    ctl = IntervalController(RecoveryMode.FULL, m, num_shards=8, pls_target=0.01, rel_threshold=0.2)
+    d0, ch0 = ctl.update()
+    assert ch0 is not None and ch0.old_interval_s is None and ch0.new_interval_s == pytest.approx(120.0)
+    assert ctl.update()[1] is None  # nothing observed
+
+    # save 2 -> 2.2 s: T* grows by sqrt(1.1) - 1 = 4.9%, below 20%.
+    m.observe_save(2.4)
+    d1, ch1 = ctl.update()
+    assert ch1 is None and d1.interval_s == pytest.approx(120.0 * 1.1**0.5)
+
+    # Failures every 60 s pull MTBF far below 3600 s: T* shrinks past the threshold.
+    for i in range(1, 6):
+        m.observe_failure(60.0 * i)
+    d2, ch2 = ctl.update()
+    assert ch2 is not None
+    assert ch2.old_interval_s == pytest.approx(120.0)  # last *reported*, not last computed
+    assert ch2.new_interval_s == d2.interval_s < 120.0 * 0.8
+    assert ch2.relative_change > 0.2 and ch2.threshold == 0.2
+    assert ch2.old_mode is ch2.new_mode is RecoveryMode.FULL
+    assert f"{ch2.inputs.mtbf_s:.4g} s" in ch2.reason and "threshold 20%" in ch2.reason
+    assert ctl.reported is d2
+    assert ctl.update()[1] is None
+
+
+def test_controller_reports_mode_flip_even_below_threshold() -> None:
+    m = _model(mtbf_s=3600.0, alpha=1.0)
+    ctl = IntervalController("auto", m, num_shards=8, pls_target=0.01, rel_threshold=1e9)
+    d0, _ = ctl.update()
+    assert d0.mode is RecoveryMode.PARTIAL  # 576 s PLS interval, see recovery tests
+    m.observe_save(2000.0)  # a save now outlasts the 576 s PLS interval
+    d1, ch = ctl.update()
+    assert d1.mode is RecoveryMode.FULL
+    assert ch is not None and ch.old_mode is RecoveryMode.PARTIAL and ch.new_mode is RecoveryMode.FULL
