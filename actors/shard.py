@@ -198,6 +198,58 @@ class EmbeddingShard:
             "rows_updated_total": self.rows_updated_total,
         }
 
+    def save_checkpoint(self, uri: str, step: int) -> dict:
+        """Writes this shard's rows and Adagrad state as of ``step`` committed steps.
+
+        The rows are written by this actor straight to storage; only the file's entry
+        (name, size, checksum) goes back to the supervisor, which commits the manifest.
+        """
+        from actors.checkpoint import ShardRows, write_shard_file
+
+        if self.applied_step != step - 1:
+            raise RuntimeError(
+                f"shard {self.shard_id}: asked to save step {step} but has applied "
+                f"{self.applied_step + 1} steps; the checkpoint would be inconsistent"
+            )
+        t0 = time.perf_counter()
+        tables, rows, weights, momentum = [], [], [], []
+        for s, (w, m) in zip(self.slices, self.get_rows()):
+            tables.append(np.full(s.num_rows, s.table, dtype=np.int32))
+            rows.append(np.arange(s.row_start, s.row_end, dtype=np.int64))
+            weights.append(w)
+            momentum.append(m)
+        data = ShardRows(
+            np.concatenate(tables), np.concatenate(rows), np.concatenate(weights), np.concatenate(momentum)
+        )
+        entry = write_shard_file(uri, step, self.shard_id, data)
+        return {"entry": entry, "rows": len(data.rows), "duration_s": time.perf_counter() - t0}
+
+    def load_checkpoint(self, uri: str, steps: list[int]) -> dict:
+        """Restores the rows saved in ``steps`` (a full checkpoint, then incrementals) and
+        forgets any step in flight: the shard is now exactly at ``steps[-1]`` committed steps.
+        """
+        import torch
+
+        from actors.checkpoint import CheckpointStore
+
+        t0 = time.perf_counter()
+        data = CheckpointStore(uri).read_chain(self.shard_id, steps)
+        weights = self.tbe.split_embedding_weights()
+        states = self.tbe.split_optimizer_states()
+        with torch.no_grad():
+            for i, s in enumerate(self.slices):
+                mask = (data.tables == s.table) & (data.rows >= s.row_start) & (data.rows < s.row_end)
+                local = torch.from_numpy(data.rows[mask] - s.row_start)
+                weights[i][local] = torch.from_numpy(data.weights[mask]).to(weights[i].device)
+                states[i][0][local] = torch.from_numpy(data.momentum[mask]).to(states[i][0].device)
+        self._pending.clear()
+        self.applied_step = steps[-1] - 1
+        return {
+            "rows": int(len(data.rows)),
+            "bytes": int(data.weights.nbytes + data.momentum.nbytes + data.rows.nbytes + data.tables.nbytes),
+            "duration_s": time.perf_counter() - t0,
+        }
+
     def get_rows(self) -> list[tuple[np.ndarray, np.ndarray]]:
         """(weights float32 [rows, D], momentum float32 [rows]) per slice, as copies."""
         weights = self.tbe.split_embedding_weights()

@@ -5,6 +5,7 @@ are made here too, so one actor owns the run's story.
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
@@ -12,11 +13,13 @@ from typing import Any
 
 import ray
 
+from actors.checkpoint import DATA_POSITION_FILE, DENSE_FILE, FULL, CheckpointStore, write_blob
 from actors.plan import make_plan
 from actors.shard import EmbeddingShard
 from actors.trainer import StepSchedule
 from app.config import config_from_dict
-from app.errors import ShardUnavailable
+from app.errors import ConfigError, ShardUnavailable
+from policies import interval_steps
 
 __all__ = ["Supervisor", "supervisor_name"]
 
@@ -49,6 +52,35 @@ class Supervisor:
         self.progress_log: list[dict] = []
         self.eval_metrics: dict | None = None
         self._lock = threading.Lock()
+        ck = self.cfg.checkpoint
+        self.store = CheckpointStore(self.cfg.checkpoint_uri, keep_last=ck.keep_last) if ck.enabled else None
+        self.resume_state: dict | None = None
+        self.last_checkpoint_step = 0
+        self.next_checkpoint_step = self._after(0)
+
+    def _step_time_s(self) -> float | None:
+        with self._lock:
+            rates = [p["samples_per_s"] for p in self.progress_log[-5:] if p.get("samples_per_s")]
+        if not rates:
+            return None
+        tr = self.cfg.training
+        return tr.microbatches_per_step * tr.microbatch_rows / (sum(rates) / len(rates))
+
+    def _after(self, step: int) -> int | None:
+        """The step count at which the next checkpoint is due, or None when saves are off."""
+        ck = self.cfg.checkpoint
+        if not ck.enabled:
+            return None
+        candidates = []
+        if ck.every_steps is not None:
+            candidates.append(ck.every_steps)
+        if ck.every_s is not None:
+            step_time_s = self._step_time_s()
+            # Before the first measurement, save at the first progress report.
+            candidates.append(
+                interval_steps(ck.every_s, step_time_s) if step_time_s else self.cfg.training.progress_every_steps
+            )
+        return step + min(candidates)
 
     def record_event(self, kind: str, **fields) -> dict:
         event = {"time_s": round(time.time() - self.t0, 3), "kind": kind, **fields}
@@ -101,14 +133,98 @@ class Supervisor:
         return {"shards": self.shard_info, "startup_s": startup_s, "total_steps": self.schedule.total_steps}
 
     def trainer_setup(self) -> dict:
-        """What a trainer needs: shard handles, the plan, the data and the step schedule."""
+        """What a trainer needs: shard handles, the plan, the data, the step schedule, the
+        step to resume from with its dense state, and when the next checkpoint is due."""
         return {
             "shards": self.shards,
             "plan": self.plan,
             "schedule": self.schedule,
             "train_cache": self.train_cache,
             "eval_cache": self.eval_cache,
+            "resume": self.resume_state,
+            "next_checkpoint_step": self.next_checkpoint_step,
         }
+
+    def checkpoint_due(self) -> int | None:
+        return self.next_checkpoint_step
+
+    def _position(self, step: int) -> dict:
+        tr = self.cfg.training
+        return {
+            "next_step": step,
+            "microbatches_per_step": tr.microbatches_per_step,
+            "microbatch_rows": tr.microbatch_rows,
+            "num_microbatches": self.schedule.num_microbatches,
+            "seed": self.schedule.seed,
+            "samples_trained": step * tr.microbatches_per_step * tr.microbatch_rows,
+        }
+
+    def save_checkpoint(self, step: int, dense_blob: bytes) -> dict:
+        """A full, consistent checkpoint after ``step`` committed steps: every shard writes
+        its own file, the dense state and data position are written here, the manifest last.
+        Called by the first participating trainer right after it committed ``step``.
+        """
+        if self.store is None:
+            raise ConfigError("checkpoint: every_steps or every_s must be set to save checkpoints")
+        t0 = time.perf_counter()
+        uri = self.cfg.checkpoint_uri
+        refs = [shard.save_checkpoint.remote(uri, step) for shard in self.shards]
+        entries = [
+            write_blob(uri, step, DENSE_FILE, dense_blob),
+            write_blob(uri, step, DATA_POSITION_FILE, json.dumps(self._position(step)).encode()),
+        ]
+        results = ray.get(refs, timeout=self.cfg.embeddings.call_timeout_s)
+        entries += [r["entry"] for r in results]
+        info = self.store.commit(step, entries, kind=FULL, meta={"run_id": self.run_id})
+        duration_s = time.perf_counter() - t0
+        self.last_checkpoint_step = step
+        self.next_checkpoint_step = self._after(step)
+        self.record_event(
+            "checkpoint_saved",
+            step=step,
+            duration_s=round(duration_s, 4),
+            bytes=info.total_bytes,
+            rows=sum(r["rows"] for r in results),
+            shard_write_s=[round(r["duration_s"], 4) for r in results],
+            next_step=self.next_checkpoint_step,
+        )
+        return {"next_step": self.next_checkpoint_step, "duration_s": duration_s}
+
+    def restore(self) -> dict | None:
+        """Loads every shard from the newest restorable checkpoint and keeps the dense state
+        and data position for the trainers. Returns what was restored, or None if nothing was.
+        """
+        if self.store is None:
+            raise ConfigError("checkpoint: every_steps or every_s must be set to resume a run")
+        t0 = time.perf_counter()
+        steps = self.store.chain_steps()
+        for step, reason in self.store.fallbacks:
+            self.record_event("checkpoint_fallback", step=step, reason=reason)
+        if not steps:
+            return None
+        step = steps[-1]
+        position = json.loads(self.store.read_blob(step, DATA_POSITION_FILE))
+        expected = self._position(step)
+        for key in ("microbatches_per_step", "microbatch_rows", "num_microbatches", "seed"):
+            if position[key] != expected[key]:
+                raise ConfigError(
+                    f"checkpoint step {step} was made with {key}={position[key]}, the config now "
+                    f"gives {expected[key]}; resume with the run's own config"
+                )
+        uri = self.cfg.checkpoint_uri
+        loaded = ray.get([s.load_checkpoint.remote(uri, steps) for s in self.shards], timeout=self.cfg.embeddings.call_timeout_s)
+        self.resume_state = {"step": step, "dense": self.store.read_blob(step, DENSE_FILE), "position": position}
+        self.last_checkpoint_step = step
+        self.next_checkpoint_step = self._after(step)
+        event = self.record_event(
+            "resumed",
+            step=step,
+            chain=steps,
+            rows_loaded=sum(x["rows"] for x in loaded),
+            bytes_loaded=sum(x["bytes"] for x in loaded),
+            duration_s=round(time.perf_counter() - t0, 4),
+        )
+        return event
 
     def shard_handles(self) -> list:
         return list(self.shards)
@@ -141,4 +257,6 @@ class Supervisor:
                 "shards": shard_states,
                 "shard_rows": [self.plan.shard_rows(k) for k in range(self.plan.num_shards)],
                 "total_steps": self.schedule.total_steps,
+                "resumed_from_step": self.resume_state["step"] if self.resume_state else None,
+                "last_checkpoint_step": self.last_checkpoint_step,
             }

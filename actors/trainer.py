@@ -7,10 +7,13 @@ push embedding gradients back to the shards and all-reduce the dense gradients.
 
 from __future__ import annotations
 
+import io
 import math
+import os
 import time
 from dataclasses import dataclass
 from datetime import timedelta
+from urllib.parse import urlsplit
 
 import numpy as np
 
@@ -51,6 +54,29 @@ class StepSchedule:
     def assignment(self, step: int, rank: int, live: int) -> list[int]:
         """Microbatch positions 0..M-1 of ``step`` that participant ``rank`` of ``live`` runs."""
         return [m for m in range(self.microbatches_per_step) if m % live == rank]
+
+
+class _PhaseTimer:
+    """Wall time per phase of a step, summed between progress reports."""
+
+    PHASES = ("quorum", "data", "lookup", "dense", "push", "allreduce", "commit", "checkpoint")
+
+    def __init__(self):
+        self.totals = dict.fromkeys(self.PHASES, 0.0)
+        self._t = time.perf_counter()
+
+    def start(self) -> None:
+        self._t = time.perf_counter()
+
+    def lap(self, phase: str) -> None:
+        now = time.perf_counter()
+        self.totals[phase] += now - self._t
+        self._t = now
+
+    def take(self) -> dict[str, float]:
+        out = {k: round(v, 4) for k, v in self.totals.items()}
+        self.totals = dict.fromkeys(self.PHASES, 0.0)
+        return out
 
 
 class _ShardClient:
@@ -146,6 +172,9 @@ def train_loop(loop_config: dict) -> None:
     model = DenseModel(NUM_DENSE, NUM_SPARSE, cfg.model.dense_arch, cfg.model.over_arch)
     optimizer = torch.optim.Adagrad(model.parameters(), lr=tr.dense_learning_rate)
     params = [p for p in model.parameters()]
+    for p in params:
+        # A trainer with no microbatches in a step still joins the all-reduce with zeros.
+        p.grad = torch.zeros_like(p)
 
     def state_dict():
         return {"model": model.state_dict(), "optim": optimizer.state_dict()}
@@ -154,6 +183,10 @@ def train_loop(loop_config: dict) -> None:
         model.load_state_dict(sd["model"])
         optimizer.load_state_dict(sd["optim"])
 
+    # The lighthouse reports its address under the machine's hostname even when bound to
+    # one interface; reach it on the interface it was bound to.
+    lighthouse = urlsplit(os.environ["TORCHFT_LIGHTHOUSE"])
+    lighthouse_addr = f"{lighthouse.scheme}://{loop_config['lighthouse_host']}:{lighthouse.port}"
     collective_timeout = timedelta(seconds=tr.collective_timeout_s)
     pg = ProcessGroupGloo(timeout=collective_timeout)
     manager = Manager(
@@ -162,6 +195,7 @@ def train_loop(loop_config: dict) -> None:
         load_state_dict=load_state_dict,
         state_dict=state_dict,
         replica_id=f"cpr_trainer_{rank}",
+        lighthouse_addr=lighthouse_addr,
         hostname=ray.util.get_node_ip_address(),
         timeout=collective_timeout,
         quorum_timeout=collective_timeout,
@@ -170,17 +204,30 @@ def train_loop(loop_config: dict) -> None:
         rank=0,
     )
 
+    resume = setup["resume"]
+    if resume is not None:
+        # Every trainer starts from the same checkpoint, so the first quorum agrees on it.
+        load_state_dict(torch.load(io.BytesIO(resume["dense"]), weights_only=True))
+        manager.load_state_dict({"step": resume["step"], "batches_committed": resume["step"] * tr.microbatches_per_step})
+    next_checkpoint = setup["next_checkpoint_step"]
+    last_participant = None
+
     samples_per_step = tr.microbatches_per_step * tr.microbatch_rows
     loss_sum = 0.0
     loss_rows = 0
     t_last = time.perf_counter()
     steps_since = 0
+    phases = _PhaseTimer()
     while manager.current_step() < schedule.total_steps:
+        phases.start()
         manager.start_quorum()
         manager.wait_quorum()
+        phases.lap("quorum")
         step = manager.current_step()
         optimizer.zero_grad(set_to_none=False)
         participant = manager.participating_rank()
+        if last_participant is None and participant == 0:
+            supervisor.record_event.remote("training_started", step=step, trainers=manager.num_participants(), wall_time=time.time())
         mine = [] if participant is None else schedule.assignment(step, participant, manager.num_participants())
         if mine:
             ids = [schedule.microbatch(step, m) for m in mine]
@@ -189,7 +236,9 @@ def train_loop(loop_config: dict) -> None:
             dense = np.concatenate([p[1] for p in parts])
             rows = sparse_to_rows(np.concatenate([p[2] for p in parts]), table_rows)
             chunk = tuple(step * tr.microbatches_per_step + m for m in mine)
+            phases.lap("data")
             pooled = torch.from_numpy(client.lookup(rows, step, chunk)).requires_grad_(True)
+            phases.lap("lookup")
             logits = model(torch.from_numpy(dense), pooled)
             # Scaled so that the SUM all-reduce gives the gradient of the step's mean loss
             # over all M microbatches, whoever computed them.
@@ -197,11 +246,15 @@ def train_loop(loop_config: dict) -> None:
                 logits, torch.from_numpy(labels), reduction="sum"
             )
             (loss_total / samples_per_step).backward()
+            phases.lap("dense")
             client.push_grads(step, chunk, pooled.grad.numpy())
+            phases.lap("push")
             loss_sum += loss_total.item()
             loss_rows += len(labels)
+        phases.start()
         flat = torch.cat([p.grad.reshape(-1) for p in params])
         manager.allreduce(flat, reduce_op=ReduceOp.SUM).wait()
+        phases.lap("allreduce")
         if manager.should_commit():
             offset = 0
             for p in params:
@@ -210,7 +263,21 @@ def train_loop(loop_config: dict) -> None:
                 offset += n
             optimizer.step()
             steps_since += 1
+        phases.lap("commit")
         done = manager.current_step()
+        if participant == 0 and last_participant != 0 and next_checkpoint is not None:
+            # Just became the saving trainer (e.g. the previous one died): ask what is due.
+            next_checkpoint = ray.get(supervisor.checkpoint_due.remote(), timeout=cfg.embeddings.call_timeout_s)
+        last_participant = participant
+        if participant == 0 and next_checkpoint is not None and done >= next_checkpoint and done < schedule.total_steps:
+            phases.start()
+            buf = io.BytesIO()
+            torch.save(state_dict(), buf)
+            saved = ray.get(
+                supervisor.save_checkpoint.remote(done, buf.getvalue()), timeout=cfg.embeddings.call_timeout_s * 2
+            )
+            next_checkpoint = saved["next_step"]
+            phases.lap("checkpoint")
         if participant == 0 and (done % tr.progress_every_steps == 0 or done == schedule.total_steps):
             now = time.perf_counter()
             supervisor.record_progress.remote(
@@ -220,11 +287,13 @@ def train_loop(loop_config: dict) -> None:
                     "loss": loss_sum / max(loss_rows, 1),
                     "samples_per_s": steps_since * samples_per_step / max(now - t_last, 1e-9),
                     "trainers": manager.num_participants(),
+                    "phase_s": phases.take(),
                 }
             )
             loss_sum, loss_rows, steps_since, t_last = 0.0, 0, 0, now
 
     if rank == 0:
+        supervisor.record_event.remote("training_finished", step=manager.current_step(), wall_time=time.time())
         t0 = time.perf_counter()
         metrics = _evaluate(model, client, MicrobatchFile(setup["eval_cache"]), table_rows)
         metrics["eval_s"] = time.perf_counter() - t0

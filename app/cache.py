@@ -42,7 +42,6 @@ def _source_key(paths: Sequence[str], microbatch_rows: int, skip_bad_lines: bool
 
 
 def _record_batch(labels: np.ndarray, dense: np.ndarray, sparse: np.ndarray) -> pa.RecordBatch:
-    n = len(labels)
     return pa.record_batch(
         [
             pa.array(labels, type=pa.float32()),
@@ -50,7 +49,7 @@ def _record_batch(labels: np.ndarray, dense: np.ndarray, sparse: np.ndarray) -> 
             pa.FixedSizeListArray.from_arrays(pa.array(sparse.reshape(-1), type=pa.uint32()), NUM_SPARSE),
         ],
         names=["label", "dense", "sparse"],
-    ) if n else None
+    )
 
 
 def build_cache(
@@ -69,7 +68,7 @@ def build_cache(
     reader and leaves no cache behind.
     """
     key = _source_key(paths, microbatch_rows, skip_bad_lines, keep_tail)
-    out = Path(cache_dir) / f"{name}-{key}.arrow"
+    out = Path(cache_dir).resolve() / f"{name}-{key}.arrow"
     meta_path = out.with_suffix(".json")
     if out.exists() and meta_path.exists():
         meta = json.loads(meta_path.read_text())

@@ -47,21 +47,30 @@ def datagen(rows: int, eval_rows: int | None, out: str, fmt: str, seed: int, voc
 
 
 @main.command()
-@click.option("--config", "config_path", type=click.Path(dir_okay=False), required=True)
+@click.option("--config", "config_path", type=click.Path(dir_okay=False), default=None, help="YAML run config.")
+@click.option("--resume", "resume_dir", type=click.Path(file_okay=False), default=None,
+              help="Continue the run in RUN_DIR from its last valid checkpoint.")
 @click.option("--set", "sets", multiple=True, help="Override a field, e.g. --set training.epochs=2")
 @click.option("--skip-bad-lines", is_flag=True, help="Count and skip malformed data lines.")
 @click.option("--no-progress", is_flag=True, help="Do not show the progress display.")
-def train(config_path: str, sets: tuple[str, ...], skip_bad_lines: bool, no_progress: bool) -> None:
+def train(config_path: str | None, resume_dir: str | None, sets: tuple[str, ...], skip_bad_lines: bool, no_progress: bool) -> None:
     """Trains a model as the config says and writes report.json and summary.txt."""
     from app.config import load_config
-    from app.job import run_training
+    from app.job import resume_config, run_training
     from app.report import format_summary
 
+    if (config_path is None) == (resume_dir is None):
+        raise click.UsageError("give exactly one of --config FILE or --resume RUN_DIR")
     overrides = _parse_set(sets)
     if skip_bad_lines:
         overrides["data.skip_bad_lines"] = True
-    cfg = load_config(config_path, overrides)
-    report = run_training(cfg, show_progress=not no_progress)
+    if resume_dir is not None:
+        cfg = resume_config(resume_dir)
+        if overrides:
+            raise click.UsageError("--resume continues a run with its own config; --set is not allowed")
+    else:
+        cfg = load_config(config_path, overrides)
+    report = run_training(cfg, show_progress=not no_progress, resume=resume_dir is not None)
     click.echo(format_summary(report))
     click.echo(f"report: {cfg.run_dir}/report.json")
 

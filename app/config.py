@@ -136,6 +136,23 @@ class TrainingConfig(_Section):
     """torchft quorum / all-reduce timeout."""
 
 
+class CheckpointConfig(_Section):
+    """Durable state: when to save, where, and how many to keep."""
+
+    storage: str | None = None
+    """A pyarrow.fs URI (local path, ``s3://bucket/prefix``, ``gs://...``); default ``<run_dir>/checkpoints``."""
+    every_steps: int | None = Field(None, ge=1)
+    """Save after every this many committed steps."""
+    every_s: float | None = Field(None, gt=0.0, le=86_400.0)
+    """Save when this many seconds passed since the last save (converted to steps from the measured step time)."""
+    keep_last: int = Field(3, ge=1, le=1000)
+    """Full checkpoints kept by the retention rule; the newest valid one is never deleted."""
+
+    @property
+    def enabled(self) -> bool:
+        return self.every_steps is not None or self.every_s is not None
+
+
 class RayConfig(_Section):
     """How to reach Ray."""
 
@@ -158,6 +175,7 @@ class RunConfig(_Section):
     model: ModelConfig = ModelConfig()
     embeddings: EmbeddingsConfig = EmbeddingsConfig()
     training: TrainingConfig = TrainingConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
     ray: RayConfig = RayConfig()
 
     @model_validator(mode="after")
@@ -179,6 +197,10 @@ class RunConfig(_Section):
     @property
     def cache_dir(self) -> str:
         return self.data.cache_dir or str(Path(self.run_dir) / "cache")
+
+    @property
+    def checkpoint_uri(self) -> str:
+        return self.checkpoint.storage or str(Path(self.run_dir).resolve() / "checkpoints")
 
 
 def _format_validation_error(err: ValidationError) -> str:

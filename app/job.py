@@ -12,11 +12,14 @@ import time
 import uuid
 from pathlib import Path
 
+import yaml
+
 from app.cache import build_cache
 from app.config import RunConfig
-from app.errors import ConfigError
+from app.config import load_config
+from app.errors import CheckpointNotFound, ConfigError
 
-__all__ = ["run_training", "prepare_data", "connect_ray"]
+__all__ = ["TrainingJob", "run_training", "resume_config", "prepare_data", "connect_ray"]
 
 logger = logging.getLogger(__name__)
 
@@ -69,6 +72,10 @@ def connect_ray(cfg: RunConfig) -> bool:
         return False
     os.environ.setdefault("RAY_AUTH_MODE", "token")
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    # Without this, Ray replaces a 127.0.0.1 node address with the machine's routable one
+    # and Ray Train / torchft would then talk over it.
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    runtime_env["env_vars"]["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
     needed = cfg.training.num_trainers + int(cfg.embeddings.num_shards * cfg.embeddings.num_cpus + 0.999) + 1
     ray.init(
         _node_ip_address=_LOOPBACK,
@@ -109,76 +116,159 @@ def _progress_loop(supervisor, stop: threading.Event, total_steps: int) -> None:
                 )
 
 
-def run_training(cfg: RunConfig, show_progress: bool = True) -> dict:
-    """Runs one training job end to end and returns the report (also written to run_dir)."""
-    import ray
-    from ray.train import RunConfig as TrainRunConfig
-    from ray.train import ScalingConfig
-    from ray.train.torch import TorchTrainer
-    from ray.train.v2.torch.torchft_config import TorchftConfig
+class TrainingJob:
+    """One training run, in stages: ``start()`` (data, Ray, supervisor, shards), ``fit()``
+    (the Ray Train worker group), ``finish()`` (report), ``close()``. Tests use the stages
+    to look at live actors; users call ``run_training``.
+    """
 
-    from actors.supervisor import Supervisor, supervisor_name
-    from actors.trainer import train_loop
+    def __init__(self, cfg: RunConfig, show_progress: bool = True, resume: bool = False):
+        self.cfg = cfg
+        self.show_progress = show_progress
+        self.resume = resume
+        self.resumed: dict | None = None
+        self.run_dir = Path(cfg.run_dir).resolve()
+        self.run_id = uuid.uuid4().hex[:8]
+        self.supervisor = None
+        self.data: dict = {}
+        self._started_ray = False
+        self._t: dict[str, float] = {"start": time.perf_counter()}
 
-    t_start = time.perf_counter()
-    run_dir = Path(cfg.run_dir).resolve()
-    run_dir.mkdir(parents=True, exist_ok=True)
-    data = prepare_data(cfg)
-    t_data = time.perf_counter()
-    started_ray = connect_ray(cfg)
-    run_id = uuid.uuid4().hex[:8]
-    try:
-        supervisor = (
+    def start(self) -> dict:
+        import ray
+
+        from actors.supervisor import Supervisor, supervisor_name
+
+        cfg = self.cfg
+        if cfg.checkpoint.enabled and not self.resume:
+            from actors.checkpoint import CheckpointStore
+
+            existing = CheckpointStore(cfg.checkpoint_uri).list_committed()
+            if existing:
+                raise ConfigError(
+                    f"{cfg.checkpoint_uri} already holds checkpoints of steps {existing[:3]}...; "
+                    f"continue that run with `cpr train --resume {cfg.run_dir}` or choose a new run_dir"
+                )
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        (self.run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(), sort_keys=False))
+        self.data = prepare_data(cfg)
+        self._t["data"] = time.perf_counter()
+        self._started_ray = connect_ray(cfg)
+        self.supervisor = (
             ray.remote(Supervisor)
-            .options(name=supervisor_name(run_id), namespace=cfg.ray.namespace, num_cpus=0, max_concurrency=8)
-            .remote(cfg.model_dump(), run_id, data["train"].path, data["eval"].path, data["train"].microbatches)
+            .options(name=supervisor_name(self.run_id), namespace=cfg.ray.namespace, num_cpus=0, max_concurrency=8)
+            .remote(
+                cfg.model_dump(), self.run_id, self.data["train"].path, self.data["eval"].path,
+                self.data["train"].microbatches,
+            )
         )
-        started = ray.get(supervisor.start.remote(), timeout=cfg.embeddings.call_timeout_s * 2)
+        self.started = ray.get(self.supervisor.start.remote(), timeout=cfg.embeddings.call_timeout_s * 2)
+        if self.resume:
+            self.resumed = ray.get(self.supervisor.restore.remote(), timeout=cfg.embeddings.call_timeout_s * 2)
+            if self.resumed is None:
+                raise CheckpointNotFound(f"--resume: no valid checkpoint under {cfg.checkpoint_uri}")
+            logger.warning("resuming at step %d from %s", self.resumed["step"], cfg.checkpoint_uri)
+        return self.started
+
+    def fit(self) -> None:
+        from ray.train import RunConfig as TrainRunConfig
+        from ray.train import ScalingConfig
+        from ray.train.torch import TorchTrainer
+        from ray.train.v2.torch.torchft_config import TorchftConfig
+
+        from actors.supervisor import supervisor_name
+        from actors.trainer import train_loop
+
+        cfg = self.cfg
+        host = _bind_host()
         trainer = TorchTrainer(
             train_loop_per_worker=train_loop,
-            train_loop_config={"config": cfg.model_dump(), "supervisor": supervisor_name(run_id)},
+            train_loop_config={
+                "config": cfg.model_dump(),
+                "supervisor": supervisor_name(self.run_id),
+                "lighthouse_host": host,
+            },
             scaling_config=ScalingConfig(num_workers=cfg.training.num_trainers, use_gpu=False),
             torch_config=TorchftConfig(
-                lighthouse_kwargs={"bind": f"{_bind_host()}:0", "min_replicas": 1, "join_timeout_ms": 10_000},
+                lighthouse_kwargs={"bind": f"{host}:0", "min_replicas": 1, "join_timeout_ms": 10_000},
                 backend="gloo",
             ),
-            run_config=TrainRunConfig(name=f"cpr-{run_id}", storage_path=str(run_dir / "ray_train")),
+            run_config=TrainRunConfig(name=f"cpr-{self.run_id}", storage_path=str(self.run_dir / "ray_train")),
         )
         stop = threading.Event()
         progress = None
-        if show_progress:
+        if self.show_progress:
             progress = threading.Thread(
-                target=_progress_loop, args=(supervisor, stop, started["total_steps"]), daemon=True
+                target=_progress_loop, args=(self.supervisor, stop, self.started["total_steps"]), daemon=True
             )
             progress.start()
-        t_train = time.perf_counter()
+        self._t["train"] = time.perf_counter()
+        self._wall_train = time.time()
         try:
             trainer.fit()
         finally:
             stop.set()
             if progress:
                 progress.join(timeout=5)
-        t_end = time.perf_counter()
-        summary = ray.get(supervisor.summary.remote(), timeout=cfg.embeddings.call_timeout_s)
-    finally:
-        if started_ray:
-            ray.shutdown()
-    from app.report import build_report, write_report
+        self._t["end"] = time.perf_counter()
 
-    report = build_report(
-        cfg,
-        summary,
-        data,
-        wall={
-            "data_prep_s": t_data - t_start,
-            "startup_s": t_train - t_data,
-            "training_s": t_end - t_train - (summary["eval"] or {}).get("eval_s", 0.0),
-            "evaluation_s": (summary["eval"] or {}).get("eval_s", 0.0),
-            "total_s": t_end - t_start,
-        },
-    )
-    write_report(run_dir, report)
-    return report
+    def finish(self) -> dict:
+        """Collects the supervisor's summary and writes report.json, events.jsonl, summary.txt."""
+        import ray
+
+        from app.report import build_report, write_report
+
+        summary = ray.get(self.supervisor.summary.remote(), timeout=self.cfg.embeddings.call_timeout_s)
+        t = self._t
+        # Event wall times say when the first step began and the last one ended; what lies
+        # before is startup (shards, Ray Train worker group, quorum), what follows evaluation.
+        walls = {e["kind"]: e["wall_time"] for e in summary["events"] if "wall_time" in e}
+        fit_s = t["end"] - t["train"]
+        train_begin_s = walls.get("training_started", self._wall_train) - self._wall_train
+        train_end_s = walls.get("training_finished", self._wall_train + fit_s) - self._wall_train
+        report = build_report(
+            self.cfg,
+            summary,
+            self.data,
+            wall={
+                "data_prep_s": t["data"] - t["start"],
+                "startup_s": t["train"] - t["data"] + train_begin_s,
+                "training_s": train_end_s - train_begin_s,
+                "evaluation_s": fit_s - train_end_s,
+                "total_s": t["end"] - t["start"],
+            },
+        )
+        write_report(self.run_dir, report)
+        return report
+
+    def close(self) -> None:
+        import ray
+
+        if self.supervisor is not None:
+            ray.kill(self.supervisor)
+            self.supervisor = None
+        if self._started_ray:
+            ray.shutdown()
+            self._started_ray = False
+
+
+def resume_config(run_dir: str) -> RunConfig:
+    """The config a run was started with, saved in its run directory."""
+    path = Path(run_dir) / "config.yaml"
+    if not path.exists():
+        raise ConfigError(f"--resume {run_dir}: no config.yaml there; is it a run directory?")
+    return load_config(path)
+
+
+def run_training(cfg: RunConfig, show_progress: bool = True, resume: bool = False) -> dict:
+    """Runs one training job end to end and returns the report (also written to run_dir)."""
+    job = TrainingJob(cfg, show_progress, resume)
+    try:
+        job.start()
+        job.fit()
+        return job.finish()
+    finally:
+        job.close()
 
 
 def _bind_host() -> str:

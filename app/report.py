@@ -16,7 +16,10 @@ def build_report(cfg: RunConfig, summary: dict, data: dict, wall: dict) -> dict:
     tr = cfg.training
     evaluation = summary.get("eval") or {}
     steps = evaluation.get("steps", 0)
-    samples = steps * tr.microbatches_per_step * tr.microbatch_rows
+    samples_per_step = tr.microbatches_per_step * tr.microbatch_rows
+    resumed_from = summary.get("resumed_from_step") or 0
+    samples = steps * samples_per_step
+    samples_this_run = (steps - resumed_from) * samples_per_step
     ceiling = data.get("ceiling_auc")
     auc = evaluation.get("auc")
     return {
@@ -27,12 +30,15 @@ def build_report(cfg: RunConfig, summary: dict, data: dict, wall: dict) -> dict:
         "auc_fraction_of_ceiling": (auc / ceiling) if (auc is not None and ceiling) else None,
         "eval_rows": evaluation.get("eval_rows"),
         "steps": steps,
+        "resumed_from_step": summary.get("resumed_from_step"),
         "samples_trained": samples,
-        "samples_per_s": samples / wall["training_s"] if wall["training_s"] > 0 else None,
+        "samples_this_run": samples_this_run,
+        "samples_per_s": samples_this_run / wall["training_s"] if wall["training_s"] > 0 else None,
         "bad_lines_skipped": data["train"].bad_lines + data["eval"].bad_lines,
         "wall_time_s": {k: round(v, 3) for k, v in wall.items()},
         "shards": summary.get("shards"),
         "events": summary.get("events", []),
+        "progress": summary.get("progress", []),
         "config": cfg.model_dump(),
     }
 

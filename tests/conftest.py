@@ -1,0 +1,37 @@
+"""Shared fixtures. Integration tests share one real local Ray, bound to 127.0.0.1 with
+token authentication; unit tests never start Ray."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+os.environ.setdefault("RAY_AUTH_MODE", "token")
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # keep Ray's node IP 127.0.0.1
+
+
+@pytest.fixture(scope="session")
+def ray_local():
+    import ray
+
+    ray.init(
+        _node_ip_address="127.0.0.1",
+        num_cpus=8,
+        namespace="cpr",
+        include_dashboard=False,
+        runtime_env={"env_vars": {"GLOO_SOCKET_IFNAME": "lo", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}},
+    )
+    yield ray
+    ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def small_data(tmp_path_factory):
+    """Synthetic Criteo data shared by integration tests: 60k train rows, 8k held out."""
+    from app.data import generate
+
+    out = tmp_path_factory.mktemp("data")
+    summary = generate(str(out), 60_000, 8_000, fmt="tsv", seed=1, vocab_rows=5_000)
+    return summary
