@@ -29,9 +29,13 @@ def ray_local():
 
 @pytest.fixture(scope="session")
 def small_data(tmp_path_factory):
-    """Synthetic Criteo data shared by integration tests: 60k train rows, 8k held out."""
+    """Synthetic Criteo data shared by integration tests: 120k train rows, 8k held out.
+
+    One epoch of it at 128-row microbatches, M=4, is 234 steps and reaches a held-out AUC
+    of about 0.75 (ceiling 0.80); more epochs overfit the rare ids of this generator.
+    """
     from app.data import generate
 
     out = tmp_path_factory.mktemp("data")
-    summary = generate(str(out), 60_000, 8_000, fmt="tsv", seed=1, vocab_rows=5_000)
+    summary = generate(str(out), 120_000, 8_000, fmt="tsv", seed=1, vocab_rows=5_000)
     return summary

@@ -25,13 +25,13 @@ def _config(tmp_path, data, sharding):
             "run_dir": str(tmp_path / "run"),
             "seed": 7,
             "data": {"train": [data.train_path], "eval": [data.eval_path]},
-            "model": {"embedding_dim": 8, "table_rows": 5_000, "dense_arch": [32, 8], "over_arch": [32, 1]},
+            "model": {"embedding_dim": 8, "table_rows": 20_000, "dense_arch": [32, 8], "over_arch": [32, 1]},
             "embeddings": {"num_shards": 2, "sharding": sharding, "learning_rate": 0.05},
             "training": {
                 "num_trainers": 2,
                 "microbatch_rows": 128,
                 "microbatches_per_step": 4,
-                "epochs": 2,
+                "epochs": 1,
                 "dense_learning_rate": 0.05,
                 "progress_every_steps": 20,
             },
@@ -59,12 +59,12 @@ def test_two_shards_two_trainers(ray_local, small_data, tmp_path, sharding):
     losses = [p["loss"] for p in report["progress"]]
     assert losses[-1] < losses[0] - 0.02, losses
     # Held-out AUC: chance is 0.5; the hidden model's own ceiling is the upper bound.
-    assert report["auc"] > 0.70, report["auc"]
+    assert report["auc"] > 0.72, report["auc"]
     assert report["auc"] <= report["ceiling_auc"] + 0.01
     assert on_disk["samples_trained"] == report["steps"] * 4 * 128
 
     # Rows changed exactly where ids were looked up by training steps.
-    schedule = StepSchedule.from_config(len(MicrobatchFile(job.data["train"].path)), 4, 2, None, cfg.seed)
+    schedule = StepSchedule.from_config(len(MicrobatchFile(job.data["train"].path)), 4, 1, None, cfg.seed)
     train_file = MicrobatchFile(job.data["train"].path)
     looked_up = [set() for _ in range(26)]
     used = {schedule.microbatch(s, m) for s in range(report["steps"]) for m in range(4)}
