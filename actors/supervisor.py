@@ -55,6 +55,8 @@ class Supervisor:
         ck = self.cfg.checkpoint
         self.store = CheckpointStore(self.cfg.checkpoint_uri, keep_last=ck.keep_last) if ck.enabled else None
         self.resume_state: dict | None = None
+        self.trainers_registered: set[int] = set()
+        self.training_started = False
         self.last_checkpoint_step = 0
         self.next_checkpoint_step = self._after(0)
 
@@ -144,6 +146,21 @@ class Supervisor:
             "resume": self.resume_state,
             "next_checkpoint_step": self.next_checkpoint_step,
         }
+
+    def register_trainer(self, rank: int) -> bool:
+        """A trainer is ready to step. Returns True once the first step may begin: every
+        trainer of the group has registered, or training is already under way (a
+        replacement trainer joins the running quorum and heals from a peer)."""
+        with self._lock:
+            self.trainers_registered.add(rank)
+            return self.training_started or len(self.trainers_registered) >= self.cfg.training.num_trainers
+
+    def record_training_started(self, step: int, trainers: int, wall_time: float) -> None:
+        with self._lock:
+            if self.training_started:
+                return
+            self.training_started = True
+        self.record_event("training_started", step=step, trainers=trainers, wall_time=wall_time)
 
     def checkpoint_due(self) -> int | None:
         return self.next_checkpoint_step

@@ -204,6 +204,14 @@ def train_loop(loop_config: dict) -> None:
         rank=0,
     )
 
+    # Start together: a quorum formed before the last trainer has its Manager would leave
+    # it healing instead of training. A replacement for a dead trainer does not wait.
+    deadline = time.monotonic() + tr.collective_timeout_s
+    while not ray.get(supervisor.register_trainer.remote(rank), timeout=cfg.embeddings.call_timeout_s):
+        if time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+
     resume = setup["resume"]
     if resume is not None:
         # Every trainer starts from the same checkpoint, so the first quorum agrees on it.
@@ -227,7 +235,7 @@ def train_loop(loop_config: dict) -> None:
         optimizer.zero_grad(set_to_none=False)
         participant = manager.participating_rank()
         if last_participant is None and participant == 0:
-            supervisor.record_event.remote("training_started", step=step, trainers=manager.num_participants(), wall_time=time.time())
+            supervisor.record_training_started.remote(step, manager.num_participants(), time.time())
         mine = [] if participant is None else schedule.assignment(step, participant, manager.num_participants())
         if mine:
             ids = [schedule.microbatch(step, m) for m in mine]

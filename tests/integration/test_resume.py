@@ -1,0 +1,71 @@
+"""Kill the driver mid-run, resume from the last valid checkpoint: the resumed run starts
+exactly at the checkpoint's step and the final report counts every sample once."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+from ray._common.test_utils import wait_for_condition
+
+from actors.checkpoint import CheckpointStore
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
+
+M, B = 4, 128
+
+
+def _driver_env(ray_local) -> dict:
+    env = dict(os.environ)
+    env["RAY_ADDRESS"] = ray_local.get_runtime_context().gcs_address
+    return env
+
+
+def test_kill_driver_then_resume(ray_local, small_data, tmp_path):
+    run_dir = tmp_path / "run"
+    config = {
+        "run_dir": str(run_dir),
+        "seed": 3,
+        "data": {"train": [small_data.train_path], "eval": [small_data.eval_path]},
+        "model": {"embedding_dim": 8, "table_rows": 20_000, "dense_arch": [32, 8], "over_arch": [32, 1]},
+        "training": {"num_trainers": 2, "microbatch_rows": B, "microbatches_per_step": M, "epochs": 1},
+        "checkpoint": {"every_steps": 30, "keep_last": 2},
+    }
+    cfg_path = tmp_path / "c.yaml"
+    cfg_path.write_text(yaml.safe_dump(config))
+    env = _driver_env(ray_local)
+    cmd = [sys.executable, "-m", "app", "train", "--no-progress"]
+    first = subprocess.Popen(cmd + ["--config", str(cfg_path)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    store = CheckpointStore(str(run_dir / "checkpoints"))
+    try:
+        wait_for_condition(lambda: any(s >= 60 for s in store.list_committed()), timeout=240, retry_interval_ms=200)
+    finally:
+        first.send_signal(signal.SIGKILL)
+        first.wait(timeout=30)
+    assert not (run_dir / "report.json").exists(), "the first run finished before it was killed"
+    last = store.latest_valid()
+    assert last is not None and last.step % 30 == 0
+
+    # A fresh run into the same run_dir must not silently overwrite its checkpoints.
+    refused = subprocess.run(cmd + ["--config", str(cfg_path)], env=env, capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 2 and "--resume" in refused.stderr
+
+    resumed = subprocess.run(cmd + ["--resume", str(run_dir)], env=env, capture_output=True, text=True, timeout=400)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    report = json.loads((run_dir / "report.json").read_text())
+    events = {e["kind"]: e for e in report["events"]}
+    total_steps = report["steps"]
+    assert report["resumed_from_step"] == last.step
+    assert events["resumed"]["step"] == last.step
+    assert events["training_started"]["step"] == last.step
+    assert total_steps == 234
+    assert report["samples_trained"] == total_steps * M * B
+    assert report["samples_this_run"] == (total_steps - last.step) * M * B
+    assert report["auc"] > 0.72
