@@ -1,0 +1,93 @@
+"""A real Ray head (`ray start --head` on 127.0.0.1), a job submitted through Ray's Jobs
+API, as `ray job submit` does; the job succeeds and writes its report."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+from ray._common.test_utils import wait_for_condition
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_ray_job_submit_to_a_started_head(tmp_path, small_data):
+    from ray.job_submission import JobStatus, JobSubmissionClient
+
+    gcs_port, dash_port = _free_port(), _free_port()
+    env = dict(os.environ)
+    env.update(RAY_AUTH_MODE="token", RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", GLOO_SOCKET_IFNAME="lo")
+    env.pop("RAY_ADDRESS", None)
+    env["PATH"] = f"{Path(sys.executable).parent}:{env['PATH']}"
+    # Short: Ray's unix sockets live under it and their paths are limited to 107 bytes.
+    temp_dir = tempfile.mkdtemp(prefix="cpr-ray-", dir="/tmp")
+    # --block keeps `ray start` in the foreground, owning its processes: stopping its
+    # process group stops this head only, not the suite's shared Ray (as `ray stop` would).
+    head = subprocess.Popen(
+        [
+            str(Path(sys.executable).parent / "ray"), "start", "--head", "--block",
+            "--node-ip-address=127.0.0.1", f"--port={gcs_port}", "--dashboard-host=127.0.0.1",
+            f"--dashboard-port={dash_port}", "--num-cpus=6", "--disable-usage-stats",
+            f"--temp-dir={temp_dir}",
+        ],
+        env=env, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    try:
+        address = f"http://127.0.0.1:{dash_port}"
+
+        def _up() -> bool:
+            try:
+                JobSubmissionClient(address).list_jobs()
+                return True
+            except Exception:
+                return False
+
+        wait_for_condition(_up, timeout=120, retry_interval_ms=500)
+        client = JobSubmissionClient(address)
+        run_dir = tmp_path / "run"
+        overrides = [
+            f"--set run_dir={run_dir}",
+            f"--set data.train=[{small_data.train_path}]",
+            f"--set data.eval=[{small_data.eval_path}]",
+            f"--set data.cache_dir={tmp_path / 'cache'}",
+            f"--set checkpoint.storage={tmp_path / 'ckpt'}",
+            "--set training.max_steps=40",
+            "--set model.table_rows=20000",
+        ]
+        job_id = client.submit_job(
+            entrypoint="python -m app train --config configs/cluster.yaml --no-progress " + " ".join(overrides),
+            runtime_env={"working_dir": str(ROOT), "excludes": [".venv", "runs", "data", ".git"]},
+        )
+        terminal = {JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.STOPPED}
+        wait_for_condition(lambda: client.get_job_status(job_id) in terminal, timeout=420, retry_interval_ms=1000)
+        logs = client.get_job_logs(job_id)
+        assert client.get_job_status(job_id) == JobStatus.SUCCEEDED, logs[-3000:]
+        report = json.loads((run_dir / "report.json").read_text())
+        assert report["steps"] == 40
+        assert report["samples_trained"] == 40 * 4 * 512
+        assert "held-out AUC" in logs
+        assert any(e["kind"] == "checkpoint_saved" and e["step"] == 25 for e in report["events"])
+    finally:
+        os.killpg(head.pid, signal.SIGTERM)
+        try:
+            head.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(head.pid, signal.SIGKILL)
+            head.wait(timeout=30)
+        shutil.rmtree(temp_dir, ignore_errors=True)
