@@ -19,7 +19,7 @@ from app.config import RunConfig
 from app.config import load_config
 from app.errors import CheckpointNotFound, ConfigError
 
-__all__ = ["TrainingJob", "run_training", "resume_config", "prepare_data", "connect_ray"]
+__all__ = ["TrainingJob", "run_training", "resume_config", "prepare_data", "connect_ray", "keep_ray_on_loopback"]
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +57,21 @@ def prepare_data(cfg: RunConfig) -> dict:
     return {"train": train, "eval": evaluation, "ceiling_auc": ceiling_auc}
 
 
+def keep_ray_on_loopback() -> None:
+    """Makes an embedded Ray use 127.0.0.1 as its node address, and with it Ray Train's
+    MASTER_ADDR and torchft's store and manager addresses.
+
+    Ray replaces a 127.0.0.1 node address with the machine's routable one unless it runs as
+    a single-machine cluster. That flag is read from the environment when ray is imported,
+    which may have happened already, so both the variable (for Ray's child processes) and
+    the imported constant are set.
+    """
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+    from ray._private import ray_constants
+
+    ray_constants.ENABLE_RAY_CLUSTER = False
+
+
 def connect_ray(cfg: RunConfig) -> bool:
     """Joins ``ray.address`` / RAY_ADDRESS, or starts an embedded Ray on 127.0.0.1 with
     token authentication. Returns True if this call started Ray (and must shut it down).
@@ -72,9 +87,7 @@ def connect_ray(cfg: RunConfig) -> bool:
         return False
     os.environ.setdefault("RAY_AUTH_MODE", "token")
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    # Without this, Ray replaces a 127.0.0.1 node address with the machine's routable one
-    # and Ray Train / torchft would then talk over it.
-    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    keep_ray_on_loopback()
     runtime_env["env_vars"]["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
     needed = cfg.training.num_trainers + int(cfg.embeddings.num_shards * cfg.embeddings.num_cpus + 0.999) + 1
     ray.init(

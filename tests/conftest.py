@@ -9,13 +9,15 @@ import pytest
 
 os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
 os.environ.setdefault("RAY_AUTH_MODE", "token")
-os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # keep Ray's node IP 127.0.0.1
 
 
 @pytest.fixture(scope="session")
 def ray_local():
     import ray
 
+    from app.job import keep_ray_on_loopback
+
+    keep_ray_on_loopback()
     ray.init(
         _node_ip_address="127.0.0.1",
         num_cpus=8,
