@@ -8,6 +8,7 @@ and respawn time is most of a partial recovery.
 from __future__ import annotations
 
 import os
+import threading
 import time
 from dataclasses import dataclass
 
@@ -95,7 +96,11 @@ class EmbeddingShard:
             eps=eps,
             device=self.device,
         )
+        self.seed = seed
         self._init_weights(seed)
+        self._released = threading.Event()
+        self.steps_dropped = 0
+        self.first_step_after_load: int | None = None
         self._pending: dict[int, dict[tuple[int, ...], _Chunk]] = {}
         self.applied_step = -1
         self.rows_updated_total = 0
@@ -112,6 +117,23 @@ class EmbeddingShard:
                 bound = float(np.sqrt(1.0 / table_rows))
                 init = torch.empty(w.shape).uniform_(-bound, bound, generator=gen)
                 w.copy_(init.to(w.device))
+
+    def watch(self) -> None:
+        """Never returns while the shard lives. The supervisor keeps one call of it pending
+        (in its own concurrency group) so the shard's death fails that call at once: Ray's
+        own signal, no polling."""
+        self._released.wait()
+
+    def reset_to_init(self) -> None:
+        """Back to the initial rows and empty Adagrad state: the state of step 0."""
+        import torch
+
+        self._init_weights(self.seed)
+        with torch.no_grad():
+            for st in self.tbe.split_optimizer_states():
+                st[0].zero_()
+        self._pending.clear()
+        self.applied_step = -1
 
     def ready(self) -> dict:
         """Identifies the process (used to kill it in chaos tests) and its size."""
@@ -184,8 +206,13 @@ class EmbeddingShard:
         pooled = self._forward(lengths, indices, grad=True)
         pooled.backward(torch.from_numpy(grad).to(self.device))
         self.rows_updated_total += int(indices.size)
+        if self.first_step_after_load is None:
+            self.first_step_after_load = step
         self.applied_step = step
+        # An older step still pending never completed here (its other chunks went to a
+        # shard that died, or were redone): its update to this shard is lost, not delayed.
         for s in [s for s in self._pending if s <= step]:
+            self.steps_dropped += s < step
             del self._pending[s]
         self.compute_s += time.perf_counter() - t0
 
@@ -196,6 +223,8 @@ class EmbeddingShard:
             "applied_step": self.applied_step,
             "compute_s": self.compute_s,
             "rows_updated_total": self.rows_updated_total,
+            "steps_dropped": self.steps_dropped,
+            "first_step_after_load": self.first_step_after_load,
         }
 
     def save_checkpoint(self, uri: str, step: int) -> dict:
@@ -244,6 +273,7 @@ class EmbeddingShard:
                 states[i][0][local] = torch.from_numpy(data.momentum[mask]).to(states[i][0].device)
         self._pending.clear()
         self.applied_step = steps[-1] - 1
+        self.first_step_after_load = None
         return {
             "rows": int(len(data.rows)),
             "bytes": int(data.weights.nbytes + data.momentum.nbytes + data.rows.nbytes + data.tables.nbytes),

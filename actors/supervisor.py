@@ -1,14 +1,22 @@
 """The Supervisor actor: creates the embedding shards, tells trainers how to reach them,
-and records the run's events, progress and evaluation. Checkpoint and recovery decisions
-are made here too, so one actor owns the run's story.
+detects shard deaths from Ray's own signals, recovers them (partial or full, CPR), saves
+checkpoints, and records every event with the numbers behind it.
+
+Its state is small and written to ``<run_dir>/supervisor_state.json`` on every change, so a
+restarted supervisor (``max_restarts``) rebuilds it from that file, the live named shards
+and the checkpoint store.
 """
 
 from __future__ import annotations
 
+import enum
 import json
 import logging
+import os
+import queue
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import ray
@@ -19,15 +27,30 @@ from actors.shard import EmbeddingShard
 from actors.trainer import StepSchedule
 from app.config import config_from_dict
 from app.errors import ConfigError, ShardUnavailable
-from policies import interval_steps
+from policies import CostInputs, OnlineCostModel, RecoveryMode, decide_recovery, interval_steps
 
-__all__ = ["Supervisor", "supervisor_name"]
+__all__ = ["Supervisor", "supervisor_name", "shard_name", "RunState"]
 
 logger = logging.getLogger(__name__)
+
+_STATE_FILE = "supervisor_state.json"
 
 
 def supervisor_name(run_id: str) -> str:
     return f"cpr-supervisor-{run_id}"
+
+
+def shard_name(run_id: str, shard: int, generation: int) -> str:
+    return f"cpr-shard-{run_id}-{shard}-g{generation}"
+
+
+class RunState(str, enum.Enum):
+    """The supervisor's state machine: trainers step only while RUNNING."""
+
+    STARTING = "starting"
+    RUNNING = "running"
+    RECOVERING = "recovering"
+    FINISHED = "finished"
 
 
 class Supervisor:
@@ -36,37 +59,390 @@ class Supervisor:
     def __init__(self, config: dict, run_id: str, train_cache: str, eval_cache: str, num_microbatches: int):
         self.cfg = config_from_dict(config)
         self.run_id = run_id
-        self.t0 = time.time()
+        self.run_dir = Path(self.cfg.run_dir).resolve()
         self.plan = make_plan(
             self.cfg.embeddings.sharding, self.cfg.model.rows_per_table, self.cfg.embeddings.num_shards
         )
         tr = self.cfg.training
+        self.samples_per_step = tr.microbatches_per_step * tr.microbatch_rows
         self.schedule = StepSchedule.from_config(
             num_microbatches, tr.microbatches_per_step, tr.epochs, tr.max_steps, self.cfg.seed
         )
         self.train_cache = train_cache
         self.eval_cache = eval_cache
-        self.shards: list[Any] = []
-        self.shard_info: list[dict] = []
-        self.events: list[dict] = []
-        self.progress_log: list[dict] = []
-        self.eval_metrics: dict | None = None
-        self._lock = threading.Lock()
         ck = self.cfg.checkpoint
         self.store = CheckpointStore(self.cfg.checkpoint_uri, keep_last=ck.keep_last) if ck.enabled else None
+        self.costs = OnlineCostModel(
+            mtbf_s=ck.mtbf_s, save_cost_s=ck.save_cost_s, load_cost_s=ck.load_cost_s,
+            reschedule_cost_s=ck.reschedule_cost_s, start_s=time.time(),
+        )
+        self._lock = threading.RLock()
+        self._changed = threading.Condition(self._lock)
+        self._stop = threading.Event()
+        self.shards: list[Any] = []
+        self.shard_info: list[dict] = []
+        self.shard_gens = [0] * self.plan.num_shards
+        self.generation = 0
+        self.state = RunState.STARTING
+        self.rollback: dict | None = None
+        self.events: list[dict] = []
+        self.progress_log: list[dict] = []
+        self.failures: list[dict] = []
+        self.kills: list[dict] = []
+        self.trainers: dict[int, dict] = {}
+        self.eval_metrics: dict | None = None
         self.resume_state: dict | None = None
-        self.trainers_registered: set[int] = set()
         self.training_started = False
         self.last_checkpoint_step = 0
         self.next_checkpoint_step = self._after(0)
+        self._watch: dict[Any, tuple[int, int]] = {}
+        self._deaths: queue.Queue = queue.Queue()
+        self.max_step_seen = 0
+        if ray.get_runtime_context().was_current_actor_reconstructed:
+            self._rebuild()
+
+    # ------------------------------------------------------------------ events and state
+
+    def record_event(self, kind: str, **fields) -> dict:
+        event = {"time": round(time.time(), 3), "kind": kind, **fields}
+        with self._lock:
+            self.events.append(event)
+            self._persist()
+        logger.info("event %s", event)
+        return event
+
+    def _persist(self) -> None:
+        state = {
+            "run_id": self.run_id,
+            "shard_gens": self.shard_gens,
+            "generation": self.generation,
+            "events": self.events,
+            "progress": self.progress_log[-200:],
+            "failures": self.failures,
+            "kills": self.kills,
+            "trainers": {str(k): v for k, v in self.trainers.items()},
+            "training_started": self.training_started,
+            "last_checkpoint_step": self.last_checkpoint_step,
+            "resume_step": self.resume_state["step"] if self.resume_state else None,
+        }
+        tmp = self.run_dir / f".{_STATE_FILE}.tmp"
+        tmp.write_text(json.dumps(state, default=str))
+        os.replace(tmp, self.run_dir / _STATE_FILE)
+
+    def _rebuild(self) -> None:
+        """After a restart: state from the file, shards from their names, checkpoints from the store."""
+        t0 = time.time()
+        state = json.loads((self.run_dir / _STATE_FILE).read_text())
+        self.shard_gens = state["shard_gens"]
+        self.generation = state["generation"]
+        self.events = state["events"]
+        self.progress_log = state["progress"]
+        self.failures = state["failures"]
+        self.kills = state["kills"]
+        self.trainers = {int(k): v for k, v in state["trainers"].items()}
+        self.training_started = state["training_started"]
+        self.last_checkpoint_step = state["last_checkpoint_step"]
+        if self.store is not None:
+            committed = self.store.list_committed()
+            self.last_checkpoint_step = max([self.last_checkpoint_step, *committed])
+        self.next_checkpoint_step = self._after(self.last_checkpoint_step)
+        ns = self.cfg.ray.namespace
+        self.shards = [
+            ray.get_actor(shard_name(self.run_id, k, g), namespace=ns) for k, g in enumerate(self.shard_gens)
+        ]
+        self.shard_info = ray.get([s.ready.remote() for s in self.shards], timeout=self.cfg.embeddings.call_timeout_s)
+        kill = next((k for k in reversed(self.kills) if k["target"] == "supervisor"), None)
+        self.state = RunState.RUNNING
+        self._start_watching()
+        self.record_event(
+            "supervisor_restarted",
+            rebuilt_s=round(time.time() - t0, 3),
+            detection_s=round(t0 - kill["time"], 3) if kill else None,
+            shards_found=len(self.shards),
+            last_checkpoint_step=self.last_checkpoint_step,
+        )
+
+    # ------------------------------------------------------------------ shards
+
+    def _spawn_shard(self, k: int, generation: int):
+        emb = self.cfg.embeddings
+        # Detached: the shards outlive a supervisor restart; shutdown() and the driver's
+        # cleanup remove them. The extra concurrency group runs watch() beside the compute.
+        actor_cls = ray.remote(concurrency_groups={"watch": 1})(EmbeddingShard)
+        return actor_cls.options(
+            name=shard_name(self.run_id, k, generation),
+            namespace=self.cfg.ray.namespace,
+            lifetime="detached",
+            num_cpus=emb.num_cpus,
+            num_gpus=emb.num_gpus,
+            max_restarts=0,
+        ).remote(
+            shard_id=k,
+            slices=list(self.plan.shards[k]),
+            dim=self.cfg.model.embedding_dim,
+            learning_rate=emb.learning_rate,
+            eps=emb.eps,
+            seed=self.cfg.seed,
+            microbatches_per_step=self.cfg.training.microbatches_per_step,
+            threads=self.cfg.training.threads_per_worker,
+        )
+
+    def _ready(self, shards: list) -> list[dict]:
+        try:
+            return ray.get([s.ready.remote() for s in shards], timeout=self.cfg.embeddings.call_timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            raise ShardUnavailable(
+                f"{len(shards)} shard(s) did not start within embeddings.call_timeout_s="
+                f"{self.cfg.embeddings.call_timeout_s}s"
+            ) from None
+
+    def start(self) -> dict:
+        """Creates every shard and waits until each answers; returns their identities."""
+        t = time.perf_counter()
+        self.shards = [self._spawn_shard(k, 0) for k in range(self.plan.num_shards)]
+        self.shard_info = self._ready(self.shards)
+        startup_s = time.perf_counter() - t
+        with self._lock:
+            self.state = RunState.RUNNING
+        self._start_watching()
+        self.record_event(
+            "shards_ready",
+            shards=self.plan.num_shards,
+            sharding=self.plan.kind,
+            rows=[self.plan.shard_rows(k) for k in range(self.plan.num_shards)],
+            startup_s=round(startup_s, 3),
+        )
+        return {"shards": self.shard_info, "startup_s": startup_s, "total_steps": self.schedule.total_steps}
+
+    def _start_watching(self) -> None:
+        for k, shard in enumerate(self.shards):
+            self._watch[shard.watch.options(concurrency_group="watch").remote()] = (k, self.shard_gens[k])
+        # Detection and recovery on separate threads: a death during another shard's
+        # recovery is still seen (and timed) at once.
+        threading.Thread(target=self._watch_loop, name="shard-watch", daemon=True).start()
+        threading.Thread(target=self._recovery_loop, name="shard-recovery", daemon=True).start()
+
+    def _recovery_loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                k, gen, cause, detected = self._deaths.get(timeout=0.5)
+            except queue.Empty:
+                continue
+            try:
+                self._recover_shard(k, gen, cause, detected)
+            except Exception as err:
+                self.record_event("recovery_failed", actor=f"shard:{k}", error=repr(err))
+                logger.exception("recovery of shard %d failed", k)
+
+    def _watch_loop(self) -> None:
+        while not self._stop.is_set():
+            refs = list(self._watch)
+            if not refs:
+                self._stop.wait(0.2)
+                continue
+            ready, _ = ray.wait(refs, num_returns=1, timeout=0.2)
+            for ref in ready:
+                k, gen = self._watch.pop(ref)
+                try:
+                    ray.get(ref)
+                    cause = "watch returned"
+                except ray.exceptions.RayActorError as err:
+                    cause = type(err).__name__
+                except Exception as err:  # an unexpected error still means the shard is gone
+                    cause = repr(err)
+                if not self._stop.is_set():
+                    self._deaths.put((k, gen, cause, time.time()))
+
+    def report_shard_failure(self, k: int, generation: int, reason: str, step: int) -> None:
+        """A trainer's call to shard ``k`` failed or timed out at ``step``. A shard that hangs
+        is killed, so that hangs and deaths take the same recovery path (the watch sees the
+        death)."""
+        with self._lock:
+            self.max_step_seen = max(self.max_step_seen, step)
+            if generation != self.generation or self.state != RunState.RUNNING:
+                return
+            shard = self.shards[k]
+        logger.warning("trainer reports shard %d unavailable (%s); killing it", k, reason)
+        ray.kill(shard, no_restart=True)
+
+    def _recovery_mode(self) -> tuple[RecoveryMode, dict]:
+        requested = RecoveryMode(self.cfg.recovery)
+        decision = decide_recovery(
+            requested, self.costs.inputs(self.plan.num_shards, self.cfg.checkpoint.pls_target)
+        )
+        return decision.mode, {"mode": decision.mode.value, "requested": requested.value, "reason": decision.reason}
+
+    def _recover_shard(self, k: int, generation: int, cause: str, detected: float) -> None:
+        with self._lock:
+            if generation != self.shard_gens[k] or self.state == RunState.FINISHED:
+                return
+            self.state = RunState.RECOVERING
+            self._persist()
+        kill = next((x for x in reversed(self.kills) if x["target"] == f"shard:{k}" and x["time"] <= detected), None)
+        self.costs.observe_failure(detected)
+        mode, decision = self._recovery_mode()
+        survivors = [s for i, s in enumerate(self.shards) if i != k]
+        # The steps the dead shard had trained: what survivors applied, what trainers were
+        # at when their calls failed, and the last progress report, whichever is furthest.
+        try:
+            states = ray.get([s.state.remote() for s in survivors], timeout=self.cfg.embeddings.call_timeout_s)
+            applied = [st["applied_step"] + 1 for st in states]
+        except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError):
+            applied = []
+        with self._lock:
+            steps_done = max([self.last_checkpoint_step, self.max_step_seen, *applied])
+        t_spawn = time.time()
+        new_gen = self.shard_gens[k] + 1
+        new_shard = self._spawn_shard(k, new_gen)
+        info = self._ready([new_shard])[0]
+        reschedule_s = time.time() - t_spawn
+        self.costs.observe_reschedule(reschedule_s)
+        t_load = time.time()
+        chain = self.store.chain_steps() if self.store is not None else []
+        restored_step = chain[-1] if chain else 0
+        uri = self.cfg.checkpoint_uri
+        timeout = self.cfg.embeddings.call_timeout_s
+        if mode == RecoveryMode.PARTIAL:
+            to_load = [new_shard]
+        else:
+            to_load = survivors + [new_shard]
+        if chain:
+            loaded = ray.get([s.load_checkpoint.remote(uri, chain) for s in to_load], timeout=timeout)
+        else:
+            # No checkpoint yet: the state of step 0 is the initial rows.
+            ray.get([s.reset_to_init.remote() for s in to_load if s is not new_shard], timeout=timeout)
+            loaded = [{"rows": 0, "bytes": 0}]
+        load_s = time.time() - t_load
+        if chain:
+            self.costs.observe_load(load_s)
+        lost_steps = max(steps_done - restored_step, 0)
+        failure = {
+            "actor": f"shard:{k}",
+            "cause": cause,
+            "recovery": mode.value,
+            "decision": decision,
+            "killed_at": kill["time"] if kill else None,
+            "detected_at": round(detected, 3),
+            "detection_s": round(detected - kill["time"], 3) if kill else None,
+            "reschedule_s": round(reschedule_s, 3),
+            "load_s": round(load_s, 3),
+            "recovery_s": round(time.time() - detected, 3),
+            "restored_step": restored_step,
+            "failed_at_step": steps_done,
+            "rows_reloaded": sum(x["rows"] for x in loaded),
+            "bytes_reloaded": sum(x["bytes"] for x in loaded),
+        }
+        if mode == RecoveryMode.PARTIAL:
+            # Lost samples: samples trained since the rows were saved, weighted by the
+            # fraction of all embedding rows the dead shard held (CPR's PLS numerator).
+            failure["lost_samples"] = lost_steps * self.samples_per_step * self.plan.shard_fraction(k)
+            failure["lost_steps_recomputed"] = 0
+        else:
+            failure["lost_samples"] = 0.0
+            failure["lost_steps_recomputed"] = lost_steps
+        with self._lock:
+            self.shards[k] = new_shard
+            self.shard_info[k] = info
+            self.shard_gens[k] = new_gen
+            self.generation += 1
+            if mode == RecoveryMode.FULL:
+                self.max_step_seen = restored_step
+                dense = self.store.read_blob(restored_step, DENSE_FILE) if chain else None
+                self.rollback = {"generation": self.generation, "step": restored_step, "dense": dense}
+            else:
+                self.rollback = None
+            self.failures.append(failure)
+            self.state = RunState.RUNNING
+            self._watch[new_shard.watch.options(concurrency_group="watch").remote()] = (k, new_gen)
+            self._changed.notify_all()
+        self.record_event("shard_recovered", **failure)
+
+    def await_shards(self, known_generation: int) -> dict:
+        """Blocks while a recovery is under way; returns the current shard handles, their
+        generation and, after a full recovery, the step and dense state to roll back to."""
+        timeout = self.cfg.embeddings.call_timeout_s * 2
+        with self._changed:
+            self._changed.wait_for(lambda: self.state != RunState.RECOVERING, timeout=timeout)
+            rollback = self.rollback if self.rollback and self.rollback["generation"] > known_generation else None
+            return {"generation": self.generation, "shards": list(self.shards), "rollback": rollback}
+
+    # ------------------------------------------------------------------ trainers
+
+    def trainer_setup(self) -> dict:
+        """What a trainer needs: shard handles, the plan, the data, the step schedule, the
+        step to resume from with its dense state, and when the next checkpoint is due."""
+        with self._lock:
+            return {
+                "shards": list(self.shards),
+                "generation": self.generation,
+                "plan": self.plan,
+                "schedule": self.schedule,
+                "train_cache": self.train_cache,
+                "eval_cache": self.eval_cache,
+                "resume": self.resume_state,
+                "next_checkpoint_step": self.next_checkpoint_step,
+            }
+
+    def register_trainer(self, rank: int, pid: int | None = None, node_id: str | None = None) -> bool:
+        """A trainer is ready to step. Returns True once the first step may begin: every
+        trainer of the group has registered, or training is already under way (a
+        replacement trainer joins the running quorum and heals from a peer)."""
+        with self._lock:
+            self.trainers[rank] = {"pid": pid, "node_id": node_id, "registered": time.time()}
+            self._persist()
+            return self.training_started or len(self.trainers) >= self.cfg.training.num_trainers
+
+    def record_training_started(self, step: int, trainers: int, wall_time: float) -> None:
+        with self._lock:
+            if self.training_started:
+                return
+            self.training_started = True
+        self.record_event("training_started", step=step, trainers=trainers, wall_time=wall_time)
+
+    def record_progress(self, progress: dict) -> None:
+        with self._lock:
+            self.max_step_seen = max(self.max_step_seen, progress["step"])
+            self.progress_log.append({"time": round(time.time(), 3), **progress})
+
+    def record_eval(self, metrics: dict) -> None:
+        self.eval_metrics = metrics
+        with self._lock:
+            self.state = RunState.FINISHED
+        self.record_event("evaluated", **{k: v for k, v in metrics.items() if k != "positive_rate"})
+
+    def progress(self) -> dict | None:
+        with self._lock:
+            return self.progress_log[-1] if self.progress_log else None
+
+    def events_since(self, index: int) -> list[dict]:
+        with self._lock:
+            return self.events[index:]
+
+    # ------------------------------------------------------------------ chaos
+
+    def targets(self) -> dict[str, dict]:
+        """Every killable actor of the run: its process id and node."""
+        me = {"pid": os.getpid(), "node_id": ray.get_runtime_context().get_node_id()}
+        with self._lock:
+            out = {f"shard:{k}": {"pid": i["pid"], "node_id": i["node_id"]} for k, i in enumerate(self.shard_info)}
+            out.update({f"trainer:{r}": {"pid": t["pid"], "node_id": t["node_id"]} for r, t in self.trainers.items()})
+            out["supervisor"] = me
+            return out
+
+    def record_kill(self, target: str, wall_time: float) -> None:
+        """The chaos tool says it is about to kill ``target``: the start of detection time."""
+        with self._lock:
+            self.kills.append({"target": target, "time": wall_time})
+            self._persist()
+
+    # ------------------------------------------------------------------ checkpoints
 
     def _step_time_s(self) -> float | None:
         with self._lock:
             rates = [p["samples_per_s"] for p in self.progress_log[-5:] if p.get("samples_per_s")]
         if not rates:
             return None
-        tr = self.cfg.training
-        return tr.microbatches_per_step * tr.microbatch_rows / (sum(rates) / len(rates))
+        return self.samples_per_step / (sum(rates) / len(rates))
 
     def _after(self, step: int) -> int | None:
         """The step count at which the next checkpoint is due, or None when saves are off."""
@@ -84,84 +460,6 @@ class Supervisor:
             )
         return step + min(candidates)
 
-    def record_event(self, kind: str, **fields) -> dict:
-        event = {"time_s": round(time.time() - self.t0, 3), "kind": kind, **fields}
-        with self._lock:
-            self.events.append(event)
-        logger.info("event %s", event)
-        return event
-
-    def _spawn_shard(self, k: int):
-        emb = self.cfg.embeddings
-        actor_cls = ray.remote(EmbeddingShard)
-        return actor_cls.options(
-            name=f"cpr-shard-{self.run_id}-{k}",
-            namespace=self.cfg.ray.namespace,
-            num_cpus=emb.num_cpus,
-            num_gpus=emb.num_gpus,
-            max_restarts=0,
-        ).remote(
-            shard_id=k,
-            slices=list(self.plan.shards[k]),
-            dim=self.cfg.model.embedding_dim,
-            learning_rate=emb.learning_rate,
-            eps=emb.eps,
-            seed=self.cfg.seed,
-            microbatches_per_step=self.cfg.training.microbatches_per_step,
-            threads=self.cfg.training.threads_per_worker,
-        )
-
-    def start(self) -> dict:
-        """Creates every shard and waits until each answers; returns their identities."""
-        t = time.perf_counter()
-        self.shards = [self._spawn_shard(k) for k in range(self.plan.num_shards)]
-        try:
-            self.shard_info = ray.get(
-                [s.ready.remote() for s in self.shards], timeout=self.cfg.embeddings.call_timeout_s
-            )
-        except ray.exceptions.GetTimeoutError:
-            raise ShardUnavailable(
-                f"{self.plan.num_shards} shards did not start within "
-                f"embeddings.call_timeout_s={self.cfg.embeddings.call_timeout_s}s"
-            ) from None
-        startup_s = time.perf_counter() - t
-        self.record_event(
-            "shards_ready",
-            shards=self.plan.num_shards,
-            sharding=self.plan.kind,
-            rows=[self.plan.shard_rows(k) for k in range(self.plan.num_shards)],
-            startup_s=round(startup_s, 3),
-        )
-        return {"shards": self.shard_info, "startup_s": startup_s, "total_steps": self.schedule.total_steps}
-
-    def trainer_setup(self) -> dict:
-        """What a trainer needs: shard handles, the plan, the data, the step schedule, the
-        step to resume from with its dense state, and when the next checkpoint is due."""
-        return {
-            "shards": self.shards,
-            "plan": self.plan,
-            "schedule": self.schedule,
-            "train_cache": self.train_cache,
-            "eval_cache": self.eval_cache,
-            "resume": self.resume_state,
-            "next_checkpoint_step": self.next_checkpoint_step,
-        }
-
-    def register_trainer(self, rank: int) -> bool:
-        """A trainer is ready to step. Returns True once the first step may begin: every
-        trainer of the group has registered, or training is already under way (a
-        replacement trainer joins the running quorum and heals from a peer)."""
-        with self._lock:
-            self.trainers_registered.add(rank)
-            return self.training_started or len(self.trainers_registered) >= self.cfg.training.num_trainers
-
-    def record_training_started(self, step: int, trainers: int, wall_time: float) -> None:
-        with self._lock:
-            if self.training_started:
-                return
-            self.training_started = True
-        self.record_event("training_started", step=step, trainers=trainers, wall_time=wall_time)
-
     def checkpoint_due(self) -> int | None:
         return self.next_checkpoint_step
 
@@ -173,7 +471,7 @@ class Supervisor:
             "microbatch_rows": tr.microbatch_rows,
             "num_microbatches": self.schedule.num_microbatches,
             "seed": self.schedule.seed,
-            "samples_trained": step * tr.microbatches_per_step * tr.microbatch_rows,
+            "samples_trained": step * self.samples_per_step,
         }
 
     def save_checkpoint(self, step: int, dense_blob: bytes) -> dict:
@@ -185,7 +483,9 @@ class Supervisor:
             raise ConfigError("checkpoint: every_steps or every_s must be set to save checkpoints")
         t0 = time.perf_counter()
         uri = self.cfg.checkpoint_uri
-        refs = [shard.save_checkpoint.remote(uri, step) for shard in self.shards]
+        with self._lock:
+            shards = list(self.shards)
+        refs = [shard.save_checkpoint.remote(uri, step) for shard in shards]
         entries = [
             write_blob(uri, step, DENSE_FILE, dense_blob),
             write_blob(uri, step, DATA_POSITION_FILE, json.dumps(self._position(step)).encode()),
@@ -194,8 +494,10 @@ class Supervisor:
         entries += [r["entry"] for r in results]
         info = self.store.commit(step, entries, kind=FULL, meta={"run_id": self.run_id})
         duration_s = time.perf_counter() - t0
-        self.last_checkpoint_step = step
-        self.next_checkpoint_step = self._after(step)
+        self.costs.observe_save(duration_s)
+        with self._lock:
+            self.last_checkpoint_step = step
+            self.next_checkpoint_step = self._after(step)
         self.record_event(
             "checkpoint_saved",
             step=step,
@@ -233,7 +535,7 @@ class Supervisor:
         self.resume_state = {"step": step, "dense": self.store.read_blob(step, DENSE_FILE), "position": position}
         self.last_checkpoint_step = step
         self.next_checkpoint_step = self._after(step)
-        event = self.record_event(
+        return self.record_event(
             "resumed",
             step=step,
             chain=steps,
@@ -241,23 +543,8 @@ class Supervisor:
             bytes_loaded=sum(x["bytes"] for x in loaded),
             duration_s=round(time.perf_counter() - t0, 4),
         )
-        return event
 
-    def shard_handles(self) -> list:
-        return list(self.shards)
-
-    def record_progress(self, progress: dict) -> None:
-        progress = {"time_s": round(time.time() - self.t0, 3), **progress}
-        with self._lock:
-            self.progress_log.append(progress)
-
-    def record_eval(self, metrics: dict) -> None:
-        self.eval_metrics = metrics
-        self.record_event("evaluated", **{k: v for k, v in metrics.items() if k != "positive_rate"})
-
-    def progress(self) -> dict | None:
-        with self._lock:
-            return self.progress_log[-1] if self.progress_log else None
+    # ------------------------------------------------------------------ end of run
 
     def summary(self) -> dict:
         """Everything the report needs, including each shard's counters."""
@@ -270,10 +557,25 @@ class Supervisor:
                 "run_id": self.run_id,
                 "events": list(self.events),
                 "progress": list(self.progress_log),
+                "failures": list(self.failures),
                 "eval": self.eval_metrics,
                 "shards": shard_states,
                 "shard_rows": [self.plan.shard_rows(k) for k in range(self.plan.num_shards)],
                 "total_steps": self.schedule.total_steps,
                 "resumed_from_step": self.resume_state["step"] if self.resume_state else None,
                 "last_checkpoint_step": self.last_checkpoint_step,
+                "recovery_mode": self._recovery_mode()[1],
             }
+
+    def shard_handles(self) -> list:
+        with self._lock:
+            return list(self.shards)
+
+    def shutdown(self) -> None:
+        """Stops watching and kills the (detached) shards."""
+        self._stop.set()
+        with self._lock:
+            self.state = RunState.FINISHED
+            shards = list(self.shards)
+        for shard in shards:
+            ray.kill(shard, no_restart=True)

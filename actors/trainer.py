@@ -7,6 +7,7 @@ push embedding gradients back to the shards and all-reduce the dense gradients.
 
 from __future__ import annotations
 
+import copy
 import io
 import math
 import os
@@ -17,7 +18,7 @@ from urllib.parse import urlsplit
 
 import numpy as np
 
-__all__ = ["train_loop", "StepSchedule"]
+__all__ = ["train_loop", "StepSchedule", "ShardCallFailed"]
 
 
 @dataclass(frozen=True)
@@ -79,6 +80,18 @@ class _PhaseTimer:
         return out
 
 
+class ShardCallFailed(Exception):
+    """A call to embedding shard ``shard`` failed: the actor died, or did not answer in time."""
+
+    def __init__(self, shard: int, reason: str):
+        super().__init__(shard, reason)
+        self.shard = shard
+        self.reason = reason
+
+    def __str__(self) -> str:
+        return f"shard {self.shard}: {self.reason}"
+
+
 class _ShardClient:
     """Routes ids to the shards and gathers their pooled outputs, with timeouts."""
 
@@ -88,9 +101,22 @@ class _ShardClient:
         self.dim = dim
         self.timeout_s = timeout_s
 
-    def lookup(self, rows: np.ndarray, step: int | None = None, chunk: tuple[int, ...] = ()) -> np.ndarray:
+    def _gather(self, refs: list) -> list:
+        """Results of one call per shard; raises ShardCallFailed naming the first bad shard."""
         import ray
 
+        _, not_ready = ray.wait(refs, num_returns=len(refs), timeout=self.timeout_s)
+        out = []
+        for k, ref in enumerate(refs):
+            if ref in not_ready:
+                raise ShardCallFailed(k, f"no answer within {self.timeout_s}s")
+            try:
+                out.append(ray.get(ref))
+            except ray.exceptions.RayActorError as err:
+                raise ShardCallFailed(k, type(err).__name__) from None
+        return out
+
+    def lookup(self, rows: np.ndarray, step: int | None = None, chunk: tuple[int, ...] = ()) -> np.ndarray:
         batch = rows.shape[0]
         refs = []
         for k, shard in enumerate(self.shards):
@@ -100,18 +126,16 @@ class _ShardClient:
             else:
                 refs.append(shard.lookup.remote(step, chunk, sb.lengths, sb.indices))
         pooled = np.zeros((batch, rows.shape[1], self.dim), dtype=np.float32)
-        for k, part in enumerate(ray.get(refs, timeout=self.timeout_s)):
+        for k, part in enumerate(self._gather(refs)):
             self.plan.scatter_pooled(part, k, pooled)
         return pooled
 
     def push_grads(self, step: int, chunk: tuple[int, ...], grad: np.ndarray) -> list[dict]:
-        import ray
-
         refs = [
             shard.push_grads.remote(step, chunk, self.plan.gather_grad(grad, k))
             for k, shard in enumerate(self.shards)
         ]
-        return ray.get(refs, timeout=self.timeout_s)
+        return self._gather(refs)
 
 
 def _evaluate(model, client: _ShardClient, eval_file, table_rows) -> dict:
@@ -179,6 +203,9 @@ def train_loop(loop_config: dict) -> None:
     def state_dict():
         return {"model": model.state_dict(), "optim": optimizer.state_dict()}
 
+    # Step 0's dense state: what a full recovery rolls back to before the first checkpoint.
+    initial_state = copy.deepcopy(state_dict())
+
     def load_state_dict(sd):
         model.load_state_dict(sd["model"])
         optimizer.load_state_dict(sd["optim"])
@@ -207,7 +234,8 @@ def train_loop(loop_config: dict) -> None:
     # Start together: a quorum formed before the last trainer has its Manager would leave
     # it healing instead of training. A replacement for a dead trainer does not wait.
     deadline = time.monotonic() + tr.collective_timeout_s
-    while not ray.get(supervisor.register_trainer.remote(rank), timeout=cfg.embeddings.call_timeout_s):
+    me = (rank, os.getpid(), ray.get_runtime_context().get_node_id())
+    while not ray.get(supervisor.register_trainer.remote(*me), timeout=cfg.embeddings.call_timeout_s):
         if time.monotonic() > deadline:
             break
         time.sleep(0.05)
@@ -218,6 +246,7 @@ def train_loop(loop_config: dict) -> None:
         load_state_dict(torch.load(io.BytesIO(resume["dense"]), weights_only=True))
         manager.load_state_dict({"step": resume["step"], "batches_committed": resume["step"] * tr.microbatches_per_step})
     next_checkpoint = setup["next_checkpoint_step"]
+    generation = setup["generation"]
     last_participant = None
 
     samples_per_step = tr.microbatches_per_step * tr.microbatch_rows
@@ -233,6 +262,7 @@ def train_loop(loop_config: dict) -> None:
         phases.lap("quorum")
         step = manager.current_step()
         optimizer.zero_grad(set_to_none=False)
+        step_error = None
         participant = manager.participating_rank()
         if last_participant is None and participant == 0:
             supervisor.record_training_started.remote(step, manager.num_participants(), time.time())
@@ -245,24 +275,33 @@ def train_loop(loop_config: dict) -> None:
             rows = sparse_to_rows(np.concatenate([p[2] for p in parts]), table_rows)
             chunk = tuple(step * tr.microbatches_per_step + m for m in mine)
             phases.lap("data")
-            pooled = torch.from_numpy(client.lookup(rows, step, chunk)).requires_grad_(True)
-            phases.lap("lookup")
-            logits = model(torch.from_numpy(dense), pooled)
-            # Scaled so that the SUM all-reduce gives the gradient of the step's mean loss
-            # over all M microbatches, whoever computed them.
-            loss_total = torch.nn.functional.binary_cross_entropy_with_logits(
-                logits, torch.from_numpy(labels), reduction="sum"
-            )
-            (loss_total / samples_per_step).backward()
-            phases.lap("dense")
-            client.push_grads(step, chunk, pooled.grad.numpy())
-            phases.lap("push")
-            loss_sum += loss_total.item()
-            loss_rows += len(labels)
+            try:
+                pooled = torch.from_numpy(client.lookup(rows, step, chunk)).requires_grad_(True)
+                phases.lap("lookup")
+                logits = model(torch.from_numpy(dense), pooled)
+                # Scaled so that the SUM all-reduce gives the gradient of the step's mean loss
+                # over all M microbatches, whoever computed them.
+                loss_total = torch.nn.functional.binary_cross_entropy_with_logits(
+                    logits, torch.from_numpy(labels), reduction="sum"
+                )
+                (loss_total / samples_per_step).backward()
+                phases.lap("dense")
+                client.push_grads(step, chunk, pooled.grad.numpy())
+                phases.lap("push")
+                loss_sum += loss_total.item()
+                loss_rows += len(labels)
+            except ShardCallFailed as err:
+                supervisor.report_shard_failure.remote(err.shard, generation, err.reason, step)
+                step_error = err
         phases.start()
         flat = torch.cat([p.grad.reshape(-1) for p in params])
         manager.allreduce(flat, reduce_op=ReduceOp.SUM).wait()
         phases.lap("allreduce")
+        if step_error is not None:
+            # Reported only now: a trainer that skipped the all-reduce would leave the others
+            # waiting in it. The vote at should_commit fails the step for every trainer, and
+            # all of them redo it once the shard is back.
+            manager.report_error(step_error)
         if manager.should_commit():
             offset = 0
             for p in params:
@@ -271,6 +310,23 @@ def train_loop(loop_config: dict) -> None:
                 offset += n
             optimizer.step()
             steps_since += 1
+        else:
+            # A failed step: pick up respawned shards (and, after a full recovery, the
+            # checkpoint's dense state and step) before redoing it.
+            info = ray.get(supervisor.await_shards.remote(generation), timeout=cfg.embeddings.call_timeout_s * 3)
+            if info["generation"] != generation:
+                generation = info["generation"]
+                client.shards = info["shards"]
+                rollback = info["rollback"]
+                if rollback is not None:
+                    if rollback["dense"] is not None:
+                        load_state_dict(torch.load(io.BytesIO(rollback["dense"]), weights_only=True))
+                    else:
+                        model.load_state_dict(initial_state["model"])
+                        optimizer.load_state_dict(initial_state["optim"])
+                    manager.load_state_dict(
+                        {"step": rollback["step"], "batches_committed": rollback["step"] * tr.microbatches_per_step}
+                    )
         phases.lap("commit")
         done = manager.current_step()
         if participant == 0 and last_participant != 0 and next_checkpoint is not None:

@@ -75,6 +75,61 @@ def train(config_path: str | None, resume_dir: str | None, sets: tuple[str, ...]
     click.echo(f"report: {cfg.run_dir}/report.json")
 
 
+def _duration_s(value: str) -> float:
+    """'30s', '5m', '1h' or a plain number of seconds."""
+    units = {"s": 1, "m": 60, "h": 3600}
+    try:
+        if value and value[-1] in units:
+            return float(value[:-1]) * units[value[-1]]
+        return float(value)
+    except ValueError:
+        raise click.BadParameter(f"expected a duration like 30s, 5m or 1h, got {value!r}") from None
+
+
+@main.group()
+@click.option("--run", "run_dir", type=click.Path(file_okay=False), required=True, help="The running job's run_dir.")
+@click.pass_context
+def chaos(ctx: click.Context, run_dir: str) -> None:
+    """Kills actors of a running job (same cluster): one now, or on a schedule."""
+    ctx.obj = run_dir
+
+
+@chaos.command("kill")
+@click.argument("target")
+@click.pass_obj
+def chaos_kill(run_dir: str, target: str) -> None:
+    """SIGKILLs TARGET's process: shard:K, trainer:K or supervisor."""
+    from app.chaos import find_supervisor, kill_target
+
+    killed = kill_target(find_supervisor(run_dir), target)
+    click.echo(f"killed {killed['target']} (pid {killed['pid']})")
+
+
+@chaos.command("schedule")
+@click.option("--mtbf", "mtbf", default="30s", help="Mean time between failures, e.g. 30s.")
+@click.option("--targets", default="shards", help="Comma-separated: shards,trainers,supervisor.")
+@click.option("--duration", default="5m", help="Stop after this long, e.g. 5m.")
+@click.option("--distribution", type=click.Choice(["exponential", "fixed"]), default="exponential")
+@click.option("--seed", type=click.IntRange(0), default=0)
+@click.option("--max-failures", type=click.IntRange(1), default=1000)
+@click.pass_obj
+def chaos_schedule(run_dir: str, mtbf: str, targets: str, duration: str, distribution: str, seed: int, max_failures: int) -> None:
+    """Keeps killing random actors with exponential inter-failure times, for a bounded time."""
+    import threading
+
+    from app.chaos import FaultSchedule, find_supervisor, run_schedule
+
+    schedule = FaultSchedule(
+        tuple(t.strip() for t in targets.split(",") if t.strip()),
+        _duration_s(mtbf), distribution, seed, max_failures, _duration_s(duration),
+    )
+    kills = run_schedule(
+        find_supervisor(run_dir), schedule, threading.Event(),
+        on_kill=lambda k: click.echo(f"killed {k['target']} (pid {k['pid']})"),
+    )
+    click.echo(f"{len(kills)} kills")
+
+
 def run() -> None:
     """Entry point: user errors print one clear line and exit 2, not a traceback."""
     try:

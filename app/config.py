@@ -147,10 +147,37 @@ class CheckpointConfig(_Section):
     """Save when this many seconds passed since the last save (converted to steps from the measured step time)."""
     keep_last: int = Field(3, ge=1, le=1000)
     """Full checkpoints kept by the retention rule; the newest valid one is never deleted."""
+    pls_target: float = Field(0.02, gt=0.0, lt=1.0)
+    """Target portion of lost samples for partial recovery (CPR)."""
+    mtbf_s: float = Field(3600.0, gt=0.0)
+    """Seed of the mean-time-between-failures estimate, refined from observed failures."""
+    save_cost_s: float = Field(1.0, gt=0.0)
+    """Seed of the checkpoint-save cost estimate, refined from observed saves."""
+    load_cost_s: float = Field(1.0, gt=0.0)
+    """Seed of the checkpoint-load cost estimate, refined from observed loads."""
+    reschedule_cost_s: float = Field(3.0, gt=0.0)
+    """Seed of the respawn cost estimate (new actor until it answers), refined from observed respawns."""
 
     @property
     def enabled(self) -> bool:
         return self.every_steps is not None or self.every_s is not None
+
+
+class FaultsConfig(_Section):
+    """Injected failures, so that a run with failures is reproducible."""
+
+    targets: list[Literal["shards", "trainers", "supervisor"]] = ["shards"]
+    """Which actors may be killed (SIGKILL of the actor's process)."""
+    mtbf_s: float = Field(20.0, gt=0.0)
+    """Mean time between injected failures."""
+    distribution: Literal["exponential", "fixed"] = "exponential"
+    """Inter-failure times: exponential with mean mtbf_s (memoryless, as real failures), or fixed."""
+    seed: int = Field(0, ge=0)
+    """Seed of the schedule: which actor dies and when."""
+    max_failures: int = Field(3, ge=0)
+    """Stop injecting after this many kills."""
+    start_after_s: float = Field(0.0, ge=0.0)
+    """Injection starts this long after the first training step."""
 
 
 class RayConfig(_Section):
@@ -176,6 +203,12 @@ class RunConfig(_Section):
     embeddings: EmbeddingsConfig = EmbeddingsConfig()
     training: TrainingConfig = TrainingConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
+    recovery: Literal["partial", "full", "auto"] = "partial"
+    """What a dead embedding shard costs: partial (respawn it alone from its last checkpoint),
+    full (roll every shard and the dense model back to the last checkpoint), auto (the CPR cost
+    model picks)."""
+    faults: FaultsConfig | None = None
+    """Failure injection during the run; none when absent."""
     ray: RayConfig = RayConfig()
 
     @model_validator(mode="after")

@@ -100,10 +100,60 @@ def connect_ray(cfg: RunConfig) -> bool:
     return True
 
 
-def _progress_loop(supervisor, stop: threading.Event, total_steps: int) -> None:
+def format_event(e: dict) -> str | None:
+    """One line for the events a person watching the run cares about, else None."""
+    kind = e["kind"]
+    if kind == "shard_recovered":
+        detect = f"detected in {e['detection_s']:.2f}s, " if e.get("detection_s") is not None else ""
+        lost = (
+            f"{e['lost_samples']:,.0f} samples' updates lost"
+            if e["recovery"] == "partial"
+            else f"{e['lost_steps_recomputed']} steps to recompute"
+        )
+        return (
+            f"[failure] {e['actor']} died ({e['cause']}); {detect}{e['recovery']} recovery from step "
+            f"{e['restored_step']} in {e['recovery_s']:.2f}s (respawn {e['reschedule_s']:.2f}s, load "
+            f"{e['load_s']:.2f}s), {e['rows_reloaded']:,} rows reloaded, {lost}"
+        )
+    if kind == "supervisor_restarted":
+        return f"[failure] supervisor restarted; rebuilt its state in {e['rebuilt_s']:.2f}s from step {e['last_checkpoint_step']}"
+    if kind == "checkpoint_saved":
+        return f"[checkpoint] step {e['step']}: {e['bytes'] / 1e6:,.1f} MB in {e['duration_s']:.2f}s"
+    if kind in ("checkpoint_fallback", "checkpoint_failed"):
+        return f"[checkpoint] {kind.replace('_', ' ')}: {e}"
+    return None
+
+
+def _progress_loop(supervisor, stop: threading.Event, total_steps: int, show_bar: bool) -> None:
+    from rich.console import Console
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     import ray
+
+    seen = 0
+
+    def new_events(print_line) -> None:
+        nonlocal seen
+        try:
+            events = ray.get(supervisor.events_since.remote(seen), timeout=10)
+        except Exception:  # the supervisor may be restarting; the next poll catches up
+            return
+        seen += len(events)
+        for e in events:
+            line = format_event(e)
+            if line:
+                print_line(line)
+
+    if not show_bar:
+        console = Console(highlight=False)
+
+        def say(line: str) -> None:
+            console.print(line, markup=False)
+
+        while not stop.wait(1.0):
+            new_events(say)
+        new_events(say)
+        return
 
     columns = (
         TextColumn("[bold]train"),
@@ -115,6 +165,7 @@ def _progress_loop(supervisor, stop: threading.Event, total_steps: int) -> None:
     with Progress(*columns, transient=False) as bar:
         task = bar.add_task("train", total=total_steps, rate="-", loss="-", trainers="-")
         while not stop.wait(1.0):
+            new_events(lambda line: bar.console.print(line, highlight=False, markup=False))
             try:
                 p = ray.get(supervisor.progress.remote(), timeout=10)
             except Exception:  # the supervisor may be restarting; the next poll retries
@@ -127,6 +178,7 @@ def _progress_loop(supervisor, stop: threading.Event, total_steps: int) -> None:
                     loss=f"{p['loss']:.4f}",
                     trainers=p["trainers"],
                 )
+        new_events(lambda line: bar.console.print(line, highlight=False, markup=False))
 
 
 class TrainingJob:
@@ -149,6 +201,9 @@ class TrainingJob:
 
     def start(self) -> dict:
         import ray
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        from app.chaos import write_run_info
 
         from actors.supervisor import Supervisor, supervisor_name
 
@@ -167,15 +222,28 @@ class TrainingJob:
         self.data = prepare_data(cfg)
         self._t["data"] = time.perf_counter()
         self._started_ray = connect_ray(cfg)
+        if self.resume:
+            _kill_leftovers(self.run_dir, cfg.ray.namespace)
+        # Pinned to this node (its state file lives in run_dir); restarted by Ray when it
+        # dies, with calls in flight retried, so trainers never see it gone.
         self.supervisor = (
             ray.remote(Supervisor)
-            .options(name=supervisor_name(self.run_id), namespace=cfg.ray.namespace, num_cpus=0, max_concurrency=8)
+            .options(
+                name=supervisor_name(self.run_id),
+                namespace=cfg.ray.namespace,
+                num_cpus=0,
+                max_concurrency=16,
+                max_restarts=-1,
+                max_task_retries=-1,
+                scheduling_strategy=NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False),
+            )
             .remote(
                 cfg.model_dump(), self.run_id, self.data["train"].path, self.data["eval"].path,
                 self.data["train"].microbatches,
             )
         )
         self.started = ray.get(self.supervisor.start.remote(), timeout=cfg.embeddings.call_timeout_s * 2)
+        write_run_info(self.run_dir, self.run_id, cfg.ray.namespace, ray.get_runtime_context().gcs_address)
         if self.resume:
             self.resumed = ray.get(self.supervisor.restore.remote(), timeout=cfg.embeddings.call_timeout_s * 2)
             if self.resumed is None:
@@ -209,21 +277,44 @@ class TrainingJob:
             run_config=TrainRunConfig(name=f"cpr-{self.run_id}", storage_path=str(self.run_dir / "ray_train")),
         )
         stop = threading.Event()
-        progress = None
-        if self.show_progress:
-            progress = threading.Thread(
-                target=_progress_loop, args=(self.supervisor, stop, self.started["total_steps"]), daemon=True
+        threads = [
+            threading.Thread(
+                target=_progress_loop,
+                args=(self.supervisor, stop, self.started["total_steps"], self.show_progress),
+                daemon=True,
             )
-            progress.start()
+        ]
+        if cfg.faults is not None:
+            threads.append(threading.Thread(target=self._inject_faults, args=(stop,), daemon=True))
+        for t in threads:
+            t.start()
         self._t["train"] = time.perf_counter()
         self._wall_train = time.time()
         try:
             trainer.fit()
         finally:
             stop.set()
-            if progress:
-                progress.join(timeout=5)
+            for t in threads:
+                t.join(timeout=10)
         self._t["end"] = time.perf_counter()
+
+    def _inject_faults(self, stop: threading.Event) -> None:
+        """The run's ``faults:`` schedule, counted from the first training step."""
+        import ray
+
+        from app.chaos import FaultSchedule, run_schedule
+
+        f = self.cfg.faults
+        schedule = FaultSchedule(
+            tuple(f.targets), f.mtbf_s, f.distribution, f.seed, f.max_failures, None, f.start_after_s
+        )
+        while not stop.wait(0.5):
+            try:
+                if any(e["kind"] == "training_started" for e in ray.get(self.supervisor.events_since.remote(0), timeout=10)):
+                    break
+            except Exception:
+                continue
+        run_schedule(self.supervisor, schedule, stop)
 
     def finish(self) -> dict:
         """Collects the supervisor's summary and writes report.json, events.jsonl, summary.txt."""
@@ -258,11 +349,33 @@ class TrainingJob:
         import ray
 
         if self.supervisor is not None:
-            ray.kill(self.supervisor)
+            try:
+                ray.get(self.supervisor.shutdown.remote(), timeout=30)
+            except Exception as err:  # still remove what we can
+                logger.warning("supervisor shutdown failed: %s", err)
+                _kill_leftovers(self.run_dir, self.cfg.ray.namespace, self.run_id)
+            ray.kill(self.supervisor, no_restart=True)
             self.supervisor = None
         if self._started_ray:
             ray.shutdown()
             self._started_ray = False
+
+
+def _kill_leftovers(run_dir: Path, namespace: str, run_id: str | None = None) -> None:
+    """Kills the detached shards of a run whose driver died (read from its run.json)."""
+    import json
+
+    import ray
+
+    if run_id is None:
+        info = Path(run_dir) / "run.json"
+        if not info.exists():
+            return
+        run_id = json.loads(info.read_text())["run_id"]
+    for a in ray.util.list_named_actors(all_namespaces=True):
+        if a["namespace"] == namespace and a["name"].startswith(f"cpr-shard-{run_id}-"):
+            ray.kill(ray.get_actor(a["name"], namespace=namespace), no_restart=True)
+            logger.warning("removed %s left by an earlier driver", a["name"])
 
 
 def resume_config(run_dir: str) -> RunConfig:

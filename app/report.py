@@ -22,6 +22,16 @@ def build_report(cfg: RunConfig, summary: dict, data: dict, wall: dict) -> dict:
     samples_this_run = (steps - resumed_from) * samples_per_step
     ceiling = data.get("ceiling_auc")
     auc = evaluation.get("auc")
+    failures = summary.get("failures", [])
+    lost_samples = sum(f["lost_samples"] for f in failures)
+    saves = [e for e in summary.get("events", []) if e["kind"] == "checkpoint_saved"]
+    step_time_s = wall["training_s"] / max(steps - resumed_from, 1)
+    overhead_s = {
+        "save": sum(e["duration_s"] for e in saves),
+        "load": sum(f["load_s"] for f in failures),
+        "lost_computation": sum(f["lost_steps_recomputed"] for f in failures) * step_time_s,
+        "rescheduling": sum(f["reschedule_s"] for f in failures),
+    }
     return {
         "run_id": summary["run_id"],
         "auc": auc,
@@ -35,6 +45,15 @@ def build_report(cfg: RunConfig, summary: dict, data: dict, wall: dict) -> dict:
         "samples_this_run": samples_this_run,
         "samples_per_s": samples_this_run / wall["training_s"] if wall["training_s"] > 0 else None,
         "bad_lines_skipped": data["train"].bad_lines + data["eval"].bad_lines,
+        "recovery": summary.get("recovery_mode"),
+        "failures": failures,
+        "lost_samples": lost_samples,
+        # Portion of lost samples: lost samples (weighted by the model fraction they touched)
+        # over all samples trained.
+        "pls": lost_samples / samples if samples else 0.0,
+        "checkpoints_saved": len(saves),
+        "overhead_s": {k: round(v, 3) for k, v in overhead_s.items()},
+        "overhead_pct_of_wall": {k: round(100 * v / wall["total_s"], 2) for k, v in overhead_s.items()},
         "wall_time_s": {k: round(v, 3) for k, v in wall.items()},
         "shards": summary.get("shards"),
         "events": summary.get("events", []),
@@ -53,9 +72,22 @@ def format_summary(report: dict) -> str:
         f"  samples trained   {report['samples_trained']:,} in {report['steps']} steps"
         + (f"  ({report['samples_per_s']:,.0f} samples/s)" if report["samples_per_s"] else ""),
         f"  bad lines skipped {report['bad_lines_skipped']}",
+        f"  failures          {len(report['failures'])} ({report['recovery']['mode']} recovery), "
+        f"PLS {report['pls']:.5f} ({report['lost_samples']:,.0f} samples' updates lost), "
+        f"{report['checkpoints_saved']} checkpoints",
+        "  overhead          "
+        + ", ".join(f"{k.replace('_', ' ')} {v:.2f}%" for k, v in report["overhead_pct_of_wall"].items())
+        + " of wall time",
         f"  wall time         data {w['data_prep_s']:.1f}s, startup {w['startup_s']:.1f}s, "
         f"training {w['training_s']:.1f}s, evaluation {w['evaluation_s']:.1f}s, total {w['total_s']:.1f}s",
     ]
+    for f in report["failures"]:
+        detect = f"{f['detection_s']:.2f}s" if f.get("detection_s") is not None else "n/a"
+        lines.append(
+            f"    {f['actor']}: detected {detect}, recovered in {f['recovery_s']:.2f}s from step "
+            f"{f['restored_step']} (failed at {f['failed_at_step']}), {f['rows_reloaded']:,} rows / "
+            f"{f['bytes_reloaded'] / 1e6:,.1f} MB reloaded, {f['lost_samples']:,.0f} lost samples"
+        )
     return "\n".join(lines)
 
 

@@ -1,0 +1,140 @@
+"""Fault injection: kill a run's actors by SIGKILL of their process, one by one
+(``cpr chaos kill shard:1``) or on a schedule of exponential inter-failure times
+(``cpr chaos schedule`` or a run's ``faults:`` config), with the kill time recorded first.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from app.errors import ConfigError
+
+__all__ = ["FaultSchedule", "kill_target", "run_schedule", "find_supervisor", "write_run_info"]
+
+logger = logging.getLogger(__name__)
+
+_TARGET_KINDS = {"shards": "shard:", "trainers": "trainer:", "supervisor": "supervisor"}
+
+
+def write_run_info(run_dir: Path, run_id: str, namespace: str, address: str) -> None:
+    """What `cpr chaos --run RUN_DIR` needs to find a running job."""
+    (Path(run_dir) / "run.json").write_text(
+        json.dumps({"run_id": run_id, "namespace": namespace, "address": address, "pid": os.getpid()})
+    )
+
+
+def find_supervisor(run_dir: str):
+    """Connects to the run's Ray cluster (if not connected) and returns its supervisor."""
+    import ray
+
+    from actors.supervisor import supervisor_name
+
+    path = Path(run_dir) / "run.json"
+    if not path.exists():
+        raise ConfigError(f"{run_dir}: no run.json; is a run going on in this run directory?")
+    info = json.loads(path.read_text())
+    if not ray.is_initialized():
+        ray.init(address=os.environ.get("RAY_ADDRESS", info["address"]), namespace=info["namespace"], log_to_driver=False)
+    try:
+        return ray.get_actor(supervisor_name(info["run_id"]), namespace=info["namespace"])
+    except ValueError:
+        raise ConfigError(f"run {info['run_id']} has no live supervisor; has it finished?") from None
+
+
+def _sigkill(supervisor, target: str, pid: int) -> float:
+    # Runs on the target's node; the time is taken here, right before the kill, so that
+    # detection latency does not include starting this task's worker.
+    import ray
+
+    now = time.time()
+    ray.get(supervisor.record_kill.remote(target, now), timeout=30)
+    os.kill(pid, signal.SIGKILL)
+    return now
+
+
+def kill_target(supervisor, target: str, timeout_s: float = 30.0) -> dict:
+    """SIGKILLs the process of ``target`` ("shard:1", "trainer:0", "supervisor") on its node.
+
+    The kill time is recorded with the supervisor first, so detection latency is measured
+    from the kill. Returns what was killed.
+    """
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    targets = ray.get(supervisor.targets.remote(), timeout=timeout_s)
+    if target not in targets:
+        raise ConfigError(f"unknown target {target!r}; this run has {sorted(targets)}")
+    info = targets[target]
+    killer = ray.remote(num_cpus=0, max_retries=0)(_sigkill).options(
+        scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=info["node_id"], soft=False)
+    )
+    now = ray.get(killer.remote(supervisor, target, info["pid"]), timeout=timeout_s)
+    logger.warning("killed %s (pid %d) at %.3f", target, info["pid"], now)
+    return {"target": target, "pid": info["pid"], "time": now}
+
+
+@dataclass(frozen=True)
+class FaultSchedule:
+    """When and whom to kill: inter-failure times drawn from ``distribution`` with mean
+    ``mtbf_s``, targets drawn uniformly from the allowed kinds, all from ``seed``."""
+
+    targets: tuple[str, ...]
+    mtbf_s: float
+    distribution: str = "exponential"
+    seed: int = 0
+    max_failures: int = 3
+    duration_s: float | None = None
+    start_after_s: float = 0.0
+
+    def __post_init__(self):
+        bad = [t for t in self.targets if t not in _TARGET_KINDS]
+        if bad or not self.targets:
+            raise ConfigError(f"targets must be among {sorted(_TARGET_KINDS)}, got {list(self.targets)}")
+        if self.mtbf_s <= 0:
+            raise ConfigError(f"mtbf_s must be > 0, got {self.mtbf_s}")
+        if self.distribution not in ("exponential", "fixed"):
+            raise ConfigError(f"distribution must be exponential or fixed, got {self.distribution!r}")
+
+    def plan(self, available: list[str]) -> list[tuple[float, str]]:
+        """(seconds after start, target) for every planned kill; a pure function of the seed."""
+        rng = np.random.default_rng(self.seed)
+        kinds = [_TARGET_KINDS[t] for t in self.targets]
+        pool = sorted(a for a in available if any(a.startswith(k) for k in kinds))
+        if not pool:
+            raise ConfigError(f"no actor of kinds {list(self.targets)} in {sorted(available)}")
+        out, t = [], self.start_after_s
+        while len(out) < self.max_failures:
+            t += rng.exponential(self.mtbf_s) if self.distribution == "exponential" else self.mtbf_s
+            if self.duration_s is not None and t > self.duration_s:
+                break
+            out.append((t, pool[int(rng.integers(len(pool)))]))
+        return out
+
+
+def run_schedule(supervisor, schedule: FaultSchedule, stop: threading.Event, on_kill=None) -> list[dict]:
+    """Kills per ``schedule`` until it is done or ``stop`` is set; returns the kills."""
+    import ray
+
+    targets = ray.get(supervisor.targets.remote(), timeout=30)
+    start = time.monotonic()
+    kills = []
+    for at_s, target in schedule.plan(list(targets)):
+        if stop.wait(max(0.0, at_s - (time.monotonic() - start))):
+            break
+        try:
+            kills.append(kill_target(supervisor, target))
+        except Exception as err:  # the run may be ending; a failed kill must not kill the run
+            logger.warning("could not kill %s: %s", target, err)
+            continue
+        if on_kill:
+            on_kill(kills[-1])
+    return kills
