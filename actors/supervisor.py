@@ -147,13 +147,22 @@ class Supervisor:
             self.last_checkpoint_step = max([self.last_checkpoint_step, *committed])
         self.next_checkpoint_step = self._after(self.last_checkpoint_step)
         ns = self.cfg.ray.namespace
-        self.shards = [
-            ray.get_actor(shard_name(self.run_id, k, g), namespace=ns) for k, g in enumerate(self.shard_gens)
-        ]
-        self.shard_info = ray.get([s.ready.remote() for s in self.shards], timeout=self.cfg.embeddings.call_timeout_s)
+        self.shards, self.shard_info, missing = [], [], []
+        for k, g in enumerate(self.shard_gens):
+            try:
+                shard = ray.get_actor(shard_name(self.run_id, k, g), namespace=ns)
+                info = ray.get(shard.ready.remote(), timeout=self.cfg.embeddings.call_timeout_s)
+            except (ValueError, ray.exceptions.RayError, ray.exceptions.GetTimeoutError):
+                # Died while this supervisor was down (or mid-recovery): recover it now.
+                shard, info = None, {"pid": None, "node_id": None}
+                missing.append(k)
+            self.shards.append(shard)
+            self.shard_info.append(info)
         kill = next((k for k in reversed(self.kills) if k["target"] == "supervisor"), None)
         self.state = RunState.RUNNING
         self._start_watching()
+        for k in missing:
+            self._deaths.put((k, self.shard_gens[k], "not found after supervisor restart", time.time()))
         self.record_event(
             "supervisor_restarted",
             rebuilt_s=round(time.time() - t0, 3),
@@ -216,6 +225,8 @@ class Supervisor:
 
     def _start_watching(self) -> None:
         for k, shard in enumerate(self.shards):
+            if shard is None:
+                continue
             self._watch[shard.watch.options(concurrency_group="watch").remote()] = (k, self.shard_gens[k])
         # Detection and recovery on separate threads: a death during another shard's
         # recovery is still seen (and timed) at once.
@@ -281,7 +292,7 @@ class Supervisor:
         kill = next((x for x in reversed(self.kills) if x["target"] == f"shard:{k}" and x["time"] <= detected), None)
         self.costs.observe_failure(detected)
         mode, decision = self._recovery_mode()
-        survivors = [s for i, s in enumerate(self.shards) if i != k]
+        survivors = [s for i, s in enumerate(self.shards) if i != k and s is not None]
         # The steps the dead shard had trained: what survivors applied, what trainers were
         # at when their calls failed, and the last progress report, whichever is furthest.
         try:
@@ -358,13 +369,32 @@ class Supervisor:
         self.record_event("shard_recovered", **failure)
 
     def await_shards(self, known_generation: int) -> dict:
-        """Blocks while a recovery is under way; returns the current shard handles, their
-        generation and, after a full recovery, the step and dense state to roll back to."""
-        timeout = self.cfg.embeddings.call_timeout_s * 2
-        with self._changed:
-            self._changed.wait_for(lambda: self.state != RunState.RECOVERING, timeout=timeout)
-            rollback = self.rollback if self.rollback and self.rollback["generation"] > known_generation else None
-            return {"generation": self.generation, "shards": list(self.shards), "rollback": rollback}
+        """Called by a trainer after a failed step. Returns the current shard handles, their
+        generation and, after a full recovery, the step and dense state to roll back to.
+
+        It does not answer "nothing changed" while a shard is dead but not yet recovered: a
+        trainer whose own calls succeeded could otherwise redo the step with stale state
+        while the others roll back. So on an unchanged generation it probes the shards and
+        waits for the recovery of any that is gone.
+        """
+        deadline = time.monotonic() + self.cfg.embeddings.call_timeout_s * 2
+        while time.monotonic() < deadline:
+            with self._changed:
+                self._changed.wait_for(lambda: self.state != RunState.RECOVERING, timeout=deadline - time.monotonic())
+                generation = self.generation
+                shards = list(self.shards)
+                if generation > known_generation or self.state == RunState.FINISHED:
+                    rollback = self.rollback if self.rollback and self.rollback["generation"] > known_generation else None
+                    return {"generation": generation, "shards": shards, "rollback": rollback}
+            try:
+                ray.get([s.state.remote() for s in shards], timeout=self.cfg.embeddings.call_timeout_s)
+                return {"generation": generation, "shards": shards, "rollback": None}
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+                with self._changed:
+                    self._changed.wait_for(lambda: self.generation > generation, timeout=deadline - time.monotonic())
+        raise ShardUnavailable(
+            f"shards not recovered within 2 x embeddings.call_timeout_s={self.cfg.embeddings.call_timeout_s}s"
+        )
 
     # ------------------------------------------------------------------ trainers
 
@@ -481,6 +511,9 @@ class Supervisor:
         """
         if self.store is None:
             raise ConfigError("checkpoint: every_steps or every_s must be set to save checkpoints")
+        if step in self.store.list_committed():
+            # A call retried after a supervisor restart: the save already happened.
+            return {"next_step": self.next_checkpoint_step, "duration_s": 0.0}
         t0 = time.perf_counter()
         uri = self.cfg.checkpoint_uri
         with self._lock:
@@ -490,7 +523,13 @@ class Supervisor:
             write_blob(uri, step, DENSE_FILE, dense_blob),
             write_blob(uri, step, DATA_POSITION_FILE, json.dumps(self._position(step)).encode()),
         ]
-        results = ray.get(refs, timeout=self.cfg.embeddings.call_timeout_s)
+        try:
+            results = ray.get(refs, timeout=self.cfg.embeddings.call_timeout_s)
+        except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError) as err:
+            # A shard died or lags behind (just recovered): no manifest, so this checkpoint
+            # does not exist; the trainer asks again at a later step.
+            self.record_event("checkpoint_failed", step=step, error=str(err).splitlines()[0][:200])
+            return {"next_step": step + 1, "duration_s": time.perf_counter() - t0}
         entries += [r["entry"] for r in results]
         info = self.store.commit(step, entries, kind=FULL, meta={"run_id": self.run_id})
         duration_s = time.perf_counter() - t0
