@@ -50,11 +50,15 @@ def find_supervisor(run_dir: str):
         raise ConfigError(f"run {info['run_id']} has no live supervisor; has it finished?") from None
 
 
-def _sigkill(supervisor, target: str, pid: int) -> float:
+def _sigkill(supervisor, target: str, pid: int) -> float | None:
     # Runs on the target's node; the time is taken here, right before the kill, so that
     # detection latency does not include starting this task's worker.
     import ray
 
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return None  # already dead (e.g. being recovered): nothing to record
     now = time.time()
     ray.get(supervisor.record_kill.remote(target, now), timeout=30)
     os.kill(pid, signal.SIGKILL)
@@ -78,6 +82,8 @@ def kill_target(supervisor, target: str, timeout_s: float = 30.0) -> dict:
         scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=info["node_id"], soft=False)
     )
     now = ray.get(killer.remote(supervisor, target, info["pid"]), timeout=timeout_s)
+    if now is None:
+        raise ConfigError(f"{target} (pid {info['pid']}) is already dead")
     logger.warning("killed %s (pid %d) at %.3f", target, info["pid"], now)
     return {"target": target, "pid": info["pid"], "time": now}
 

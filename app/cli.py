@@ -75,6 +75,14 @@ def train(config_path: str | None, resume_dir: str | None, sets: tuple[str, ...]
     click.echo(f"report: {cfg.run_dir}/report.json")
 
 
+@main.command("config-docs")
+def config_docs() -> None:
+    """Prints the config reference (markdown) from the config models."""
+    from app.config import config_reference
+
+    click.echo(config_reference())
+
+
 def _duration_s(value: str) -> float:
     """'30s', '5m', '1h' or a plain number of seconds."""
     units = {"s": 1, "m": 60, "h": 3600}

@@ -15,14 +15,14 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from app.errors import ConfigError
 
-__all__ = ["RunConfig", "load_config", "config_from_dict"]
+__all__ = ["RunConfig", "load_config", "config_from_dict", "config_reference"]
 
 NUM_SPARSE = 26
 
 
 class _Section(BaseModel):
     # Unknown keys are typos; failing on them beats silently ignoring a setting.
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
 
 
 class GenerateConfig(_Section):
@@ -271,3 +271,38 @@ def load_config(path: str | os.PathLike, overrides: dict[str, Any] | None = None
             node = node.setdefault(p, {})
         node[leaf] = value
     return config_from_dict(raw)
+
+
+def _allowed(info) -> str:
+    parts = []
+    for m in info.metadata:
+        for attr, sym in (("ge", ">="), ("gt", ">"), ("le", "<="), ("lt", "<")):
+            v = getattr(m, attr, None)
+            if v is not None:
+                parts.append(f"{sym} {v}")
+    return ", ".join(parts)
+
+
+def config_reference() -> str:
+    """The config reference as a markdown table, from the models' field docstrings."""
+    rows = ["| field | type | default | allowed | meaning |", "|---|---|---|---|---|"]
+
+    def walk(model: type[BaseModel], prefix: str) -> None:
+        for name, info in model.model_fields.items():
+            ann = info.annotation
+            sub = next(
+                (a for a in getattr(ann, "__args__", (ann,)) if isinstance(a, type) and issubclass(a, BaseModel)),
+                None,
+            )
+            if sub is not None:
+                doc = (sub.__doc__ or "").strip().splitlines()[0]
+                rows.append(f"| **{prefix}{name}** | section | | | {doc} |")
+                walk(sub, f"{prefix}{name}.")
+                continue
+            type_s = str(ann).replace("typing.", "").replace("<class '", "").replace("'>", "").replace("|", "\\|")
+            default = "required" if info.is_required() else repr(info.default)
+            desc = " ".join((info.description or "").split())
+            rows.append(f"| `{prefix}{name}` | `{type_s}` | `{default}` | {_allowed(info)} | {desc} |")
+
+    walk(RunConfig, "")
+    return "\n".join(rows)

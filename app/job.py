@@ -148,7 +148,7 @@ def _progress_loop(supervisor, stop: threading.Event, total_steps: int, show_bar
         console = Console(highlight=False)
 
         def say(line: str) -> None:
-            console.print(line, markup=False)
+            console.print(line, markup=False, soft_wrap=True)
 
         while not stop.wait(1.0):
             new_events(say)
@@ -165,7 +165,7 @@ def _progress_loop(supervisor, stop: threading.Event, total_steps: int, show_bar
     with Progress(*columns, transient=False) as bar:
         task = bar.add_task("train", total=total_steps, rate="-", loss="-", trainers="-")
         while not stop.wait(1.0):
-            new_events(lambda line: bar.console.print(line, highlight=False, markup=False))
+            new_events(lambda line: bar.console.print(line, highlight=False, markup=False, soft_wrap=True))
             try:
                 p = ray.get(supervisor.progress.remote(), timeout=10)
             except Exception:  # the supervisor may be restarting; the next poll retries
@@ -178,7 +178,7 @@ def _progress_loop(supervisor, stop: threading.Event, total_steps: int, show_bar
                     loss=f"{p['loss']:.4f}",
                     trainers=p["trainers"],
                 )
-        new_events(lambda line: bar.console.print(line, highlight=False, markup=False))
+        new_events(lambda line: bar.console.print(line, highlight=False, markup=False, soft_wrap=True))
 
 
 class TrainingJob:
