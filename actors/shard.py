@@ -101,6 +101,7 @@ class EmbeddingShard:
         self._released = threading.Event()
         self.steps_dropped = 0
         self.first_step_after_load: int | None = None
+        self.applied_microbatches: list[tuple[int, tuple[int, ...]]] = []
         self._pending: dict[int, dict[tuple[int, ...], _Chunk]] = {}
         self.applied_step = -1
         self.rows_updated_total = 0
@@ -134,6 +135,7 @@ class EmbeddingShard:
                 st[0].zero_()
         self._pending.clear()
         self.applied_step = -1
+        self.applied_microbatches.clear()
 
     def ready(self) -> dict:
         """Identifies the process (used to kill it in chaos tests) and its size."""
@@ -166,9 +168,12 @@ class EmbeddingShard:
         """
         t0 = time.perf_counter()
         if step > self.applied_step:
-            self._pending.setdefault(step, {})[tuple(microbatches)] = _Chunk(
-                tuple(microbatches), lengths, indices
-            )
+            chunks = self._pending.setdefault(step, {})
+            # A redo may split the step differently (fewer trainers): the new chunk replaces
+            # every older one it overlaps, so no microbatch is ever counted twice.
+            for key in [k for k in chunks if set(k) & set(microbatches)]:
+                del chunks[key]
+            chunks[tuple(microbatches)] = _Chunk(tuple(microbatches), lengths, indices)
         out = self._forward(lengths, indices, grad=False).cpu().numpy()
         self.compute_s += time.perf_counter() - t0
         return out
@@ -202,6 +207,7 @@ class EmbeddingShard:
         torch = self._torch
         t0 = time.perf_counter()
         ordered = [chunks[k] for k in sorted(chunks)]
+        self.applied_microbatches.append((step, tuple(m for c in ordered for m in c.microbatches)))
         lengths, indices, grad = _merge_chunks(ordered)
         pooled = self._forward(lengths, indices, grad=True)
         pooled.backward(torch.from_numpy(grad).to(self.device))
@@ -274,11 +280,16 @@ class EmbeddingShard:
         self._pending.clear()
         self.applied_step = steps[-1] - 1
         self.first_step_after_load = None
+        self.applied_microbatches = [x for x in self.applied_microbatches if x[0] < steps[-1]]
         return {
             "rows": int(len(data.rows)),
             "bytes": int(data.weights.nbytes + data.momentum.nbytes + data.rows.nbytes + data.tables.nbytes),
             "duration_s": time.perf_counter() - t0,
         }
+
+    def applied_log(self) -> list[tuple[int, tuple[int, ...]]]:
+        """(step, microbatch ids) of every embedding update this shard applied, in order."""
+        return list(self.applied_microbatches)
 
     def get_rows(self) -> list[tuple[np.ndarray, np.ndarray]]:
         """(weights float32 [rows, D], momentum float32 [rows]) per slice, as copies."""

@@ -97,6 +97,9 @@ class Supervisor:
         self.next_checkpoint_step = self._after(0)
         self._watch: dict[Any, tuple[int, int]] = {}
         self._deaths: queue.Queue = queue.Queue()
+        self.commits: dict[int, dict] = {}
+        self.failed_steps: list[dict] = []
+        self.heals: list[dict] = []
         self.max_step_seen = 0
         if ray.get_runtime_context().was_current_actor_reconstructed:
             self._rebuild()
@@ -358,6 +361,7 @@ class Supervisor:
             self.generation += 1
             if mode == RecoveryMode.FULL:
                 self.max_step_seen = restored_step
+                self.commits = {s: c for s, c in self.commits.items() if s < restored_step}
                 dense = self.store.read_blob(restored_step, DENSE_FILE) if chain else None
                 self.rollback = {"generation": self.generation, "step": restored_step, "dense": dense}
             else:
@@ -409,9 +413,91 @@ class Supervisor:
                 "schedule": self.schedule,
                 "train_cache": self.train_cache,
                 "eval_cache": self.eval_cache,
-                "resume": self.resume_state,
+                "resume": self.resume_state if not self.training_started else self._restart_state(),
+                "training_started": self.training_started,
                 "next_checkpoint_step": self.next_checkpoint_step,
             }
+
+    def _restart_state(self) -> dict:
+        """For a trainer started after training began (Ray Train replaced it): the last
+        checkpoint's step and dense state. A live peer further ahead heals it instead; if no
+        trainer is alive, the run falls back to exactly this checkpoint."""
+        chain = self.store.chain_steps() if self.store is not None else []
+        if not chain:
+            return {"step": 0, "dense": None}
+        return {"step": chain[-1], "dense": self.store.read_blob(chain[-1], DENSE_FILE)}
+
+    def fallback_to_checkpoint(self, step: int, rank: int) -> bool:
+        """Every trainer died and the new ones start at checkpoint ``step``: roll the shards
+        back to it too, so dense and embedding state agree. Idempotent. Returns whether a
+        rollback happened."""
+        timeout = self.cfg.embeddings.call_timeout_s
+        with self._lock:
+            shards = list(self.shards)
+            states = ray.get([sh.state.remote() for sh in shards], timeout=timeout)
+            ahead = max(st["applied_step"] + 1 for st in states)
+            if ahead <= step:
+                return False
+            t0 = time.time()
+            if step > 0:
+                chain = self.store.chain_steps(step)
+                loaded = ray.get([sh.load_checkpoint.remote(self.cfg.checkpoint_uri, chain) for sh in shards], timeout=timeout)
+            else:
+                ray.get([sh.reset_to_init.remote() for sh in shards], timeout=timeout)
+                loaded = [{"rows": 0, "bytes": 0}]
+            self.commits = {s: c for s, c in self.commits.items() if s < step}
+            self.max_step_seen = step
+        self.record_event(
+            "all_trainers_failed",
+            fallback_step=step,
+            steps_lost=ahead - step,
+            rows_reloaded=sum(x["rows"] for x in loaded),
+            load_s=round(time.time() - t0, 3),
+            reported_by=rank,
+        )
+        return True
+
+    def record_commit(self, step: int, rank: int, microbatches: tuple[int, ...], participants: int, wall_time: float) -> None:
+        """A trainer's share of a committed dense step (its microbatch ids)."""
+        with self._lock:
+            entry = self.commits.setdefault(step, {"microbatches": [], "participants": participants, "time": wall_time})
+            entry["microbatches"].extend(microbatches)
+            entry["participants"] = participants
+
+    def record_step_failed(self, step: int, rank: int, wall_time: float, cause: str) -> None:
+        with self._lock:
+            self.failed_steps.append({"step": step, "rank": rank, "time": wall_time, "cause": cause})
+
+    def record_trainer_healed(self, rank: int, step: int, heal_s: float, wall_time: float) -> None:
+        """A replacement trainer took its first share of a step after healing from a peer."""
+        with self._lock:
+            self.heals.append({"rank": rank, "step": step, "heal_s": heal_s, "time": wall_time})
+        self.record_event("trainer_healed", rank=rank, step=step, heal_s=round(heal_s, 3))
+
+    def _trainer_failures(self) -> list[dict]:
+        """One record per killed trainer: detection, steps with fewer trainers, heal time."""
+        out = []
+        full = self.cfg.training.num_trainers
+        for kill in (k for k in self.kills if k["target"].startswith("trainer:")):
+            rank = int(kill["target"].split(":")[1])
+            seen = [f for f in self.failed_steps if f["time"] >= kill["time"]]
+            heal = next((h for h in self.heals if h["rank"] == rank and h["time"] >= kill["time"]), None)
+            end = heal["time"] if heal else float("inf")
+            degraded = sorted(
+                s for s, c in self.commits.items() if kill["time"] <= c["time"] <= end and c["participants"] < full
+            )
+            out.append(
+                {
+                    "actor": kill["target"],
+                    "killed_at": kill["time"],
+                    "detection_s": round(seen[0]["time"] - kill["time"], 3) if seen else None,
+                    "steps_with_fewer_trainers": len(degraded),
+                    "heal_s": round(heal["heal_s"], 3) if heal else None,
+                    "rejoined_s": round(heal["time"] - kill["time"], 3) if heal else None,
+                    "replacement_joined_at_step": heal["step"] if heal else None,
+                }
+            )
+        return out
 
     def register_trainer(self, rank: int, pid: int | None = None, node_id: str | None = None) -> bool:
         """A trainer is ready to step. Returns True once the first step may begin: every
@@ -604,6 +690,8 @@ class Supervisor:
                 "resumed_from_step": self.resume_state["step"] if self.resume_state else None,
                 "last_checkpoint_step": self.last_checkpoint_step,
                 "recovery_mode": self._recovery_mode()[1],
+                "trainer_failures": self._trainer_failures(),
+                "commits": {s: {"microbatches": sorted(c["microbatches"]), "participants": c["participants"]} for s, c in sorted(self.commits.items())},
             }
 
     def shard_handles(self) -> list:

@@ -240,11 +240,16 @@ def train_loop(loop_config: dict) -> None:
             break
         time.sleep(0.05)
 
+    # A resumed run, or a trainer Ray Train started to replace a dead one: begin at the
+    # last checkpoint. A live peer further ahead heals this trainer in its first quorum.
     resume = setup["resume"]
     if resume is not None:
-        # Every trainer starts from the same checkpoint, so the first quorum agrees on it.
-        load_state_dict(torch.load(io.BytesIO(resume["dense"]), weights_only=True))
+        if resume["dense"] is not None:
+            load_state_dict(torch.load(io.BytesIO(resume["dense"]), weights_only=True))
         manager.load_state_dict({"step": resume["step"], "batches_committed": resume["step"] * tr.microbatches_per_step})
+    replacement = setup["training_started"]
+    started_s = time.perf_counter()
+    first_quorum = True
     next_checkpoint = setup["next_checkpoint_step"]
     generation = setup["generation"]
     last_participant = None
@@ -264,6 +269,15 @@ def train_loop(loop_config: dict) -> None:
         optimizer.zero_grad(set_to_none=False)
         step_error = None
         participant = manager.participating_rank()
+        if first_quorum:
+            first_quorum = False
+            if replacement and resume is not None and step == resume["step"]:
+                # Nobody was ahead to heal from: every trainer died. Shards go back to the
+                # same checkpoint as the dense state (the supervisor does it once).
+                ray.get(supervisor.fallback_to_checkpoint.remote(step, rank), timeout=cfg.embeddings.call_timeout_s * 2)
+        if replacement and participant is not None:
+            supervisor.record_trainer_healed.remote(rank, step, time.perf_counter() - started_s, time.time())
+            replacement = False
         if last_participant is None and participant == 0:
             supervisor.record_training_started.remote(step, manager.num_participants(), time.time())
         mine = [] if participant is None else schedule.assignment(step, participant, manager.num_participants())
@@ -310,7 +324,10 @@ def train_loop(loop_config: dict) -> None:
                 offset += n
             optimizer.step()
             steps_since += 1
+            if mine:
+                supervisor.record_commit.remote(step, rank, chunk, manager.num_participants(), time.time())
         else:
+            supervisor.record_step_failed.remote(step, rank, time.time(), str(step_error or manager.errored()))
             # A failed step: pick up respawned shards (and, after a full recovery, the
             # checkpoint's dense state and step) before redoing it.
             info = ray.get(supervisor.await_shards.remote(generation), timeout=cfg.embeddings.call_timeout_s * 3)

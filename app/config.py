@@ -134,6 +134,8 @@ class TrainingConfig(_Section):
     """How often trainers report step, loss and samples/s."""
     collective_timeout_s: float = Field(60.0, gt=0.0, le=3600.0)
     """torchft quorum / all-reduce timeout."""
+    max_trainer_failures: int = Field(-1, ge=-1)
+    """Trainer deaths Ray Train replaces before the run fails (-1: no limit)."""
 
 
 class CheckpointConfig(_Section):

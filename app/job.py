@@ -252,6 +252,7 @@ class TrainingJob:
         return self.started
 
     def fit(self) -> None:
+        from ray.train import FailureConfig
         from ray.train import RunConfig as TrainRunConfig
         from ray.train import ScalingConfig
         from ray.train.torch import TorchTrainer
@@ -274,7 +275,13 @@ class TrainingJob:
                 lighthouse_kwargs={"bind": f"{host}:0", "min_replicas": 1, "join_timeout_ms": 10_000},
                 backend="gloo",
             ),
-            run_config=TrainRunConfig(name=f"cpr-{self.run_id}", storage_path=str(self.run_dir / "ray_train")),
+            # A failure replaces only the dead trainer's replica group (TorchftConfig); the
+            # whole group restarts only when every trainer died.
+            run_config=TrainRunConfig(
+                name=f"cpr-{self.run_id}",
+                storage_path=str(self.run_dir / "ray_train"),
+                failure_config=FailureConfig(max_failures=cfg.training.max_trainer_failures),
+            ),
         )
         stop = threading.Event()
         threads = [

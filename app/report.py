@@ -32,6 +32,8 @@ def build_report(cfg: RunConfig, summary: dict, data: dict, wall: dict) -> dict:
         "lost_computation": sum(f["lost_steps_recomputed"] for f in failures) * step_time_s,
         "rescheduling": sum(f["reschedule_s"] for f in failures),
     }
+    commits = summary.get("commits", {})
+    counts = sorted({len(c["microbatches"]) for c in commits.values()})
     return {
         "run_id": summary["run_id"],
         "auc": auc,
@@ -52,6 +54,15 @@ def build_report(cfg: RunConfig, summary: dict, data: dict, wall: dict) -> dict:
         # over all samples trained.
         "pls": lost_samples / samples if samples else 0.0,
         "checkpoints_saved": len(saves),
+        "trainer_failures": summary.get("trainer_failures", []),
+        "all_trainers_failed": [e for e in summary.get("events", []) if e["kind"] == "all_trainers_failed"],
+        # Microbatches that reached each committed dense step: M for every step, whatever
+        # the number of live trainers (ReCoVer's invariant).
+        "microbatches_per_committed_step": counts,
+        "steps_with_fewer_trainers": sum(
+            1 for c in commits.values() if c["participants"] < tr.num_trainers
+        ),
+        "commits": commits,
         "overhead_s": {k: round(v, 3) for k, v in overhead_s.items()},
         "overhead_pct_of_wall": {k: round(100 * v / wall["total_s"], 2) for k, v in overhead_s.items()},
         "wall_time_s": {k: round(v, 3) for k, v in wall.items()},
@@ -81,6 +92,23 @@ def format_summary(report: dict) -> str:
         f"  wall time         data {w['data_prep_s']:.1f}s, startup {w['startup_s']:.1f}s, "
         f"training {w['training_s']:.1f}s, evaluation {w['evaluation_s']:.1f}s, total {w['total_s']:.1f}s",
     ]
+    if report["trainer_failures"]:
+        lines.append(
+            f"  trainer failures  {len(report['trainer_failures'])}; {report['steps_with_fewer_trainers']} steps ran "
+            f"with fewer trainers; microbatches per committed step {report['microbatches_per_committed_step']}"
+        )
+    for e in report["all_trainers_failed"]:
+        lines.append(
+            f"    every trainer died: dense state and shards fell back to checkpoint step {e['fallback_step']} "
+            f"({e['steps_lost']} steps redone)"
+        )
+    for t in report["trainer_failures"]:
+        detect = f"{t['detection_s']}s" if t["detection_s"] is not None else "n/a (no survivor)"
+        lines.append(
+            f"    {t['actor']}: detected {detect}, {t['steps_with_fewer_trainers']} steps with fewer "
+            f"trainers, replacement back after {t['rejoined_s']}s (state from a peer in {t['heal_s']}s), "
+            f"joined at step {t['replacement_joined_at_step']}"
+        )
     for f in report["failures"]:
         detect = f"{f['detection_s']:.2f}s" if f.get("detection_s") is not None else "n/a"
         lines.append(

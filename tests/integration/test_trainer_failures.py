@@ -1,0 +1,141 @@
+"""Trainer deaths on a real local Ray (Ray Train + torchft, traffic on 127.0.0.1): the
+survivors go on, every step keeps its M microbatches, a replacement heals from a live peer,
+and every microbatch id reaches an optimizer update exactly once."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+from ray._common.test_utils import wait_for_condition
+
+from app.chaos import kill_target
+from app.config import config_from_dict
+from app.job import TrainingJob
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
+
+M, B = 4, 128
+
+
+def _config(tmp_path, data, trainers, checkpoint_every=None, epochs=1.0):
+    return config_from_dict(
+        {
+            "run_dir": str(tmp_path / "run"),
+            "seed": 2,
+            "data": {"train": [data.train_path], "eval": [data.eval_path], "cache_dir": str(tmp_path / "cache")},
+            "model": {"embedding_dim": 8, "table_rows": 20_000, "dense_arch": [32, 8], "over_arch": [32, 1]},
+            "embeddings": {"num_shards": 2},
+            "training": {
+                "num_trainers": trainers, "microbatch_rows": B, "microbatches_per_step": M, "epochs": epochs,
+                "collective_timeout_s": 30,
+            },
+            "checkpoint": {"every_steps": checkpoint_every} if checkpoint_every else {},
+        }
+    )
+
+
+def _run_with_kills(ray, cfg, kill_plan):
+    """Trains while ``kill_plan(job)`` kills trainers; returns the report and shard logs."""
+    job = TrainingJob(cfg, show_progress=False)
+    errors = []
+    try:
+        job.start()
+
+        def fit():
+            try:
+                job.fit()
+            except BaseException as err:  # surfaced by the assert below
+                errors.append(err)
+
+        thread = threading.Thread(target=fit)
+        thread.start()
+        kill_plan(job)
+        thread.join(timeout=550)
+        assert not thread.is_alive() and not errors, errors
+        report = job.finish()
+        shards = ray.get(job.supervisor.shard_handles.remote(), timeout=30)
+        logs = ray.get([s.applied_log.remote() for s in shards], timeout=30)
+        return report, logs
+    finally:
+        job.close()
+
+
+def _progress_at_least(ray, job, step):
+    def check():
+        p = ray.get(job.supervisor.progress.remote(), timeout=10)
+        return p is not None and p["step"] >= step
+
+    return check
+
+
+def _assert_every_microbatch_once(report, logs, total_steps):
+    expected = {s: [s * M + m for m in range(M)] for s in range(total_steps)}
+    commits = {int(s): c["microbatches"] for s, c in report["commits"].items()} if "commits" in report else None
+    assert report["microbatches_per_committed_step"] == [M]
+    if commits is not None:
+        assert commits == expected
+    for log in logs:
+        per_step = {}
+        for step, mbs in log:
+            assert step not in per_step, f"step {step} applied twice on a shard"
+            per_step[step] = sorted(mbs)
+        assert per_step == expected
+
+
+def test_killing_one_of_two_trainers(ray_local, small_data, tmp_path):
+    cfg = _config(tmp_path, small_data, trainers=2)  # no checkpoints: nothing can be loaded
+
+    def plan(job):
+        wait_for_condition(_progress_at_least(ray_local, job, 20), timeout=300, retry_interval_ms=100)
+        kill_target(job.supervisor, "trainer:1")
+
+    report, logs = _run_with_kills(ray_local, cfg, plan)
+    assert report["steps"] == 234 and report["auc"] > 0.72
+    _assert_every_microbatch_once(report, logs, 234)
+    [failure] = report["trainer_failures"]
+    assert failure["actor"] == "trainer:1"
+    assert failure["detection_s"] is not None and failure["detection_s"] < 30
+    assert failure["steps_with_fewer_trainers"] >= 1
+    assert failure["heal_s"] is not None and failure["replacement_joined_at_step"] > 20
+    assert report["all_trainers_failed"] == [] and report["checkpoints_saved"] == 0
+    assert report["failures"] == []
+
+
+def test_killing_a_trainer_while_another_heals(ray_local, small_data, tmp_path):
+    cfg = _config(tmp_path, small_data, trainers=3)
+
+    def plan(job):
+        wait_for_condition(_progress_at_least(ray_local, job, 20), timeout=300, retry_interval_ms=100)
+        old = kill_target(job.supervisor, "trainer:1")
+
+        def replacement_started():
+            t = ray_local.get(job.supervisor.targets.remote(), timeout=10)["trainer:1"]
+            return t["pid"] != old["pid"]
+
+        wait_for_condition(replacement_started, timeout=300, retry_interval_ms=50)
+        kill_target(job.supervisor, "trainer:2")
+
+    report, logs = _run_with_kills(ray_local, cfg, plan)
+    assert report["steps"] == 234
+    _assert_every_microbatch_once(report, logs, 234)
+    assert [f["actor"] for f in report["trainer_failures"]] == ["trainer:1", "trainer:2"]
+    assert all(f["heal_s"] is not None for f in report["trainer_failures"])
+    assert report["all_trainers_failed"] == []
+
+
+def test_all_trainers_dead_falls_back_to_the_checkpoint(ray_local, small_data, tmp_path):
+    cfg = _config(tmp_path, small_data, trainers=2, checkpoint_every=25)
+
+    def plan(job):
+        wait_for_condition(_progress_at_least(ray_local, job, 60), timeout=300, retry_interval_ms=100)
+        for t in ("trainer:0", "trainer:1"):
+            kill_target(job.supervisor, t)
+
+    report, logs = _run_with_kills(ray_local, cfg, plan)
+    assert report["steps"] == 234
+    [fallback] = report["all_trainers_failed"]
+    assert fallback["fallback_step"] % 25 == 0 and fallback["fallback_step"] >= 50
+    assert fallback["steps_lost"] >= 1
+    _assert_every_microbatch_once(report, logs, 234)
+    assert "fell back to checkpoint step" in (tmp_path / "run" / "summary.txt").read_text()
