@@ -70,6 +70,7 @@ class EmbeddingShard:
         seed: int,
         microbatches_per_step: int,
         threads: int = 1,
+        priority: dict | None = None,
     ):
         import torch
         from fbgemm_gpu.split_embedding_configs import EmbOptimType
@@ -98,6 +99,16 @@ class EmbeddingShard:
         )
         self.seed = seed
         self._init_weights(seed)
+        from policies import make_policy
+
+        # Shard rows are numbered slice after slice: shard row = slice offset + local row.
+        self._slice_offsets = np.concatenate([[0], np.cumsum([s.num_rows for s in self.slices])]).astype(np.int64)
+        p = {"policy": "full", "r": 1.0, "sample_rate": 1.0, "full_every": 1, **(priority or {})}
+        self.priority = make_policy(
+            p["policy"], int(self._slice_offsets[-1]), p["r"], p["sample_rate"], seed + shard_id, p["full_every"]
+        )
+        self._tracking = p["policy"] != "full"
+        self.tracking_s = 0.0
         self._released = threading.Event()
         self.steps_dropped = 0
         self.first_step_after_load: int | None = None
@@ -174,9 +185,17 @@ class EmbeddingShard:
             for key in [k for k in chunks if set(k) & set(microbatches)]:
                 del chunks[key]
             chunks[tuple(microbatches)] = _Chunk(tuple(microbatches), lengths, indices)
+            if self._tracking:
+                t_track = time.perf_counter()
+                self.priority.observe(self._shard_rows(lengths, indices))
+                self.tracking_s += time.perf_counter() - t_track
         out = self._forward(lengths, indices, grad=False).cpu().numpy()
         self.compute_s += time.perf_counter() - t0
         return out
+
+    def _shard_rows(self, lengths: np.ndarray, indices: np.ndarray) -> np.ndarray:
+        per_slice = lengths.sum(axis=1)
+        return indices + np.repeat(self._slice_offsets[:-1], per_slice)
 
     def lookup_eval(self, lengths: np.ndarray, indices: np.ndarray) -> np.ndarray:
         """Pooled embeddings for evaluation; nothing is kept."""
@@ -231,10 +250,13 @@ class EmbeddingShard:
             "rows_updated_total": self.rows_updated_total,
             "steps_dropped": self.steps_dropped,
             "first_step_after_load": self.first_step_after_load,
+            "tracking_s": self.tracking_s,
+            "tracking_bytes": self.priority.tracking_bytes,
         }
 
-    def save_checkpoint(self, uri: str, step: int) -> dict:
-        """Writes this shard's rows and Adagrad state as of ``step`` committed steps.
+    def save_checkpoint(self, uri: str, step: int, save_index: int = 0) -> dict:
+        """Writes this shard's rows and Adagrad state as of ``step`` committed steps: all of
+        them, or the rows the priority policy (MFU/SSU) selects for save ``save_index``.
 
         The rows are written by this actor straight to storage; only the file's entry
         (name, size, checksum) goes back to the supervisor, which commits the manifest.
@@ -247,43 +269,76 @@ class EmbeddingShard:
                 f"{self.applied_step + 1} steps; the checkpoint would be inconsistent"
             )
         t0 = time.perf_counter()
+        selection = self.priority.select(save_index)
+        chosen = np.asarray(selection.rows, dtype=np.int64)
+        slice_of = np.searchsorted(self._slice_offsets, chosen, side="right") - 1
+        weights_all = self.tbe.split_embedding_weights()
+        states_all = self.tbe.split_optimizer_states()
         tables, rows, weights, momentum = [], [], [], []
-        for s, (w, m) in zip(self.slices, self.get_rows()):
-            tables.append(np.full(s.num_rows, s.table, dtype=np.int32))
-            rows.append(np.arange(s.row_start, s.row_end, dtype=np.int64))
+        for i, s in enumerate(self.slices):
+            local = chosen[slice_of == i] - self._slice_offsets[i]
+            if selection.full:
+                w, m = weights_all[i].detach().cpu().numpy(), states_all[i][0].detach().cpu().numpy()
+            else:
+                idx = self._torch.from_numpy(local)
+                w = weights_all[i][idx].detach().cpu().numpy()
+                m = states_all[i][0][idx].detach().cpu().numpy()
+            tables.append(np.full(len(local), s.table, dtype=np.int32))
+            rows.append(local + s.row_start)
             weights.append(w)
             momentum.append(m)
         data = ShardRows(
             np.concatenate(tables), np.concatenate(rows), np.concatenate(weights), np.concatenate(momentum)
         )
         entry = write_shard_file(uri, step, self.shard_id, data)
-        return {"entry": entry, "rows": len(data.rows), "duration_s": time.perf_counter() - t0}
+        self.priority.mark_saved(chosen)
+        return {
+            "entry": entry,
+            "rows": len(data.rows),
+            "full": selection.full,
+            "reason": selection.reason,
+            "duration_s": time.perf_counter() - t0,
+        }
 
     def load_checkpoint(self, uri: str, steps: list[int]) -> dict:
-        """Restores the rows saved in ``steps`` (a full checkpoint, then incrementals) and
-        forgets any step in flight: the shard is now exactly at ``steps[-1]`` committed steps.
+        """Restores the rows saved in ``steps`` (a full checkpoint, then incrementals, each
+        applied in order over the last) and forgets any step in flight: the shard is then
+        exactly at ``steps[-1]`` committed steps. Returns which shard rows each incremental
+        held, for per-row lost-sample accounting.
         """
         import torch
 
         from actors.checkpoint import CheckpointStore
 
         t0 = time.perf_counter()
-        data = CheckpointStore(uri).read_chain(self.shard_id, steps)
+        store = CheckpointStore(uri)
         weights = self.tbe.split_embedding_weights()
         states = self.tbe.split_optimizer_states()
-        with torch.no_grad():
-            for i, s in enumerate(self.slices):
-                mask = (data.tables == s.table) & (data.rows >= s.row_start) & (data.rows < s.row_end)
-                local = torch.from_numpy(data.rows[mask] - s.row_start)
-                weights[i][local] = torch.from_numpy(data.weights[mask]).to(weights[i].device)
-                states[i][0][local] = torch.from_numpy(data.momentum[mask]).to(states[i][0].device)
+        rows_loaded = bytes_loaded = 0
+        incremental_rows = []
+        for n, step in enumerate(steps):
+            data = store.read_shard(step, self.shard_id)
+            rows_loaded += len(data.rows)
+            bytes_loaded += data.weights.nbytes + data.momentum.nbytes + data.rows.nbytes + data.tables.nbytes
+            shard_rows = []
+            with torch.no_grad():
+                for i, s in enumerate(self.slices):
+                    mask = (data.tables == s.table) & (data.rows >= s.row_start) & (data.rows < s.row_end)
+                    local = data.rows[mask] - s.row_start
+                    idx = torch.from_numpy(local)
+                    weights[i][idx] = torch.from_numpy(data.weights[mask]).to(weights[i].device)
+                    states[i][0][idx] = torch.from_numpy(data.momentum[mask]).to(states[i][0].device)
+                    shard_rows.append(local + self._slice_offsets[i])
+            if n > 0:
+                incremental_rows.append((step, np.concatenate(shard_rows)))
         self._pending.clear()
         self.applied_step = steps[-1] - 1
         self.first_step_after_load = None
         self.applied_microbatches = [x for x in self.applied_microbatches if x[0] < steps[-1]]
         return {
-            "rows": int(len(data.rows)),
-            "bytes": int(data.weights.nbytes + data.momentum.nbytes + data.rows.nbytes + data.tables.nbytes),
+            "rows": int(rows_loaded),
+            "bytes": int(bytes_loaded),
+            "incremental_rows": incremental_rows,
             "duration_s": time.perf_counter() - t0,
         }
 

@@ -9,6 +9,7 @@ and the checkpoint store.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import json
 import logging
@@ -19,15 +20,16 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import ray
 
-from actors.checkpoint import DATA_POSITION_FILE, DENSE_FILE, FULL, CheckpointStore, write_blob
+from actors.checkpoint import DATA_POSITION_FILE, DENSE_FILE, FULL, INCREMENTAL, CheckpointStore, write_blob
 from actors.plan import make_plan
 from actors.shard import EmbeddingShard
 from actors.trainer import StepSchedule
 from app.config import config_from_dict
 from app.errors import ConfigError, ShardUnavailable
-from policies import CostInputs, OnlineCostModel, RecoveryMode, decide_recovery, interval_steps
+from policies import IntervalController, OnlineCostModel, RecoveryMode, decide_recovery, expected_pls, interval_steps
 
 __all__ = ["Supervisor", "supervisor_name", "shard_name", "RunState"]
 
@@ -76,6 +78,12 @@ class Supervisor:
             mtbf_s=ck.mtbf_s, save_cost_s=ck.save_cost_s, load_cost_s=ck.load_cost_s,
             reschedule_cost_s=ck.reschedule_cost_s, start_s=time.time(),
         )
+        self.interval_controller = IntervalController(
+            self.cfg.recovery, self.costs, self.plan.num_shards, ck.pls_target
+        )
+        self.save_index = 0
+        self.last_full_step: int | None = None
+        self.interval_steps_in_use: int | None = None
         self._lock = threading.RLock()
         self._changed = threading.Condition(self._lock)
         self._stop = threading.Event()
@@ -127,6 +135,8 @@ class Supervisor:
             "training_started": self.training_started,
             "last_checkpoint_step": self.last_checkpoint_step,
             "resume_step": self.resume_state["step"] if self.resume_state else None,
+            "save_index": self.save_index,
+            "last_full_step": self.last_full_step,
         }
         tmp = self.run_dir / f".{_STATE_FILE}.tmp"
         tmp.write_text(json.dumps(state, default=str))
@@ -145,6 +155,8 @@ class Supervisor:
         self.trainers = {int(k): v for k, v in state["trainers"].items()}
         self.training_started = state["training_started"]
         self.last_checkpoint_step = state["last_checkpoint_step"]
+        self.save_index = state["save_index"]
+        self.last_full_step = state["last_full_step"]
         if self.store is not None:
             committed = self.store.list_committed()
             self.last_checkpoint_step = max([self.last_checkpoint_step, *committed])
@@ -178,6 +190,7 @@ class Supervisor:
 
     def _spawn_shard(self, k: int, generation: int):
         emb = self.cfg.embeddings
+        ck = self.cfg.checkpoint
         # Detached: the shards outlive a supervisor restart; shutdown() and the driver's
         # cleanup remove them. The extra concurrency group runs watch() beside the compute.
         actor_cls = ray.remote(concurrency_groups={"watch": 1})(EmbeddingShard)
@@ -197,6 +210,7 @@ class Supervisor:
             seed=self.cfg.seed,
             microbatches_per_step=self.cfg.training.microbatches_per_step,
             threads=self.cfg.training.threads_per_worker,
+            priority={"policy": ck.policy, "r": ck.r, "sample_rate": ck.sample_rate, "full_every": ck.full_every},
         )
 
     def _ready(self, shards: list) -> list[dict]:
@@ -342,14 +356,14 @@ class Supervisor:
             "load_s": round(load_s, 3),
             "recovery_s": round(time.time() - detected, 3),
             "restored_step": restored_step,
+            "chain": chain,
             "failed_at_step": steps_done,
             "rows_reloaded": sum(x["rows"] for x in loaded),
             "bytes_reloaded": sum(x["bytes"] for x in loaded),
         }
         if mode == RecoveryMode.PARTIAL:
-            # Lost samples: samples trained since the rows were saved, weighted by the
-            # fraction of all embedding rows the dead shard held (CPR's PLS numerator).
-            failure["lost_samples"] = lost_steps * self.samples_per_step * self.plan.shard_fraction(k)
+            new_loaded = loaded[-1] if chain else {"incremental_rows": []}
+            failure["lost_samples"] = self._lost_samples(k, chain, new_loaded["incremental_rows"], steps_done)
             failure["lost_steps_recomputed"] = 0
         else:
             failure["lost_samples"] = 0.0
@@ -371,6 +385,28 @@ class Supervisor:
             self._watch[new_shard.watch.options(concurrency_group="watch").remote()] = (k, new_gen)
             self._changed.notify_all()
         self.record_event("shard_recovered", **failure)
+
+    def _lost_samples(self, k: int, chain: list[int], incremental_rows: list, steps_done: int) -> float:
+        """Samples whose updates to shard ``k`` were lost, counted per row: an access at step
+        t to a row last saved at step c <= t is lost. Each sample touches one row per table,
+        so a lost access is 1/26 of a sample (CPR's PLS numerator, finer than one loss
+        fraction per shard when MFU/SSU saved rows at different steps)."""
+        from app.cache import MicrobatchFile
+        from app.data import NUM_SPARSE, sparse_to_rows
+
+        saved_at = np.full(self.plan.shard_rows(k), chain[0] if chain else 0, dtype=np.int64)
+        for step, rows in incremental_rows:
+            saved_at[rows] = step
+        offsets = np.concatenate([[0], np.cumsum([s.num_rows for s in self.plan.shards[k]])])
+        data = MicrobatchFile(self.train_cache)
+        lost_accesses = 0
+        for t in range(int(saved_at.min()), steps_done):
+            for m in range(self.schedule.microbatches_per_step):
+                rows = sparse_to_rows(data.get(self.schedule.microbatch(t, m))[2], self.cfg.model.rows_per_table)
+                sb = self.plan.route(rows, k)
+                ids = sb.indices + np.repeat(offsets[:-1], sb.lengths.sum(axis=1))
+                lost_accesses += int((saved_at[ids] <= t).sum())
+        return lost_accesses / NUM_SPARSE
 
     def await_shards(self, known_generation: int) -> dict:
         """Called by a trainer after a failed step. Returns the current shard handles, their
@@ -561,20 +597,43 @@ class Supervisor:
         return self.samples_per_step / (sum(rates) / len(rates))
 
     def _after(self, step: int) -> int | None:
-        """The step count at which the next checkpoint is due, or None when saves are off."""
+        """The step count at which the next checkpoint is due, or None when saves are off.
+
+        MFU/SSU saves write r of the rows, 1/r times as often as full saves would come.
+        With ``auto_interval`` the interval comes from the CPR cost model and is re-chosen
+        (and logged) as the online estimates change.
+        """
         ck = self.cfg.checkpoint
         if not ck.enabled:
             return None
+        scale = ck.r if ck.policy != "full" else 1.0
+        step_time_s = self._step_time_s()
         candidates = []
         if ck.every_steps is not None:
-            candidates.append(ck.every_steps)
+            candidates.append(max(1, round(ck.every_steps * scale)))
         if ck.every_s is not None:
-            step_time_s = self._step_time_s()
-            # Before the first measurement, save at the first progress report.
             candidates.append(
-                interval_steps(ck.every_s, step_time_s) if step_time_s else self.cfg.training.progress_every_steps
+                interval_steps(ck.every_s * scale, step_time_s) if step_time_s else self.cfg.training.progress_every_steps
             )
-        return step + min(candidates)
+        if ck.auto_interval:
+            decision, change = self.interval_controller.update()
+            steps = (
+                interval_steps(decision.interval_s * scale, step_time_s)
+                if step_time_s
+                else self.cfg.training.progress_every_steps
+            )
+            candidates.append(steps)
+            if change is not None or steps != self.interval_steps_in_use:
+                self.record_event(
+                    "interval_changed",
+                    interval_s=round(decision.interval_s * scale, 3),
+                    interval_steps=steps,
+                    step_time_s=round(step_time_s, 4) if step_time_s else None,
+                    mode=decision.mode.value,
+                    reason=change.reason if change is not None else "measured step time changed",
+                )
+        self.interval_steps_in_use = min(candidates)
+        return step + self.interval_steps_in_use
 
     def checkpoint_due(self) -> int | None:
         return self.next_checkpoint_step
@@ -604,7 +663,8 @@ class Supervisor:
         uri = self.cfg.checkpoint_uri
         with self._lock:
             shards = list(self.shards)
-        refs = [shard.save_checkpoint.remote(uri, step) for shard in shards]
+            save_index = self.save_index
+        refs = [shard.save_checkpoint.remote(uri, step, save_index) for shard in shards]
         entries = [
             write_blob(uri, step, DENSE_FILE, dense_blob),
             write_blob(uri, step, DATA_POSITION_FILE, json.dumps(self._position(step)).encode()),
@@ -617,15 +677,28 @@ class Supervisor:
             self.record_event("checkpoint_failed", step=step, error=str(err).splitlines()[0][:200])
             return {"next_step": step + 1, "duration_s": time.perf_counter() - t0}
         entries += [r["entry"] for r in results]
-        info = self.store.commit(step, entries, kind=FULL, meta={"run_id": self.run_id})
+        full = all(r["full"] for r in results)
+        if not full and self.last_full_step is None:
+            raise RuntimeError(f"incremental save at step {step} without a full checkpoint before it")
+        info = self.store.commit(
+            step,
+            entries,
+            kind=FULL if full else INCREMENTAL,
+            base_step=None if full else self.last_full_step,
+            meta={"run_id": self.run_id, "save_index": save_index, "policy": self.cfg.checkpoint.policy},
+        )
         duration_s = time.perf_counter() - t0
         self.costs.observe_save(duration_s)
         with self._lock:
+            self.save_index += 1
+            if full:
+                self.last_full_step = step
             self.last_checkpoint_step = step
             self.next_checkpoint_step = self._after(step)
         self.record_event(
             "checkpoint_saved",
             step=step,
+            checkpoint_kind=info.kind,
             duration_s=round(duration_s, 4),
             bytes=info.total_bytes,
             rows=sum(r["rows"] for r in results),
@@ -690,6 +763,16 @@ class Supervisor:
                 "resumed_from_step": self.resume_state["step"] if self.resume_state else None,
                 "last_checkpoint_step": self.last_checkpoint_step,
                 "recovery_mode": self._recovery_mode()[1],
+                "checkpoint_policy": {
+                    "policy": self.cfg.checkpoint.policy,
+                    "interval_steps": self.interval_steps_in_use,
+                    "interval_s": (
+                        self.interval_steps_in_use * self._step_time_s()
+                        if self.interval_steps_in_use and self._step_time_s()
+                        else None
+                    ),
+                    "estimates": dataclasses.asdict(self.costs.inputs(self.plan.num_shards, self.cfg.checkpoint.pls_target)),
+                },
                 "trainer_failures": self._trainer_failures(),
                 "commits": {s: {"microbatches": sorted(c["microbatches"]), "participants": c["participants"]} for s, c in sorted(self.commits.items())},
             }

@@ -308,13 +308,16 @@ def train_loop(loop_config: dict) -> None:
                 supervisor.report_shard_failure.remote(err.shard, generation, err.reason, step)
                 step_error = err
         phases.start()
-        flat = torch.cat([p.grad.reshape(-1) for p in params])
+        # The last element is a "this step failed here" flag. torchft's commit vote spans
+        # one replica group (one trainer here), so the flag, summed by the same all-reduce,
+        # makes the decision unanimous: no trainer commits a step another one failed.
+        flat = torch.cat([p.grad.reshape(-1) for p in params] + [torch.tensor([float(step_error is not None)])])
         manager.allreduce(flat, reduce_op=ReduceOp.SUM).wait()
         phases.lap("allreduce")
         if step_error is not None:
-            # Reported only now: a trainer that skipped the all-reduce would leave the others
-            # waiting in it. The vote at should_commit fails the step for every trainer, and
-            # all of them redo it once the shard is back.
+            manager.report_error(step_error)
+        elif flat[-1].item() > 0:
+            step_error = ShardCallFailed(-1, "a peer trainer's step failed")
             manager.report_error(step_error)
         if manager.should_commit():
             offset = 0

@@ -149,6 +149,16 @@ class CheckpointConfig(_Section):
     """Save when this many seconds passed since the last save (converted to steps from the measured step time)."""
     keep_last: int = Field(3, ge=1, le=1000)
     """Full checkpoints kept by the retention rule; the newest valid one is never deleted."""
+    policy: Literal["full", "mfu", "ssu"] = "full"
+    """Which rows a save writes: full (all), mfu (top r by access count since saved), ssu (a sampled set of accessed rows)."""
+    r: float = Field(0.1, gt=0.0, le=1.0)
+    """MFU/SSU: fraction of a shard's rows each prioritized save writes; saves happen 1/r times as often."""
+    sample_rate: float = Field(0.1, gt=0.0, le=1.0)
+    """SSU: probability that an access puts its row into the sampled set."""
+    full_every: int = Field(10, ge=1, le=10_000)
+    """MFU/SSU: every full_every-th save is full, which bounds the restore chain."""
+    auto_interval: bool = False
+    """Choose the interval from the CPR cost model (Young/Daly for full recovery, the PLS target for partial), re-chosen as the online estimates change."""
     pls_target: float = Field(0.02, gt=0.0, lt=1.0)
     """Target portion of lost samples for partial recovery (CPR)."""
     mtbf_s: float = Field(3600.0, gt=0.0)
@@ -162,7 +172,7 @@ class CheckpointConfig(_Section):
 
     @property
     def enabled(self) -> bool:
-        return self.every_steps is not None or self.every_s is not None
+        return self.every_steps is not None or self.every_s is not None or self.auto_interval
 
 
 class FaultsConfig(_Section):

@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 from app.config import RunConfig
+from policies import expected_pls
 
 __all__ = ["build_report", "write_report", "format_summary"]
 
@@ -26,8 +27,14 @@ def build_report(cfg: RunConfig, summary: dict, data: dict, wall: dict) -> dict:
     lost_samples = sum(f["lost_samples"] for f in failures)
     saves = [e for e in summary.get("events", []) if e["kind"] == "checkpoint_saved"]
     step_time_s = wall["training_s"] / max(steps - resumed_from, 1)
+    shard_states = [st for st in summary.get("shards") or [] if "tracking_s" in st]
+    policy = dict(summary.get("checkpoint_policy") or {})
+    est = policy.get("estimates") or {}
+    if policy.get("interval_s") and est:
+        policy["expected_pls"] = expected_pls(policy["interval_s"], est["mtbf_s"], est["num_shards"])
     overhead_s = {
         "save": sum(e["duration_s"] for e in saves),
+        "tracking": sum(st["tracking_s"] for st in shard_states),
         "load": sum(f["load_s"] for f in failures),
         "lost_computation": sum(f["lost_steps_recomputed"] for f in failures) * step_time_s,
         "rescheduling": sum(f["reschedule_s"] for f in failures),
@@ -54,6 +61,9 @@ def build_report(cfg: RunConfig, summary: dict, data: dict, wall: dict) -> dict:
         # over all samples trained.
         "pls": lost_samples / samples if samples else 0.0,
         "checkpoints_saved": len(saves),
+        "incremental_checkpoints": sum(1 for e in saves if e.get("checkpoint_kind") == "incremental"),
+        "checkpoint_policy": policy,
+        "interval_changes": [e for e in summary.get("events", []) if e["kind"] == "interval_changed"],
         "trainer_failures": summary.get("trainer_failures", []),
         "all_trainers_failed": [e for e in summary.get("events", []) if e["kind"] == "all_trainers_failed"],
         # Microbatches that reached each committed dense step: M for every step, whatever
@@ -85,7 +95,11 @@ def format_summary(report: dict) -> str:
         f"  bad lines skipped {report['bad_lines_skipped']}",
         f"  failures          {len(report['failures'])} ({report['recovery']['mode']} recovery), "
         f"PLS {report['pls']:.5f} ({report['lost_samples']:,.0f} samples' updates lost), "
-        f"{report['checkpoints_saved']} checkpoints",
+        f"{report['checkpoints_saved']} checkpoints ({report['incremental_checkpoints']} incremental, "
+        f"policy {report['checkpoint_policy'].get('policy')}, every {report['checkpoint_policy'].get('interval_steps')} steps"
+        + (f", expected PLS {report['checkpoint_policy']['expected_pls']:.5f}" if report["checkpoint_policy"].get("expected_pls") is not None else "")
+        + ")",
+        f"  recovery          {report['recovery']['mode']} (requested {report['recovery']['requested']}): {report['recovery']['reason']}",
         "  overhead          "
         + ", ".join(f"{k.replace('_', ' ')} {v:.2f}%" for k, v in report["overhead_pct_of_wall"].items())
         + " of wall time",
