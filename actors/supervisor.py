@@ -28,7 +28,7 @@ from actors.plan import make_plan
 from actors.shard import EmbeddingShard
 from actors.trainer import StepSchedule
 from app.config import config_from_dict
-from app.errors import ConfigError, ShardUnavailable
+from app.errors import ConfigError, ShardUnavailable, TrainerConflict
 from policies import IntervalController, OnlineCostModel, RecoveryMode, decide_recovery, expected_pls, interval_steps
 
 __all__ = ["Supervisor", "supervisor_name", "shard_name", "RunState"]
@@ -36,6 +36,14 @@ __all__ = ["Supervisor", "supervisor_name", "shard_name", "RunState"]
 logger = logging.getLogger(__name__)
 
 _STATE_FILE = "supervisor_state.json"
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
 
 
 def supervisor_name(run_id: str) -> str:
@@ -85,6 +93,7 @@ class Supervisor:
         self.last_full_step: int | None = None
         self.interval_steps_in_use: int | None = None
         self._lock = threading.RLock()
+        self._fallback_lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
         self._stop = threading.Event()
         self.shards: list[Any] = []
@@ -451,6 +460,7 @@ class Supervisor:
                 "eval_cache": self.eval_cache,
                 "resume": self.resume_state if not self.training_started else self._restart_state(),
                 "training_started": self.training_started,
+                "finished": self.state == RunState.FINISHED,
                 "next_checkpoint_step": self.next_checkpoint_step,
             }
 
@@ -465,12 +475,30 @@ class Supervisor:
 
     def fallback_to_checkpoint(self, step: int, rank: int) -> bool:
         """Every trainer died and the new ones start at checkpoint ``step``: roll the shards
-        back to it too, so dense and embedding state agree. Idempotent. Returns whether a
-        rollback happened."""
+        back to it too, so dense and embedding state agree. Idempotent (several trainers
+        call it); waits for a shard that is being recovered. Returns whether it rolled back."""
         timeout = self.cfg.embeddings.call_timeout_s
-        with self._lock:
-            shards = list(self.shards)
-            states = ray.get([sh.state.remote() for sh in shards], timeout=timeout)
+        deadline = time.monotonic() + timeout * 2
+        live = self._live_established_trainers(exclude=rank)
+        if live:
+            # Replacements can form a torchft quorum of their own before the survivors join
+            # it; "nobody ahead in my quorum" then does not mean every trainer died.
+            raise TrainerConflict(
+                f"trainer(s) {live} are alive and ahead; replacement {rank} must heal from them, not fall back"
+            )
+        with self._fallback_lock:
+            while True:
+                with self._changed:
+                    self._changed.wait_for(lambda: self.state != RunState.RECOVERING, timeout=timeout)
+                    shards, generation = list(self.shards), self.generation
+                try:
+                    states = ray.get([sh.state.remote() for sh in shards], timeout=timeout)
+                    break
+                except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+                    if time.monotonic() > deadline:
+                        raise ShardUnavailable(f"shards not back within {2 * timeout}s for the fallback") from None
+                    with self._changed:
+                        self._changed.wait_for(lambda: self.generation > generation, timeout=timeout)
             ahead = max(st["applied_step"] + 1 for st in states)
             if ahead <= step:
                 return False
@@ -481,8 +509,9 @@ class Supervisor:
             else:
                 ray.get([sh.reset_to_init.remote() for sh in shards], timeout=timeout)
                 loaded = [{"rows": 0, "bytes": 0}]
-            self.commits = {s: c for s, c in self.commits.items() if s < step}
-            self.max_step_seen = step
+            with self._lock:
+                self.commits = {s: c for s, c in self.commits.items() if s < step}
+                self.max_step_seen = step
         self.record_event(
             "all_trainers_failed",
             fallback_step=step,
@@ -493,12 +522,35 @@ class Supervisor:
         )
         return True
 
-    def record_commit(self, step: int, rank: int, microbatches: tuple[int, ...], participants: int, wall_time: float) -> None:
-        """A trainer's share of a committed dense step (its microbatch ids)."""
+    def _live_established_trainers(self, exclude: int) -> list[int]:
+        """Ranks other than ``exclude`` whose current process has committed a step and is alive."""
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
         with self._lock:
-            entry = self.commits.setdefault(step, {"microbatches": [], "participants": participants, "time": wall_time})
+            candidates = {
+                r: t for r, t in self.trainers.items()
+                if r != exclude and t.get("committed_at", 0) > t["registered"] and t["pid"] is not None
+            }
+        probe = ray.remote(num_cpus=0, max_retries=0)(_pid_alive)
+        refs = {
+            r: probe.options(scheduling_strategy=NodeAffinitySchedulingStrategy(t["node_id"], soft=False)).remote(t["pid"])
+            for r, t in candidates.items()
+        }
+        return sorted(r for r, ref in refs.items() if ray.get(ref, timeout=self.cfg.embeddings.call_timeout_s))
+
+    def record_commit(
+        self, step: int, rank: int, microbatches: tuple[int, ...], total: int, participants: int, wall_time: float
+    ) -> None:
+        """A trainer's share of a committed dense step (its microbatch ids) and the step's
+        microbatch total as the all-reduce summed it (the same on every trainer, so one
+        surviving report is enough)."""
+        with self._lock:
+            entry = self.commits.setdefault(
+                step, {"microbatches": [], "total": total, "participants": participants, "time": wall_time}
+            )
             entry["microbatches"].extend(microbatches)
-            entry["participants"] = participants
+            if rank in self.trainers:
+                self.trainers[rank]["committed_at"] = wall_time
 
     def record_step_failed(self, step: int, rank: int, wall_time: float, cause: str) -> None:
         with self._lock:
@@ -516,7 +568,12 @@ class Supervisor:
         full = self.cfg.training.num_trainers
         for kill in (k for k in self.kills if k["target"].startswith("trainer:")):
             rank = int(kill["target"].split(":")[1])
-            seen = [f for f in self.failed_steps if f["time"] >= kill["time"]]
+            # Detected when the survivors first act on it: a failed step, or a commit by a
+            # smaller quorum (the synchronous quorum often drops the dead trainer at once).
+            seen = sorted(
+                [f["time"] for f in self.failed_steps if f["time"] >= kill["time"]]
+                + [c["time"] for c in self.commits.values() if c["time"] >= kill["time"] and c["participants"] < full]
+            )
             heal = next((h for h in self.heals if h["rank"] == rank and h["time"] >= kill["time"]), None)
             end = heal["time"] if heal else float("inf")
             degraded = sorted(
@@ -526,7 +583,7 @@ class Supervisor:
                 {
                     "actor": kill["target"],
                     "killed_at": kill["time"],
-                    "detection_s": round(seen[0]["time"] - kill["time"], 3) if seen else None,
+                    "detection_s": round(seen[0] - kill["time"], 3) if seen else None,
                     "steps_with_fewer_trainers": len(degraded),
                     "heal_s": round(heal["heal_s"], 3) if heal else None,
                     "rejoined_s": round(heal["time"] - kill["time"], 3) if heal else None,
@@ -561,6 +618,9 @@ class Supervisor:
         with self._lock:
             self.state = RunState.FINISHED
         self.record_event("evaluated", **{k: v for k, v in metrics.items() if k != "positive_rate"})
+
+    def is_finished(self) -> bool:
+        return self.state == RunState.FINISHED
 
     def progress(self) -> dict | None:
         with self._lock:
@@ -774,7 +834,10 @@ class Supervisor:
                     "estimates": dataclasses.asdict(self.costs.inputs(self.plan.num_shards, self.cfg.checkpoint.pls_target)),
                 },
                 "trainer_failures": self._trainer_failures(),
-                "commits": {s: {"microbatches": sorted(c["microbatches"]), "participants": c["participants"]} for s, c in sorted(self.commits.items())},
+                "commits": {
+                    s: {"microbatches": sorted(c["microbatches"]), "total": c["total"], "participants": c["participants"]}
+                    for s, c in sorted(self.commits.items())
+                },
             }
 
     def shard_handles(self) -> list:

@@ -187,6 +187,9 @@ def train_loop(loop_config: dict) -> None:
     rank = ray.train.get_context().get_world_rank()
     supervisor = ray.get_actor(loop_config["supervisor"], namespace=cfg.ray.namespace)
     setup = ray.get(supervisor.trainer_setup.remote(), timeout=cfg.embeddings.call_timeout_s)
+    if setup["finished"]:
+        # Ray Train replaced a trainer that died after the run was over: nothing to do.
+        return
     schedule: StepSchedule = setup["schedule"]
     table_rows = cfg.model.rows_per_table
     client = _ShardClient(setup["shards"], setup["plan"], cfg.model.embedding_dim, cfg.embeddings.call_timeout_s)
@@ -229,6 +232,11 @@ def train_loop(loop_config: dict) -> None:
         checkpoint_transport=PGTransport(pg, timeout=collective_timeout, device=torch.device("cpu")),
         world_size=1,
         rank=0,
+        # Synchronous quorum: a replacement finishes healing inside the quorum and then takes
+        # its share of the step with the healed state. With the async quorum it would count
+        # as a participant while healing, compute its microbatches on a stale model, and have
+        # its dense gradient zeroed, so the step would miss microbatches.
+        use_async_quorum=False,
     )
 
     # Start together: a quorum formed before the last trainer has its Manager would leave
@@ -268,6 +276,7 @@ def train_loop(loop_config: dict) -> None:
         step = manager.current_step()
         optimizer.zero_grad(set_to_none=False)
         step_error = None
+        committed = False
         participant = manager.participating_rank()
         if first_quorum:
             first_quorum = False
@@ -280,7 +289,11 @@ def train_loop(loop_config: dict) -> None:
             replacement = False
         if last_participant is None and participant == 0:
             supervisor.record_training_started.remote(step, manager.num_participants(), time.time())
-        mine = [] if participant is None else schedule.assignment(step, participant, manager.num_participants())
+        mine = (
+            schedule.assignment(step, participant, manager.num_participants())
+            if participant is not None and manager.is_participating()
+            else []
+        )
         if mine:
             ids = [schedule.microbatch(step, m) for m in mine]
             parts = [train_file.get(i) for i in ids]
@@ -308,15 +321,18 @@ def train_loop(loop_config: dict) -> None:
                 supervisor.report_shard_failure.remote(err.shard, generation, err.reason, step)
                 step_error = err
         phases.start()
-        # The last element is a "this step failed here" flag. torchft's commit vote spans
-        # one replica group (one trainer here), so the flag, summed by the same all-reduce,
-        # makes the decision unanimous: no trainer commits a step another one failed.
-        flat = torch.cat([p.grad.reshape(-1) for p in params] + [torch.tensor([float(step_error is not None)])])
+        # Two extra elements ride on the gradient all-reduce: a "this step failed here" flag
+        # and this trainer's microbatch count. torchft's commit vote spans one replica group
+        # (one trainer here); the summed flag makes the decision unanimous, and the summed
+        # count is the step's microbatch total as every trainer sees it.
+        extra = torch.tensor([float(step_error is not None), float(len(mine))])
+        flat = torch.cat([p.grad.reshape(-1) for p in params] + [extra])
         manager.allreduce(flat, reduce_op=ReduceOp.SUM).wait()
         phases.lap("allreduce")
+        step_microbatches = int(round(flat[-1].item()))
         if step_error is not None:
             manager.report_error(step_error)
-        elif flat[-1].item() > 0:
+        elif flat[-2].item() > 0:
             step_error = ShardCallFailed(-1, "a peer trainer's step failed")
             manager.report_error(step_error)
         if manager.should_commit():
@@ -327,8 +343,10 @@ def train_loop(loop_config: dict) -> None:
                 offset += n
             optimizer.step()
             steps_since += 1
-            if mine:
-                supervisor.record_commit.remote(step, rank, chunk, manager.num_participants(), time.time())
+            committed = True
+            supervisor.record_commit.remote(
+                step, rank, chunk if mine else (), step_microbatches, manager.num_participants(), time.time()
+            )
         else:
             supervisor.record_step_failed.remote(step, rank, time.time(), str(step_error or manager.errored()))
             # A failed step: pick up respawned shards (and, after a full recovery, the
@@ -362,7 +380,7 @@ def train_loop(loop_config: dict) -> None:
             )
             next_checkpoint = saved["next_step"]
             phases.lap("checkpoint")
-        if participant == 0 and (done % tr.progress_every_steps == 0 or done == schedule.total_steps):
+        if committed and participant == 0 and (done % tr.progress_every_steps == 0 or done == schedule.total_steps):
             now = time.perf_counter()
             supervisor.record_progress.remote(
                 {

@@ -22,7 +22,7 @@ __all__ = ["FaultSchedule", "kill_target", "run_schedule", "find_supervisor", "w
 
 logger = logging.getLogger(__name__)
 
-_TARGET_KINDS = {"shards": "shard:", "trainers": "trainer:", "supervisor": "supervisor"}
+_TARGET_KINDS = {"shards": "shard:", "trainers": "trainer:", "supervisor": "supervisor", "all_trainers": "all_trainers"}
 
 
 def write_run_info(run_dir: Path, run_id: str, namespace: str, address: str) -> None:
@@ -114,6 +114,8 @@ class FaultSchedule:
         """(seconds after start, target) for every planned kill; a pure function of the seed."""
         rng = np.random.default_rng(self.seed)
         kinds = [_TARGET_KINDS[t] for t in self.targets]
+        if "all_trainers" in kinds:
+            available = [*available, "all_trainers"]
         pool = sorted(a for a in available if any(a.startswith(k) for k in kinds))
         if not pool:
             raise ConfigError(f"no actor of kinds {list(self.targets)} in {sorted(available)}")
@@ -136,8 +138,15 @@ def run_schedule(supervisor, schedule: FaultSchedule, stop: threading.Event, on_
     for at_s, target in schedule.plan(list(targets)):
         if stop.wait(max(0.0, at_s - (time.monotonic() - start))):
             break
+        if ray.get(supervisor.is_finished.remote(), timeout=30):
+            break  # training is over: a kill now would only disturb the shutdown
         try:
-            kills.append(kill_target(supervisor, target))
+            if target == "all_trainers":
+                # Every trainer at once: Ray Train restarts the whole group from the checkpoint.
+                for t in sorted(x for x in ray.get(supervisor.targets.remote(), timeout=30) if x.startswith("trainer:")):
+                    kills.append(kill_target(supervisor, t))
+            else:
+                kills.append(kill_target(supervisor, target))
         except Exception as err:  # the run may be ending; a failed kill must not kill the run
             logger.warning("could not kill %s: %s", target, err)
             continue

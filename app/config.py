@@ -134,7 +134,7 @@ class TrainingConfig(_Section):
     """How often trainers report step, loss and samples/s."""
     collective_timeout_s: float = Field(60.0, gt=0.0, le=3600.0)
     """torchft quorum / all-reduce timeout."""
-    max_trainer_failures: int = Field(-1, ge=-1)
+    max_trainer_failures: int = Field(20, ge=-1)
     """Trainer deaths Ray Train replaces before the run fails (-1: no limit)."""
 
 
@@ -178,8 +178,8 @@ class CheckpointConfig(_Section):
 class FaultsConfig(_Section):
     """Injected failures, so that a run with failures is reproducible."""
 
-    targets: list[Literal["shards", "trainers", "supervisor"]] = ["shards"]
-    """Which actors may be killed (SIGKILL of the actor's process)."""
+    targets: list[Literal["shards", "trainers", "supervisor", "all_trainers"]] = ["shards"]
+    """Which actors may be killed (SIGKILL of the actor's process); all_trainers kills every trainer at once."""
     mtbf_s: float = Field(20.0, gt=0.0)
     """Mean time between injected failures."""
     distribution: Literal["exponential", "fixed"] = "exponential"

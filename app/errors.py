@@ -13,6 +13,7 @@ __all__ = [
     "CheckpointCorrupt",
     "CheckpointNotFound",
     "ShardUnavailable",
+    "TrainerConflict",
 ]
 
 
@@ -56,3 +57,7 @@ class CheckpointNotFound(CprError):
 
 class ShardUnavailable(CprError):
     """An embedding shard did not answer within its timeout, or died."""
+
+
+class TrainerConflict(CprError):
+    """A replacement trainer's view of the run contradicts live trainers (split quorum)."""

@@ -40,7 +40,7 @@ def build_report(cfg: RunConfig, summary: dict, data: dict, wall: dict) -> dict:
         "rescheduling": sum(f["reschedule_s"] for f in failures),
     }
     commits = summary.get("commits", {})
-    counts = sorted({len(c["microbatches"]) for c in commits.values()})
+    counts = sorted({c["total"] for c in commits.values()})
     return {
         "run_id": summary["run_id"],
         "auc": auc,

@@ -2,7 +2,8 @@
 
 (a) one process: torchrec FusedEmbeddingBagCollection (fbgemm TBE, fused row-wise Adagrad)
     plus the same dense arches, one step = M microbatches as one batch;
-(b) cpr: 1 trainer (Ray Train + torchft) and 2 EmbeddingShard actors, checkpoints off.
+(b) cpr: 1 trainer (Ray Train + torchft) and 2 EmbeddingShard actors, checkpoints and
+    fault injection off.
 Same config, same data, same number of steps; samples/s of the training phase, median of
 ``--reps`` repetitions. Also the checkpoint write rate against a raw sequential write of
 the same size. Writes benchmarks/results/throughput.md (and .json).
@@ -143,6 +144,7 @@ def main() -> None:
         update={
             "training": base.training.model_copy(update={"num_trainers": 1, "max_steps": args.steps}),
             "checkpoint": base.checkpoint.model_copy(update={"every_steps": None, "every_s": None}),
+            "faults": None,
         }
     )
     data = prepare_data(cfg_b.model_copy(update={"run_dir": str(runs_root / "prep")}))
