@@ -115,6 +115,10 @@ def format_event(e: dict) -> str | None:
             f"{e['restored_step']} in {e['recovery_s']:.2f}s (respawn {e['reschedule_s']:.2f}s, load "
             f"{e['load_s']:.2f}s), {e['rows_reloaded']:,} rows reloaded, {lost}"
         )
+    if kind == "trainer_healed":
+        return f"[failure] trainer:{e['rank']} replaced by Ray Train; healed from a live peer in {e['heal_s']:.2f}s, training again from step {e['step']}"
+    if kind == "all_trainers_failed":
+        return f"[failure] every trainer died; dense state and shards fell back to checkpoint step {e['fallback_step']}"
     if kind == "supervisor_restarted":
         return f"[failure] supervisor restarted; rebuilt its state in {e['rebuilt_s']:.2f}s from step {e['last_checkpoint_step']}"
     if kind == "checkpoint_saved":
