@@ -185,6 +185,31 @@ def _progress_loop(supervisor, stop: threading.Event, total_steps: int, show_bar
         new_events(lambda line: bar.console.print(line, highlight=False, markup=False, soft_wrap=True))
 
 
+class BackgroundFit:
+    """A training run's ``fit()`` on a thread; ``join()`` waits and re-raises its error."""
+
+    def __init__(self, fit):
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, args=(fit,), name="cpr-fit", daemon=True)
+        self._thread.start()
+
+    def _run(self, fit) -> None:
+        try:
+            fit()
+        except BaseException as err:  # handed to the caller by join()
+            self._error = err
+
+    def is_alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def join(self, timeout_s: float | None = None) -> None:
+        self._thread.join(timeout_s)
+        if self._thread.is_alive():
+            raise TimeoutError(f"training did not finish within {timeout_s}s")
+        if self._error is not None:
+            raise self._error
+
+
 class TrainingJob:
     """One training run, in stages: ``start()`` (data, Ray, supervisor, shards), ``fit()``
     (the Ray Train worker group), ``finish()`` (report), ``close()``. Tests use the stages
@@ -308,6 +333,11 @@ class TrainingJob:
             for t in threads:
                 t.join(timeout=10)
         self._t["end"] = time.perf_counter()
+
+    def fit_in_background(self) -> "BackgroundFit":
+        """Starts ``fit()`` on a thread, for callers that act on the run while it trains
+        (chaos tests, benchmarks). ``join()`` re-raises what ``fit()`` raised."""
+        return BackgroundFit(self.fit)
 
     def _inject_faults(self, stop: threading.Event) -> None:
         """The run's ``faults:`` schedule, counted from the first training step."""

@@ -74,6 +74,8 @@ def build_report(cfg: RunConfig, summary: dict, data: dict, wall: dict) -> dict:
         ),
         "commits": commits,
         "overhead_s": {k: round(v, 3) for k, v in overhead_s.items()},
+        # MFU/SSU access tracking in the shards' lookup path, per training step (summed over shards).
+        "tracking_s_per_step": overhead_s["tracking"] / max(steps - resumed_from, 1),
         "overhead_pct_of_wall": {k: round(100 * v / wall["total_s"], 2) for k, v in overhead_s.items()},
         "wall_time_s": {k: round(v, 3) for k, v in wall.items()},
         "shards": summary.get("shards"),

@@ -44,7 +44,6 @@ def _healthy(ray, supervisor, killed: list[dict]) -> bool:
 
 def _run(cfg, method: str, kills: int, healthy_s: float) -> dict:
     """One training run with ``kills`` trainer failures of the given method."""
-    import threading
     import time
 
     import ray
@@ -54,30 +53,19 @@ def _run(cfg, method: str, kills: int, healthy_s: float) -> dict:
     from app.job import TrainingJob
 
     job = TrainingJob(cfg, show_progress=False)
-    errors: list[BaseException] = []
     try:
         job.start()
-
-        def fit():
-            try:
-                job.fit()
-            except BaseException as err:
-                errors.append(err)
-
-        thread = threading.Thread(target=fit)
-        thread.start()
+        training = job.fit_in_background()
         killed: list[dict] = []
         n = cfg.training.num_trainers
         for i in range(kills):
             wait_for_condition(lambda: _healthy(ray, job.supervisor, killed), timeout=600, retry_interval_ms=100)
             time.sleep(healthy_s)
-            if not thread.is_alive():
+            if not training.is_alive():
                 break
             targets = [f"trainer:{i % n}"] if method == "a_replace_one" else [f"trainer:{k}" for k in range(n)]
             killed += [kill_target(job.supervisor, t) for t in targets]
-        thread.join()
-        if errors:
-            raise errors[0]
+        training.join()
         report = job.finish()
     finally:
         job.close()

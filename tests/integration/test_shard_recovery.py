@@ -4,8 +4,6 @@ for a deterministic config, ends bit-identical to a run without the failure."""
 
 from __future__ import annotations
 
-import threading
-
 import numpy as np
 import pytest
 from ray._common.test_utils import wait_for_condition
@@ -42,27 +40,17 @@ def _run(ray, cfg, kill: str | None = None, kill_after_step: int = 0):
     """Trains; kills ``kill`` once a checkpoint past ``kill_after_step`` exists. Returns the
     report, each shard's final rows and counters, and the shard pids before and after."""
     job = TrainingJob(cfg, show_progress=False)
-    errors = []
     try:
         job.start()
         before = ray.get(job.supervisor.targets.remote(), timeout=30)
-
-        def fit():
-            try:
-                job.fit()
-            except BaseException as err:  # surfaced by the assert below
-                errors.append(err)
-
-        thread = threading.Thread(target=fit)
-        thread.start()
+        training = job.fit_in_background()
         if kill:
             store = CheckpointStore(cfg.checkpoint_uri)
             wait_for_condition(
                 lambda: any(s > kill_after_step for s in store.list_committed()), timeout=300, retry_interval_ms=100
             )
             kill_target(job.supervisor, kill)
-        thread.join(timeout=500)
-        assert not thread.is_alive() and not errors, errors
+        training.join(timeout_s=500)
         report = job.finish()
         shards = ray.get(job.supervisor.shard_handles.remote(), timeout=30)
         rows = ray.get([s.get_rows.remote() for s in shards], timeout=120)

@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import threading
 
 import pytest
 from ray._common.test_utils import wait_for_condition
@@ -31,19 +30,10 @@ def test_supervisor_killed_mid_run(ray_local, small_data, tmp_path):
         }
     )
     job = TrainingJob(cfg, show_progress=False)
-    errors = []
     try:
         job.start()
         pid_before = ray_local.get(job.supervisor.targets.remote(), timeout=30)["supervisor"]["pid"]
-
-        def fit():
-            try:
-                job.fit()
-            except BaseException as err:  # surfaced by the assert below
-                errors.append(err)
-
-        thread = threading.Thread(target=fit)
-        thread.start()
+        training = job.fit_in_background()
         store = CheckpointStore(cfg.checkpoint_uri)
         wait_for_condition(lambda: len(store.list_committed()) >= 2, timeout=300, retry_interval_ms=100)
         committed_before = store.list_committed()
@@ -54,8 +44,7 @@ def test_supervisor_killed_mid_run(ray_local, small_data, tmp_path):
         )
         assert chaos.returncode == 0, chaos.stderr[-2000:]
         assert "killed supervisor" in chaos.stdout
-        thread.join(timeout=500)
-        assert not thread.is_alive() and not errors, errors
+        training.join(timeout_s=500)
         report = job.finish()
         pid_after = ray_local.get(job.supervisor.targets.remote(), timeout=30)["supervisor"]["pid"]
     finally:

@@ -4,8 +4,6 @@ and every microbatch id reaches an optimizer update exactly once."""
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 from ray._common.test_utils import wait_for_condition
 
@@ -38,21 +36,11 @@ def _config(tmp_path, data, trainers, checkpoint_every=None, epochs=1.0):
 def _run_with_kills(ray, cfg, kill_plan):
     """Trains while ``kill_plan(job)`` kills trainers; returns the report and shard logs."""
     job = TrainingJob(cfg, show_progress=False)
-    errors = []
     try:
         job.start()
-
-        def fit():
-            try:
-                job.fit()
-            except BaseException as err:  # surfaced by the assert below
-                errors.append(err)
-
-        thread = threading.Thread(target=fit)
-        thread.start()
+        training = job.fit_in_background()
         kill_plan(job)
-        thread.join(timeout=550)
-        assert not thread.is_alive() and not errors, errors
+        training.join(timeout_s=550)
         report = job.finish()
         shards = ray.get(job.supervisor.shard_handles.remote(), timeout=30)
         logs = ray.get([s.applied_log.remote() for s in shards], timeout=30)
@@ -108,7 +96,8 @@ def test_killing_one_of_two_trainers(ray_local, small_data, tmp_path):
 
 
 def test_killing_a_trainer_while_another_heals(ray_local, small_data, tmp_path):
-    cfg = _config(tmp_path, small_data, trainers=3)
+    # Two epochs: long enough for the second replacement (about 15 s to start) to heal too.
+    cfg = _config(tmp_path, small_data, trainers=3, epochs=2)
 
     def plan(job):
         wait_for_condition(_progress_at_least(ray_local, job, 20), timeout=300, retry_interval_ms=100)
@@ -122,8 +111,8 @@ def test_killing_a_trainer_while_another_heals(ray_local, small_data, tmp_path):
         kill_target(job.supervisor, "trainer:2")
 
     report, logs = _run_with_kills(ray_local, cfg, plan)
-    assert report["steps"] == 234
-    _assert_every_microbatch_once(report, logs, 234)
+    assert report["steps"] == 468
+    _assert_every_microbatch_once(report, logs, 468)
     assert [f["actor"] for f in report["trainer_failures"]] == ["trainer:1", "trainer:2"]
     assert all(f["heal_s"] is not None for f in report["trainer_failures"])
     assert report["all_trainers_failed"] == []
