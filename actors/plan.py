@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["TableSlice", "ShardingPlan", "ShardBatch", "make_plan"]
+__all__ = ["TableSlice", "ShardingPlan", "ShardBatch", "make_plan", "slice_offsets", "shard_row_ids"]
 
 
 @dataclass(frozen=True)
@@ -85,6 +85,16 @@ class ShardingPlan:
         """The gradient a shard needs, float32 [B, S*D], from the pooled gradient [B, F, D]."""
         batch = grad.shape[0]
         return np.ascontiguousarray(grad[:, self.slice_tables(shard), :]).reshape(batch, -1)
+
+
+def slice_offsets(slices) -> np.ndarray:
+    """int64 [S+1]: a shard numbers its rows slice after slice; shard row = offset[s] + local row."""
+    return np.concatenate([[0], np.cumsum([s.num_rows for s in slices])]).astype(np.int64)
+
+
+def shard_row_ids(lengths: np.ndarray, indices: np.ndarray, offsets: np.ndarray) -> np.ndarray:
+    """Shard row ids of a ShardBatch's (lengths [S, B], slice-major local indices)."""
+    return indices + np.repeat(offsets[:-1], lengths.sum(axis=1))
 
 
 def make_plan(kind: str, table_rows: list[int], num_shards: int) -> ShardingPlan:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from actors.plan import TableSlice
+from actors.plan import TableSlice, shard_row_ids, slice_offsets
 
 __all__ = ["EmbeddingShard"]
 
@@ -101,8 +101,7 @@ class EmbeddingShard:
         self._init_weights(seed)
         from policies import make_policy
 
-        # Shard rows are numbered slice after slice: shard row = slice offset + local row.
-        self._slice_offsets = np.concatenate([[0], np.cumsum([s.num_rows for s in self.slices])]).astype(np.int64)
+        self._slice_offsets = slice_offsets(self.slices)
         p = {"policy": "full", "r": 1.0, "sample_rate": 1.0, "full_every": 1, **(priority or {})}
         self.priority = make_policy(
             p["policy"], int(self._slice_offsets[-1]), p["r"], p["sample_rate"], seed + shard_id, p["full_every"]
@@ -187,15 +186,11 @@ class EmbeddingShard:
             chunks[tuple(microbatches)] = _Chunk(tuple(microbatches), lengths, indices)
             if self._tracking:
                 t_track = time.perf_counter()
-                self.priority.observe(self._shard_rows(lengths, indices))
+                self.priority.observe(shard_row_ids(lengths, indices, self._slice_offsets))
                 self.tracking_s += time.perf_counter() - t_track
         out = self._forward(lengths, indices, grad=False).cpu().numpy()
         self.compute_s += time.perf_counter() - t0
         return out
-
-    def _shard_rows(self, lengths: np.ndarray, indices: np.ndarray) -> np.ndarray:
-        per_slice = lengths.sum(axis=1)
-        return indices + np.repeat(self._slice_offsets[:-1], per_slice)
 
     def lookup_eval(self, lengths: np.ndarray, indices: np.ndarray) -> np.ndarray:
         """Pooled embeddings for evaluation; nothing is kept."""

@@ -24,7 +24,7 @@ import numpy as np
 import ray
 
 from actors.checkpoint import DATA_POSITION_FILE, DENSE_FILE, FULL, INCREMENTAL, CheckpointStore, write_blob
-from actors.plan import make_plan
+from actors.plan import make_plan, shard_row_ids, slice_offsets
 from actors.shard import EmbeddingShard
 from actors.trainer import StepSchedule
 from app.config import config_from_dict
@@ -406,14 +406,14 @@ class Supervisor:
         saved_at = np.full(self.plan.shard_rows(k), chain[0] if chain else 0, dtype=np.int64)
         for step, rows in incremental_rows:
             saved_at[rows] = step
-        offsets = np.concatenate([[0], np.cumsum([s.num_rows for s in self.plan.shards[k]])])
+        offsets = slice_offsets(self.plan.shards[k])
         data = MicrobatchFile(self.train_cache)
         lost_accesses = 0
         for t in range(int(saved_at.min()), steps_done):
             for m in range(self.schedule.microbatches_per_step):
                 rows = sparse_to_rows(data.get(self.schedule.microbatch(t, m))[2], self.cfg.model.rows_per_table)
                 sb = self.plan.route(rows, k)
-                ids = sb.indices + np.repeat(offsets[:-1], sb.lengths.sum(axis=1))
+                ids = shard_row_ids(sb.lengths, sb.indices, offsets)
                 lost_accesses += int((saved_at[ids] <= t).sum())
         return lost_accesses / NUM_SPARSE
 
@@ -810,6 +810,7 @@ class Supervisor:
             shard_states = ray.get([s.state.remote() for s in self.shards], timeout=self.cfg.embeddings.call_timeout_s)
         except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError) as err:
             shard_states = [{"error": str(err)}]
+        step_time_s = self._step_time_s()
         with self._lock:
             return {
                 "run_id": self.run_id,
@@ -818,7 +819,6 @@ class Supervisor:
                 "failures": list(self.failures),
                 "eval": self.eval_metrics,
                 "shards": shard_states,
-                "shard_rows": [self.plan.shard_rows(k) for k in range(self.plan.num_shards)],
                 "total_steps": self.schedule.total_steps,
                 "resumed_from_step": self.resume_state["step"] if self.resume_state else None,
                 "last_checkpoint_step": self.last_checkpoint_step,
@@ -827,9 +827,7 @@ class Supervisor:
                     "policy": self.cfg.checkpoint.policy,
                     "interval_steps": self.interval_steps_in_use,
                     "interval_s": (
-                        self.interval_steps_in_use * self._step_time_s()
-                        if self.interval_steps_in_use and self._step_time_s()
-                        else None
+                        self.interval_steps_in_use * step_time_s if self.interval_steps_in_use and step_time_s else None
                     ),
                     "estimates": dataclasses.asdict(self.costs.inputs(self.plan.num_shards, self.cfg.checkpoint.pls_target)),
                 },
