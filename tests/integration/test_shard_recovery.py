@@ -19,6 +19,7 @@ from app.job import TrainingJob
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 
 M, B = 4, 128
+EVERY = 50  # checkpoint interval (steps): leaves room to kill well after one save and before the next
 
 
 def _config(tmp_path, data, recovery, name):
@@ -29,16 +30,23 @@ def _config(tmp_path, data, recovery, name):
             "data": {"train": [data.train_path], "eval": [data.eval_path], "cache_dir": str(tmp_path / "cache")},
             "model": {"embedding_dim": 8, "table_rows": 20_000, "dense_arch": [32, 8], "over_arch": [32, 1]},
             "embeddings": {"num_shards": 2, "sharding": "table_wise", "call_timeout_s": 30},
-            "training": {"num_trainers": 2, "microbatch_rows": B, "microbatches_per_step": M, "epochs": 1},
-            "checkpoint": {"every_steps": 25, "keep_last": 100},
+            "training": {
+                "num_trainers": 2,
+                "microbatch_rows": B,
+                "microbatches_per_step": M,
+                "epochs": 1,
+                "progress_every_steps": 1,
+            },
+            "checkpoint": {"every_steps": EVERY, "keep_last": 100},
             "recovery": recovery,
         }
     )
 
 
-def _run(ray, cfg, kill: str | None = None, kill_after_step: int = 0):
-    """Trains; kills ``kill`` once a checkpoint past ``kill_after_step`` exists. Returns the
-    report, each shard's final rows and counters, and the shard pids before and after."""
+def _run(ray, cfg, kill: str | None = None, kill_after_step: int = 0, steps_past_checkpoint: int = 5):
+    """Trains; kills ``kill`` once a checkpoint past ``kill_after_step`` exists and training has
+    committed ``steps_past_checkpoint`` more steps (so the failure loses work on the shard).
+    Returns the report, each shard's final rows and counters, and the shard pids before and after."""
     job = TrainingJob(cfg, show_progress=False)
     try:
         job.start()
@@ -48,6 +56,13 @@ def _run(ray, cfg, kill: str | None = None, kill_after_step: int = 0):
             store = CheckpointStore(cfg.checkpoint_uri)
             wait_for_condition(
                 lambda: any(s > kill_after_step for s in store.list_committed()), timeout=300, retry_interval_ms=100
+            )
+            saved = min(s for s in store.list_committed() if s > kill_after_step)
+            wait_for_condition(
+                lambda: (ray.get(job.supervisor.progress.remote(), timeout=30) or {"step": 0})["step"]
+                >= saved + steps_past_checkpoint,
+                timeout=300,
+                retry_interval_ms=50,
             )
             kill_target(job.supervisor, kill)
         training.join(timeout_s=500)
@@ -99,8 +114,9 @@ def test_partial_recovery_respawns_only_the_dead_shard(ray_local, small_data, tm
     assert failure["recovery_s"] > 0 and failure["rows_reloaded"] == plan.shard_rows(1)
     assert failure["bytes_reloaded"] > 0
     restored = failure["restored_step"]
-    assert restored % 25 == 0 and restored > 0
+    assert restored % EVERY == 0 and restored > 0
     lost_steps = failure["failed_at_step"] - restored
+    assert lost_steps >= 5  # killed five committed steps past the checkpoint
     assert failure["lost_samples"] == pytest.approx(lost_steps * M * B * plan.shard_fraction(1))
     assert report["pls"] == pytest.approx(failure["lost_samples"] / (234 * M * B))
 
