@@ -173,9 +173,10 @@ def train_loop(loop_config: dict) -> None:
     import ray.train
     import torch
     from torch.distributed import ReduceOp
-    from torchft import Manager, ProcessGroupGloo
+    from torchft import Manager
     from torchft.checkpointing.pg_transport import PGTransport
 
+    from actors.gloo import ReconfigurableGloo
     from app.cache import MicrobatchFile
     from app.config import config_from_dict
     from app.data import NUM_DENSE, NUM_SPARSE, sparse_to_rows
@@ -218,7 +219,7 @@ def train_loop(loop_config: dict) -> None:
     lighthouse = urlsplit(os.environ["TORCHFT_LIGHTHOUSE"])
     lighthouse_addr = f"{lighthouse.scheme}://{loop_config['lighthouse_host']}:{lighthouse.port}"
     collective_timeout = timedelta(seconds=tr.collective_timeout_s)
-    pg = ProcessGroupGloo(timeout=collective_timeout)
+    pg = ReconfigurableGloo(collective_timeout, timedelta(seconds=tr.connect_timeout_s))
     manager = Manager(
         pg=pg,
         min_replica_size=1,

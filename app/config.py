@@ -134,8 +134,21 @@ class TrainingConfig(_Section):
     """How often trainers report step, loss and samples/s."""
     collective_timeout_s: float = Field(60.0, gt=0.0, le=3600.0)
     """torchft quorum / all-reduce timeout."""
+    connect_timeout_s: float = Field(5.0, gt=0.0, le=3600.0)
+    """Timeout of the trainers' gloo connection setup after each new quorum, at most
+    ``collective_timeout_s``. A peer that dies while the group connects stalls the survivors
+    for up to about 5x this long (gloo retries the connection)."""
     max_trainer_failures: int = Field(20, ge=-1)
     """Trainer deaths Ray Train replaces before the run fails (-1: no limit)."""
+
+    @model_validator(mode="after")
+    def _check_timeouts(self) -> "TrainingConfig":
+        if self.connect_timeout_s > self.collective_timeout_s:
+            raise ValueError(
+                f"connect_timeout_s={self.connect_timeout_s} must be at most "
+                f"collective_timeout_s={self.collective_timeout_s}"
+            )
+        return self
 
 
 class CheckpointConfig(_Section):

@@ -49,6 +49,11 @@ def test_table_wise_shards_limited_by_tables():
         config_from_dict({**BASE, "embeddings": {"num_shards": 27}})
 
 
+def test_connect_timeout_at_most_collective_timeout():
+    with pytest.raises(ConfigError, match=r"training: .*connect_timeout_s=90.0 must be at most collective_timeout_s=60.0"):
+        config_from_dict({**BASE, "training": {"connect_timeout_s": 90}})
+
+
 def test_missing_data_section():
     with pytest.raises(ConfigError, match=r"data: Field required"):
         config_from_dict({})

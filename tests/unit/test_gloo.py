@@ -1,0 +1,75 @@
+"""The trainers' reconfigurable gloo process group, with real gloo processes on 127.0.0.1:
+a peer that dies after a quorum formed costs the survivors a few connect timeouts, not five
+collective timeouts, while collectives still wait the full collective timeout."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from datetime import timedelta
+
+import pytest
+import torch
+from torch.distributed import ReduceOp, TCPStore
+
+from actors.gloo import ReconfigurableGloo
+
+pytestmark = pytest.mark.timeout(120)
+
+COLLECTIVE = timedelta(seconds=60)
+CONNECT = timedelta(seconds=1)
+
+# Rank 1 of a two-rank group: says it is about to connect, connects, then after
+# ``delay`` seconds joins one all-reduce.
+PEER = """
+import sys, time, torch
+from torch.distributed import ReduceOp
+from datetime import timedelta
+from actors.gloo import ReconfigurableGloo
+addr, delay = sys.argv[1], float(sys.argv[2])
+pg = ReconfigurableGloo(timedelta(seconds=60), timedelta(seconds=1))
+print("connecting", flush=True)
+pg.configure(addr, "peer", 1, 2)
+time.sleep(delay)
+x = torch.ones(2)
+pg.allreduce([x], ReduceOp.SUM).wait()
+print("sum", x.tolist(), flush=True)
+"""
+
+
+def _peer(addr: str, delay: float) -> subprocess.Popen:
+    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo"}
+    p = subprocess.Popen([sys.executable, "-c", PEER, addr, str(delay)], stdout=subprocess.PIPE, text=True, env=env)
+    assert p.stdout.readline().strip() == "connecting"
+    return p
+
+
+@pytest.fixture
+def store():
+    s = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=COLLECTIVE)
+    yield s
+
+
+def test_a_peer_that_never_connects_costs_the_connect_timeout(store):
+    # A trainer that died just after the quorum formed never joins the new group. The
+    # survivor gives up after the connect timeout (gloo may retry it a few times when the
+    # peer died half-connected), not after the 60 s collective timeout.
+    pg = ReconfigurableGloo(COLLECTIVE, CONNECT)
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match="timeout"):
+        pg.configure(f"127.0.0.1:{store.port}/q1", "me", 0, 2)
+    assert time.monotonic() - t0 < COLLECTIVE.total_seconds() / 2
+
+
+def test_collectives_keep_the_collective_timeout(store):
+    # The peer joins the all-reduce 3 s late, longer than the 1 s connect timeout.
+    peer = _peer(f"127.0.0.1:{store.port}/q2", delay=3)
+    pg = ReconfigurableGloo(COLLECTIVE, CONNECT)
+    pg.configure(f"127.0.0.1:{store.port}/q2", "me", 0, 2)
+    x = torch.ones(2)
+    pg.allreduce([x], ReduceOp.SUM).wait()
+    assert x.tolist() == [2.0, 2.0]
+    out, _ = peer.communicate(timeout=30)
+    assert "sum [2.0, 2.0]" in out and peer.returncode == 0
