@@ -10,7 +10,7 @@ import pytest
 from actors.checkpoint import CheckpointStore
 from app.config import config_from_dict
 
-from .test_shard_recovery import _looked_up, _run
+from .test_shard_recovery import _local, _looked_up, _run
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 
@@ -57,7 +57,7 @@ def test_mfu_checkpoints_auto_interval_and_chain_restore(ray_local, small_data, 
     for i, s in enumerate(plan.shards[1]):
         mask = restored.tables == s.table
         local = restored.rows[mask] - s.row_start
-        keep = ~np.isin(local, np.array(sorted(after_recovery[s.table]), dtype=np.int64) - s.row_start)
+        keep = ~np.isin(local, _local(after_recovery[s.table], s))
         w, m = rows[1][i]
         assert np.array_equal(w[local[keep]], restored.weights[mask][keep])
         assert np.array_equal(m[local[keep]], restored.momentum[mask][keep])

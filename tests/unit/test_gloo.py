@@ -64,8 +64,8 @@ def test_a_peer_that_never_connects_costs_the_connect_timeout(store):
 
 
 def test_collectives_keep_the_collective_timeout(store):
-    # The peer joins the all-reduce 3 s late, longer than the 1 s connect timeout.
-    peer = _peer(f"127.0.0.1:{store.port}/q2", delay=3)
+    # The peer joins the all-reduce 2 s late, longer than the 1 s connect timeout.
+    peer = _peer(f"127.0.0.1:{store.port}/q2", delay=2)
     pg = ReconfigurableGloo(COLLECTIVE, CONNECT)
     pg.configure(f"127.0.0.1:{store.port}/q2", "me", 0, 2)
     x = torch.ones(2)
