@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 import threading
 import time
 import uuid
@@ -326,9 +327,16 @@ class TrainingJob:
             t.start()
         self._t["train"] = time.perf_counter()
         self._wall_train = time.time()
+        # On the main thread, Ray Train installs a SIGINT handler that holds its controller's
+        # handle, which keeps the controller, the torchft lighthouse and Ray Train's dataset
+        # manager alive (and busy) after the run. Restoring the previous handler releases them.
+        main = threading.current_thread() is threading.main_thread()
+        sigint = signal.getsignal(signal.SIGINT) if main else None
         try:
             trainer.fit()
         finally:
+            if main:
+                signal.signal(signal.SIGINT, sigint)
             stop.set()
             for t in threads:
                 t.join(timeout=10)

@@ -8,6 +8,7 @@ import json
 
 import numpy as np
 import pytest
+from ray._common.test_utils import wait_for_condition
 
 from actors.shard import EmbeddingShard
 from actors.trainer import StepSchedule
@@ -52,6 +53,16 @@ def test_two_shards_two_trainers(ray_local, small_data, tmp_path):
         plan = ray_local.get(job.supervisor.trainer_setup.remote(), timeout=60)["plan"]
     finally:
         job.close()
+
+    # Nothing of the run stays behind on the cluster: shards, supervisor, and Ray Train's
+    # controller with its torchft lighthouse (kept alive by Ray Train's SIGINT handler
+    # unless fit() restores the previous one).
+    def leftovers():
+        run = {"EmbeddingShard", "Supervisor", "TrainController", "LighthouseServerActor", "RayTrainWorker"}
+        return [a["ActorClassName"] for a in ray_local._private.state.actors().values()
+                if a["State"] == "ALIVE" and a["ActorClassName"] in run]
+
+    wait_for_condition(lambda: not leftovers(), timeout=60, retry_interval_ms=500)
 
     # Loss went down: first reported window vs last.
     on_disk = json.loads((tmp_path / "run" / "report.json").read_text())
