@@ -463,9 +463,11 @@ class CheckpointStore:
         The full is the newest one at or before ``upto_step`` that verifies (all files).
         Then come the committed incrementals whose ``base_step`` is that full, in step order,
         each verified. The chain STOPS before the first corrupt incremental (or unreadable
-        manifest) after the full: an incremental holds the rows changed since the previous
-        checkpoint, so applying later ones without it would mix row values from different
-        steps into a state that never existed and does not match the later dense model.
+        manifest) after the full: applying later incrementals without it would skip the rows
+        that only it saved. Even a whole chain is one step's state only where every changed
+        row was saved; MFU/SSU incrementals save just their prioritized rows, so the
+        supervisor restores a chain into a respawned shard (partial recovery) but rolls
+        everything back to the full checkpoint alone.
         The last step returned is the one whose dense and data-position blobs to load.
         Returns [] when no full checkpoint verifies.
         """

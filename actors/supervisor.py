@@ -336,6 +336,8 @@ class Supervisor:
         self.costs.observe_reschedule(reschedule_s)
         t_load = time.time()
         chain = self.store.chain_steps() if self.store is not None else []
+        if mode == RecoveryMode.FULL:
+            chain = chain[:1]  # one consistent step for every shard and the dense model
         restored_step = chain[-1] if chain else 0
         uri = self.cfg.checkpoint_uri
         timeout = self.cfg.embeddings.call_timeout_s
@@ -464,11 +466,20 @@ class Supervisor:
                 "next_checkpoint_step": self.next_checkpoint_step,
             }
 
+    def _consistent_chain(self) -> list[int]:
+        """The newest state that every shard and the dense model share: the newest valid full
+        checkpoint, alone. An MFU/SSU incremental saves only its prioritized rows, so a chain
+        through incrementals holds rows last saved at different steps. That is what partial
+        recovery loads into the one respawned shard (and counts per row as lost samples); a
+        rollback of everything (full recovery, every trainer dead, --resume) needs one step."""
+        chain = self.store.chain_steps() if self.store is not None else []
+        return chain[:1]
+
     def _restart_state(self) -> dict:
         """For a trainer started after training began (Ray Train replaced it): the last
-        checkpoint's step and dense state. A live peer further ahead heals it instead; if no
-        trainer is alive, the run falls back to exactly this checkpoint."""
-        chain = self.store.chain_steps() if self.store is not None else []
+        consistent checkpoint's step and dense state. A live peer further ahead heals it
+        instead; if no trainer is alive, the run falls back to exactly this checkpoint."""
+        chain = self._consistent_chain()
         if not chain:
             return {"step": 0, "dense": None}
         return {"step": chain[-1], "dense": self.store.read_blob(chain[-1], DENSE_FILE)}
@@ -774,7 +785,7 @@ class Supervisor:
         if self.store is None:
             raise ConfigError("checkpoint: every_steps or every_s must be set to resume a run")
         t0 = time.perf_counter()
-        steps = self.store.chain_steps()
+        steps = self._consistent_chain()
         for step, reason in self.store.fallbacks:
             self.record_event("checkpoint_fallback", step=step, reason=reason)
         if not steps:
