@@ -335,9 +335,10 @@ class Supervisor:
         reschedule_s = time.time() - t_spawn
         self.costs.observe_reschedule(reschedule_s)
         t_load = time.time()
-        chain = self.store.chain_steps() if self.store is not None else []
         if mode == RecoveryMode.FULL:
-            chain = chain[:1]  # one consistent step for every shard and the dense model
+            chain = self._consistent_chain()
+        else:
+            chain = self.store.chain_steps() if self.store is not None else []
         restored_step = chain[-1] if chain else 0
         uri = self.cfg.checkpoint_uri
         timeout = self.cfg.embeddings.call_timeout_s

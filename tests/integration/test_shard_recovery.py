@@ -79,16 +79,21 @@ def _run(ray, cfg, kill: str | None = None, kill_after_step: int = 0, steps_past
         job.close()
 
 
-def _looked_up(job, cfg, plan, steps) -> list[set[int]]:
-    """Global rows of each table that the given training steps look up."""
+def _step_rows(job, cfg, steps):
+    """Table rows (int64 [B, 26]) of every microbatch of the given training steps."""
     data = MicrobatchFile(job.data["train"].path)
     schedule = StepSchedule.from_config(len(data), M, cfg.training.epochs, None, cfg.seed)
-    out = [set() for _ in range(26)]
     for s in steps:
         for m in range(M):
-            r = sparse_to_rows(data.get(schedule.microbatch(s, m))[2], cfg.model.rows_per_table)
-            for t in range(26):
-                out[t].update(np.unique(r[:, t]).tolist())
+            yield sparse_to_rows(data.get(schedule.microbatch(s, m))[2], cfg.model.rows_per_table)
+
+
+def _looked_up(job, cfg, plan, steps) -> list[set[int]]:
+    """Global rows of each table that the given training steps look up."""
+    out = [set() for _ in range(26)]
+    for r in _step_rows(job, cfg, steps):
+        for t in range(26):
+            out[t].update(np.unique(r[:, t]).tolist())
     return out
 
 
@@ -101,14 +106,10 @@ def _local(rows: set[int], s) -> np.ndarray:
 
 def _accesses(job, cfg, plan, shard, steps) -> int:
     """Ids that the given training steps look up in ``shard``'s rows (one per sample and table)."""
-    data = MicrobatchFile(job.data["train"].path)
-    schedule = StepSchedule.from_config(len(data), M, cfg.training.epochs, None, cfg.seed)
     n = 0
-    for s in steps:
-        for m in range(M):
-            r = sparse_to_rows(data.get(schedule.microbatch(s, m))[2], cfg.model.rows_per_table)
-            for sl in plan.shards[shard]:
-                n += int(((r[:, sl.table] >= sl.row_start) & (r[:, sl.table] < sl.row_end)).sum())
+    for r in _step_rows(job, cfg, steps):
+        for sl in plan.shards[shard]:
+            n += int(((r[:, sl.table] >= sl.row_start) & (r[:, sl.table] < sl.row_end)).sum())
     return n
 
 

@@ -15,9 +15,8 @@ import pytest
 from ray._common.test_utils import wait_for_condition
 
 from actors.shard import EmbeddingShard
-from actors.trainer import StepSchedule
-from app.cache import MicrobatchFile
-from app.data import sparse_to_rows
+
+from .test_shard_recovery import _local, _looked_up
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 
@@ -47,14 +46,7 @@ def test_two_shards_two_trainers(ray_local, clean_run):
     assert on_disk["samples_trained"] == report["steps"] * 4 * 128
 
     # Rows changed exactly where ids were looked up by training steps.
-    train_file = MicrobatchFile(job.data["train"].path)
-    schedule = StepSchedule.from_config(len(train_file), 4, 1, None, cfg.seed)
-    looked_up = [set() for _ in range(26)]
-    used = {schedule.microbatch(s, m) for s in range(report["steps"]) for m in range(4)}
-    for i in used:
-        rows = sparse_to_rows(train_file.get(i)[2], cfg.model.rows_per_table)
-        for t in range(26):
-            looked_up[t].update(np.unique(rows[:, t]).tolist())
+    looked_up = _looked_up(job, cfg, plan, range(report["steps"]))
     emb = cfg.embeddings
     for k, rows_k in enumerate(final_rows):
         initial = EmbeddingShard(
@@ -62,7 +54,7 @@ def test_two_shards_two_trainers(ray_local, clean_run):
             microbatches_per_step=4,
         ).get_rows()
         for s, (w0, _), (w1, m1) in zip(plan.shards[k], initial, rows_k):
-            changed = set((np.flatnonzero((w0 != w1).any(axis=1)) + s.row_start).tolist())
-            expected = {r for r in looked_up[s.table] if s.row_start <= r < s.row_end}
-            assert changed == expected, (k, s, len(changed), len(expected))
-            assert (m1[[r - s.row_start for r in expected]] > 0).all()
+            changed = np.flatnonzero((w0 != w1).any(axis=1))
+            expected = _local(looked_up[s.table], s)
+            assert np.array_equal(changed, expected), (k, s, len(changed), len(expected))
+            assert (m1[expected] > 0).all()
