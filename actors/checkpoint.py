@@ -503,6 +503,24 @@ class CheckpointStore:
 
     # ----------------------------------------------------------------- retention
 
+    def fence_after(self, step: int) -> list[int]:
+        """Remove every checkpoint newer than ``step``, committed or not: after a rollback to
+        ``step`` they belong to an abandoned timeline and must never be loaded. Manifests go
+        first, so a crash midway leaves uncommitted directories, never a half-deleted
+        checkpoint. Idempotent; returns the steps removed."""
+        committed, uncommitted = self._scan()
+        doomed = sorted(s for s in committed + uncommitted if s > step)
+        for s in doomed:
+            manifest_path = self._path(s, MANIFEST_FILE)
+            if _exists(self._fs, manifest_path):
+                self._fs.delete_file(manifest_path)
+        for s in doomed:
+            self._fs.delete_dir(_join(self._root, step_dir_name(s)))
+            self._trusted.discard(s)
+        if doomed:
+            logger.warning("checkpoints %s under %s fenced: newer than the rollback to step %d", doomed, self.uri, step)
+        return doomed
+
     def gc(self) -> list[int]:
         """Delete what retention no longer needs; returns the deleted steps, ascending.
 
@@ -710,7 +728,7 @@ def _check_step(step: int) -> int:
 
 
 def _check_file_name(name: str) -> None:
-    if not name or name in (".", "..") or "/" in name or "\\" in name:
+    if not name or name in (".", "..") or "/" in name or "\\" in name or "\0" in name:
         raise ValueError(f"checkpoint file name must be a plain file name, got {name!r}")
     if name == MANIFEST_FILE or name.startswith(_MANIFEST_TMP_PREFIX):
         raise ValueError(f"{name!r} is reserved for the manifest")
@@ -791,6 +809,12 @@ def _manifest_from_json(raw: bytes, step: int) -> CheckpointInfo:
         raise CheckpointCorrupt(f"{where} is unreadable: {type(exc).__name__}: {exc}") from None
     if info.step != step:
         raise CheckpointCorrupt(f"{where} names step {info.step}, expected {step}")
+    for name in info.files:
+        # A crafted manifest must not make a reader open anything outside this checkpoint.
+        try:
+            _check_file_name(name)
+        except ValueError as exc:
+            raise CheckpointCorrupt(f"{where} lists an unsafe file name: {exc}") from None
     if info.kind not in (FULL, INCREMENTAL) or (info.kind == INCREMENTAL) != (info.base_step is not None):
         raise CheckpointCorrupt(f"{where} has kind {info.kind!r} with base_step {info.base_step}")
     return info

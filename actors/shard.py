@@ -7,6 +7,7 @@ and respawn time is most of a partial recovery.
 
 from __future__ import annotations
 
+import json
 import os
 import threading
 import time
@@ -71,6 +72,8 @@ class EmbeddingShard:
         microbatches_per_step: int,
         threads: int = 1,
         priority: dict | None = None,
+        generation: int = 0,
+        audit_dir: str | None = None,
     ):
         import torch
         from fbgemm_gpu.split_embedding_configs import EmbOptimType
@@ -103,10 +106,22 @@ class EmbeddingShard:
 
         self._slice_offsets = slice_offsets(self.slices)
         p = {"policy": "full", "r": 1.0, "sample_rate": 1.0, "full_every": 1, **(priority or {})}
-        self.priority = make_policy(
+        self._new_policy = lambda: make_policy(
             p["policy"], int(self._slice_offsets[-1]), p["r"], p["sample_rate"], seed + shard_id, p["full_every"]
         )
+        self.priority = self._new_policy()
         self._tracking = p["policy"] != "full"
+        # The rows written for a save whose manifest is not known to be committed yet:
+        # (step, rows). They count as saved only once it is (two-phase save).
+        self._unconfirmed_save: tuple[int, np.ndarray] | None = None
+        self._since_save: list[np.ndarray] = []  # shard rows looked up after that save's snapshot
+        self.generation = generation
+        self._audit = None
+        if audit_dir is not None:
+            # Append-only record of every update applied and every load, for the soak's
+            # exactly-once checks; written by this process, independent of the supervisor.
+            os.makedirs(audit_dir, exist_ok=True)
+            self._audit = open(os.path.join(audit_dir, f"shard-{shard_id}-g{generation}.jsonl"), "a", buffering=1)
         self.tracking_s = 0.0
         self._released = threading.Event()
         self.steps_dropped = 0
@@ -146,6 +161,10 @@ class EmbeddingShard:
         self._pending.clear()
         self.applied_step = -1
         self.applied_microbatches.clear()
+        self.first_step_after_load = None
+        self.priority = self._new_policy()
+        self.confirm_save(None)
+        self._log({"event": "load", "chain": []})
 
     def ready(self) -> dict:
         """Identifies the process (used to kill it in chaos tests) and its size."""
@@ -186,7 +205,10 @@ class EmbeddingShard:
             chunks[tuple(microbatches)] = _Chunk(tuple(microbatches), lengths, indices)
             if self._tracking:
                 t_track = time.perf_counter()
-                self.priority.observe(shard_row_ids(lengths, indices, self._slice_offsets))
+                ids = shard_row_ids(lengths, indices, self._slice_offsets)
+                self.priority.observe(ids)
+                if self._unconfirmed_save is not None:
+                    self._since_save.append(ids)
                 self.tracking_s += time.perf_counter() - t_track
         out = self._forward(lengths, indices, grad=False).cpu().numpy()
         self.compute_s += time.perf_counter() - t0
@@ -206,10 +228,10 @@ class EmbeddingShard:
         chunks = self._pending.get(step, {})
         chunk = chunks.get(tuple(microbatches))
         if chunk is None:
-            raise KeyError(
-                f"shard {self.shard_id}: gradient for step {step} microbatches {microbatches} "
-                "arrived without its lookup"
-            )
+            # A newer attempt of this step split it differently and replaced this chunk (or a
+            # load dropped it): this gradient belongs to an abandoned attempt. The caller's
+            # step fails and is redone; nothing here changes.
+            return {"applied": False, "duplicate": False, "stale": True}
         chunk.grad = grad
         have = sum(len(c.microbatches) for c in chunks.values() if c.grad is not None)
         if have < self.microbatches_per_step:
@@ -229,6 +251,7 @@ class EmbeddingShard:
         if self.first_step_after_load is None:
             self.first_step_after_load = step
         self.applied_step = step
+        self._log({"event": "apply", "step": step, "microbatches": list(self.applied_microbatches[-1][1])})
         # An older step still pending never completed here (its other chunks went to a
         # shard that died, or were redone): its update to this shard is lost, not delayed.
         for s in [s for s in self._pending if s <= step]:
@@ -249,14 +272,22 @@ class EmbeddingShard:
             "tracking_bytes": self.priority.tracking_bytes,
         }
 
-    def save_checkpoint(self, uri: str, step: int, save_index: int = 0) -> dict:
+    def _log(self, record: dict) -> None:
+        if self._audit is not None:
+            self._audit.write(json.dumps({"t": round(time.time(), 6), "gen": self.generation, **record}) + "\n")
+
+    def save_checkpoint(self, uri: str, step: int, save_index: int = 0, confirmed_step: int | None = None) -> dict:
         """Writes this shard's rows and Adagrad state as of ``step`` committed steps: all of
         them, or the rows the priority policy (MFU/SSU) selects for save ``save_index``.
 
         The rows are written by this actor straight to storage; only the file's entry
         (name, size, checksum) goes back to the supervisor, which commits the manifest.
+        Two-phase: the rows written count as saved (their MFU/SSU counts cleared) only when
+        a later call names this step as ``confirmed_step``, i.e. its manifest committed.
         """
         from actors.checkpoint import ShardRows, write_shard_file
+
+        self.confirm_save(confirmed_step)
 
         if self.applied_step != step - 1:
             raise RuntimeError(
@@ -286,7 +317,7 @@ class EmbeddingShard:
             np.concatenate(tables), np.concatenate(rows), np.concatenate(weights), np.concatenate(momentum)
         )
         entry = write_shard_file(uri, step, self.shard_id, data)
-        self.priority.mark_saved(chosen)
+        self._unconfirmed_save = (step, chosen)
         return {
             "entry": entry,
             "rows": len(data.rows),
@@ -294,6 +325,20 @@ class EmbeddingShard:
             "reason": selection.reason,
             "duration_s": time.perf_counter() - t0,
         }
+
+    def confirm_save(self, step: int | None) -> None:
+        """Phase two of a save: the manifest of ``step`` committed, so the rows this shard wrote
+        for it are saved. Their counts are cleared, and the accesses they got after the
+        snapshot are counted again (those updates are not in the checkpoint). A save that is
+        never confirmed (its manifest did not commit) leaves every count as it was."""
+        if self._unconfirmed_save is not None and self._unconfirmed_save[0] == step:
+            rows = self._unconfirmed_save[1]
+            self.priority.mark_saved(rows)
+            if self._since_save:
+                after = np.concatenate(self._since_save)
+                self.priority.observe(after[np.isin(after, rows)])
+        self._unconfirmed_save = None
+        self._since_save = []
 
     def load_checkpoint(self, uri: str, steps: list[int]) -> dict:
         """Restores the rows saved in ``steps`` (a full checkpoint, then incrementals, each
@@ -329,6 +374,10 @@ class EmbeddingShard:
         self._pending.clear()
         self.applied_step = steps[-1] - 1
         self.first_step_after_load = None
+        # Every row now equals its saved copy: nothing is unsaved, so access counts restart.
+        self.priority = self._new_policy()
+        self.confirm_save(None)
+        self._log({"event": "load", "chain": list(steps)})
         self.applied_microbatches = [x for x in self.applied_microbatches if x[0] < steps[-1]]
         return {
             "rows": int(rows_loaded),

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import io
+import json
 import math
 import os
 import time
@@ -18,7 +19,7 @@ from urllib.parse import urlsplit
 
 import numpy as np
 
-__all__ = ["train_loop", "StepSchedule", "ShardCallFailed"]
+__all__ = ["train_loop", "StepSchedule", "ShardCallFailed", "StaleStep"]
 
 
 @dataclass(frozen=True)
@@ -92,6 +93,11 @@ class ShardCallFailed(Exception):
         return f"shard {self.shard}: {self.reason}"
 
 
+class StaleStep(Exception):
+    """A shard dropped this attempt's gradients: a newer attempt of the step replaced them.
+    The step fails and is redone; no shard is at fault."""
+
+
 class _ShardClient:
     """Routes ids to the shards and gathers their pooled outputs, with timeouts."""
 
@@ -135,7 +141,10 @@ class _ShardClient:
             shard.push_grads.remote(step, chunk, self.plan.gather_grad(grad, k))
             for k, shard in enumerate(self.shards)
         ]
-        return self._gather(refs)
+        results = self._gather(refs)
+        if any(r.get("stale") for r in results):
+            raise StaleStep(f"step {step} microbatches {chunk}: replaced by a newer attempt")
+        return results
 
 
 def _evaluate(model, client: _ShardClient, eval_file, table_rows) -> dict:
@@ -176,6 +185,7 @@ def train_loop(loop_config: dict) -> None:
     from torchft import Manager
     from torchft.checkpointing.pg_transport import PGTransport
 
+    from actors.deadlines import Deadlines
     from actors.gloo import ReconfigurableGloo
     from app.cache import MicrobatchFile
     from app.config import config_from_dict
@@ -187,7 +197,9 @@ def train_loop(loop_config: dict) -> None:
     torch.set_num_threads(tr.threads_per_worker)
     rank = ray.train.get_context().get_world_rank()
     supervisor = ray.get_actor(loop_config["supervisor"], namespace=cfg.ray.namespace)
-    setup = ray.get(supervisor.trainer_setup.remote(), timeout=cfg.embeddings.call_timeout_s)
+    # Waits on the supervisor are longer than the longest wait inside it (actors.deadlines).
+    wait_s = Deadlines(cfg.embeddings.call_timeout_s).trainer_wait_s
+    setup = ray.get(supervisor.trainer_setup.remote(), timeout=wait_s)
     if setup["finished"]:
         # Ray Train replaced a trainer that died after the run was over: nothing to do.
         return
@@ -244,7 +256,7 @@ def train_loop(loop_config: dict) -> None:
     # it healing instead of training. A replacement for a dead trainer does not wait.
     deadline = time.monotonic() + tr.collective_timeout_s
     me = (rank, os.getpid(), ray.get_runtime_context().get_node_id())
-    while not ray.get(supervisor.register_trainer.remote(*me), timeout=cfg.embeddings.call_timeout_s):
+    while not ray.get(supervisor.register_trainer.remote(*me), timeout=wait_s):
         if time.monotonic() > deadline:
             break
         time.sleep(0.05)
@@ -264,12 +276,29 @@ def train_loop(loop_config: dict) -> None:
     last_participant = None
 
     samples_per_step = tr.microbatches_per_step * tr.microbatch_rows
+    audit = None
+    if setup["audit_dir"] is not None:
+        os.makedirs(setup["audit_dir"], exist_ok=True)
+        audit = open(os.path.join(setup["audit_dir"], f"trainer-{rank}-{os.getpid()}.jsonl"), "a", buffering=1)
+    status_ref = None
+    stopped = False
     loss_sum = 0.0
     loss_rows = 0
     t_last = time.perf_counter()
     steps_since = 0
     phases = _PhaseTimer()
     while manager.current_step() < schedule.total_steps:
+        # The supervisor's status, polled without blocking: a stop (interrupt, budget) ends
+        # the loop at a step boundary; a rollback may have moved the save schedule.
+        if status_ref is None:
+            status_ref = supervisor.status.remote()
+        elif ray.wait([status_ref], timeout=0)[0]:
+            status = ray.get(status_ref)
+            status_ref = None
+            if status["stop"]:
+                stopped = True
+                break
+            next_checkpoint = status["next_checkpoint"]
         phases.start()
         manager.start_quorum()
         manager.wait_quorum()
@@ -284,7 +313,7 @@ def train_loop(loop_config: dict) -> None:
             if replacement and resume is not None and step == resume["step"]:
                 # Nobody was ahead to heal from: every trainer died. Shards go back to the
                 # same checkpoint as the dense state (the supervisor does it once).
-                ray.get(supervisor.fallback_to_checkpoint.remote(step, rank), timeout=cfg.embeddings.call_timeout_s * 2)
+                generation = ray.get(supervisor.fallback_to_checkpoint.remote(step, rank), timeout=wait_s)["generation"]
         if replacement and participant is not None:
             supervisor.record_trainer_healed.remote(rank, step, time.perf_counter() - started_s, time.time())
             replacement = False
@@ -321,6 +350,8 @@ def train_loop(loop_config: dict) -> None:
             except ShardCallFailed as err:
                 supervisor.report_shard_failure.remote(err.shard, generation, err.reason, step)
                 step_error = err
+            except StaleStep as err:
+                step_error = err
         phases.start()
         # Two extra elements ride on the gradient all-reduce: a "this step failed here" flag
         # and this trainer's microbatch count. torchft's commit vote spans one replica group
@@ -348,11 +379,19 @@ def train_loop(loop_config: dict) -> None:
             supervisor.record_commit.remote(
                 step, rank, chunk if mine else (), step_microbatches, manager.num_participants(), time.time()
             )
+            if audit is not None:
+                audit.write(json.dumps({"t": round(time.time(), 6), "event": "commit", "step": step, "rank": rank,
+                                        "quorum": manager._quorum_id, "microbatches": list(chunk) if mine else [],
+                                        "total": step_microbatches}) + "\n")
         else:
             supervisor.record_step_failed.remote(step, rank, time.time(), str(step_error or manager.errored()))
             # A failed step: pick up respawned shards (and, after a full recovery, the
             # checkpoint's dense state and step) before redoing it.
-            info = ray.get(supervisor.await_shards.remote(generation), timeout=cfg.embeddings.call_timeout_s * 3)
+            info = ray.get(supervisor.await_shards.remote(generation, step), timeout=wait_s)
+            if info["stop"]:
+                stopped = True
+                break
+            next_checkpoint = info["next_checkpoint"]
             if info["generation"] != generation:
                 generation = info["generation"]
                 client.shards = info["shards"]
@@ -370,15 +409,13 @@ def train_loop(loop_config: dict) -> None:
         done = manager.current_step()
         if participant == 0 and last_participant != 0 and next_checkpoint is not None:
             # Just became the saving trainer (e.g. the previous one died): ask what is due.
-            next_checkpoint = ray.get(supervisor.checkpoint_due.remote(), timeout=cfg.embeddings.call_timeout_s)
+            next_checkpoint = ray.get(supervisor.checkpoint_due.remote(), timeout=wait_s)
         last_participant = participant
         if participant == 0 and next_checkpoint is not None and done >= next_checkpoint and done < schedule.total_steps:
             phases.start()
             buf = io.BytesIO()
             torch.save(state_dict(), buf)
-            saved = ray.get(
-                supervisor.save_checkpoint.remote(done, buf.getvalue()), timeout=cfg.embeddings.call_timeout_s * 2
-            )
+            saved = ray.get(supervisor.save_checkpoint.remote(done, buf.getvalue()), timeout=wait_s)
             next_checkpoint = saved["next_step"]
             phases.lap("checkpoint")
         if committed and participant == 0 and (done % tr.progress_every_steps == 0 or done == schedule.total_steps):
@@ -395,11 +432,23 @@ def train_loop(loop_config: dict) -> None:
             )
             loss_sum, loss_rows, steps_since, t_last = 0.0, 0, 0, now
 
-    if rank == 0:
+    if rank == 0 and not stopped:
         supervisor.record_event.remote("training_finished", step=manager.current_step(), wall_time=time.time())
         t0 = time.perf_counter()
-        metrics = _evaluate(model, client, MicrobatchFile(setup["eval_cache"]), table_rows)
+        for attempt in range(3):
+            try:
+                metrics = _evaluate(model, client, MicrobatchFile(setup["eval_cache"]), table_rows)
+                break
+            except ShardCallFailed as err:
+                # A shard died during evaluation: it is recovered like any other; evaluate again.
+                supervisor.report_shard_failure.remote(err.shard, generation, err.reason, manager.current_step())
+                info = ray.get(supervisor.await_shards.remote(generation, manager.current_step()), timeout=wait_s)
+                generation, client.shards = info["generation"], info["shards"]
+                if attempt == 2:
+                    raise
         metrics["eval_s"] = time.perf_counter() - t0
         metrics["steps"] = manager.current_step()
-        ray.get(supervisor.record_eval.remote(metrics), timeout=cfg.embeddings.call_timeout_s)
+        ray.get(supervisor.record_eval.remote(metrics), timeout=wait_s)
+    if audit is not None:
+        audit.close()
     manager.shutdown()

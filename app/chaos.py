@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import signal
 import threading
 import time
 from dataclasses import dataclass
@@ -50,38 +49,23 @@ def find_supervisor(run_dir: str):
         raise ConfigError(f"run {info['run_id']} has no live supervisor; has it finished?") from None
 
 
-def _sigkill(supervisor, target: str, pid: int) -> float | None:
-    # Runs on the target's node; the time is taken here, right before the kill, so that
-    # detection latency does not include starting this task's worker.
-    import ray
-
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return None  # already dead (e.g. being recovered): nothing to record
-    now = time.time()
-    ray.get(supervisor.record_kill.remote(target, now), timeout=30)
-    os.kill(pid, signal.SIGKILL)
-    return now
-
-
-def kill_target(supervisor, target: str, timeout_s: float = 30.0) -> dict:
+def kill_target(supervisor, target: str, timeout_s: float = 30.0, trigger: str = "chaos") -> dict:
     """SIGKILLs the process of ``target`` ("shard:1", "trainer:0", "supervisor") on its node.
 
-    The kill time is recorded with the supervisor first, so detection latency is measured
-    from the kill. Returns what was killed.
+    The kill is recorded with the supervisor first (a ``fault_injected`` event), so detection
+    latency is measured from the kill. Returns what was killed.
     """
     import ray
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    from actors.faults import sigkill_on_node
 
     targets = ray.get(supervisor.targets.remote(), timeout=timeout_s)
     if target not in targets:
         raise ConfigError(f"unknown target {target!r}; this run has {sorted(targets)}")
     info = targets[target]
-    killer = ray.remote(num_cpus=0, max_retries=0)(_sigkill).options(
-        scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=info["node_id"], soft=False)
-    )
-    now = ray.get(killer.remote(supervisor, target, info["pid"]), timeout=timeout_s)
+    if info["pid"] is None:
+        raise ConfigError(f"{target} is being recovered; it has no process to kill yet")
+    now = sigkill_on_node(supervisor, target, info, trigger, timeout_s)
     if now is None:
         raise ConfigError(f"{target} (pid {info['pid']}) is already dead")
     logger.warning("killed %s (pid %d) at %.3f", target, info["pid"], now)
@@ -144,9 +128,9 @@ def run_schedule(supervisor, schedule: FaultSchedule, stop: threading.Event, on_
             if target == "all_trainers":
                 # Every trainer at once: Ray Train restarts the whole group from the checkpoint.
                 for t in sorted(x for x in ray.get(supervisor.targets.remote(), timeout=30) if x.startswith("trainer:")):
-                    kills.append(kill_target(supervisor, t))
+                    kills.append(kill_target(supervisor, t, trigger="schedule"))
             else:
-                kills.append(kill_target(supervisor, target))
+                kills.append(kill_target(supervisor, target, trigger="schedule"))
         except Exception as err:  # the run may be ending; a failed kill must not kill the run
             logger.warning("could not kill %s: %s", target, err)
             continue

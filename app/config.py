@@ -188,6 +188,16 @@ class CheckpointConfig(_Section):
         return self.every_steps is not None or self.every_s is not None or self.auto_interval
 
 
+class FaultPoint(_Section):
+    """A kill at a named point of the supervisor's work (like torchft's EventInjector.fail_at)."""
+
+    at: Literal["save.files_written", "recovery.spawned", "recovery.loaded", "rollback.loaded"]
+    """save.files_written: shard files written, manifest not; recovery.spawned: new shards answer, nothing
+    loaded; recovery.loaded: loaded, fleet not committed; rollback.loaded: every shard loaded, nothing fenced."""
+    kill: str = Field(..., pattern=r"^(supervisor|all_trainers|shard:\d+|trainer:\d+)$")
+    """What to kill there, once: supervisor, all_trainers, shard:K or trainer:K."""
+
+
 class FaultsConfig(_Section):
     """Injected failures, so that a run with failures is reproducible."""
 
@@ -203,6 +213,35 @@ class FaultsConfig(_Section):
     """Stop injecting after this many kills."""
     start_after_s: float = Field(0.0, ge=0.0)
     """Injection starts this long after the first training step."""
+    at_steps: dict[str, list[int]] = {}
+    """Kills once a training step committed, e.g. ``{trainer: [40], shard: [70]}``; keys: shard, trainer
+    (one chosen by the seed), shard:K, trainer:K, supervisor, all_trainers. Independent of machine speed."""
+    at_points: list[FaultPoint] = []
+    """Kills at named points of the supervisor's work, each once (see faults.at_points[].at)."""
+
+    @field_validator("at_steps")
+    @classmethod
+    def _check_at_steps(cls, v: dict[str, list[int]]) -> dict[str, list[int]]:
+        import re
+
+        for key, steps in v.items():
+            if not re.fullmatch(r"shard|trainer|supervisor|all_trainers|shard:\d+|trainer:\d+", key):
+                raise ValueError(f"key {key!r} must be shard, trainer, shard:K, trainer:K, supervisor or all_trainers")
+            if any(s < 0 for s in steps):
+                raise ValueError(f"{key}: steps must be >= 0, got {steps}")
+        return v
+
+
+class BudgetsConfig(_Section):
+    """Failure budgets (like Ray Train's FailureConfig): past one the run stops with an error
+    naming the budget and the counts, writes its report, and ``--resume`` continues it."""
+
+    max_shard_recoveries: int = Field(100, ge=-1)
+    """Embedding-shard deaths recovered before the run stops (-1: no limit)."""
+    max_step_redos: int = Field(20, ge=-1)
+    """Times one training step may fail and be redone before the run stops (-1: no limit)."""
+    max_supervisor_restarts: int = Field(20, ge=-1)
+    """Supervisor restarts before the run stops (-1: no limit)."""
 
 
 class RayConfig(_Section):
@@ -234,6 +273,10 @@ class RunConfig(_Section):
     model picks)."""
     faults: FaultsConfig | None = None
     """Failure injection during the run; none when absent."""
+    budgets: BudgetsConfig = BudgetsConfig()
+    audit_log: bool = False
+    """Shards and trainers append every applied update and commit to ``<run_dir>/audit/*.jsonl``, for
+    ``cpr soak``'s exactly-once checks (independent of the supervisor's bookkeeping)."""
     ray: RayConfig = RayConfig()
 
     @model_validator(mode="after")

@@ -14,6 +14,7 @@ __all__ = [
     "CheckpointNotFound",
     "ShardUnavailable",
     "TrainerConflict",
+    "RunFailed",
 ]
 
 
@@ -61,3 +62,8 @@ class ShardUnavailable(CprError):
 
 class TrainerConflict(CprError):
     """A replacement trainer's view of the run contradicts live trainers (split quorum)."""
+
+
+class RunFailed(CprError):
+    """The run stopped before its end (a failure budget, an unrecoverable error); its report
+    is written and ``cpr train --resume RUN_DIR`` continues it."""

@@ -18,7 +18,7 @@ import yaml
 from app.cache import build_cache
 from app.config import RunConfig
 from app.config import load_config
-from app.errors import CheckpointNotFound, ConfigError
+from app.errors import CheckpointNotFound, ConfigError, RunFailed
 
 __all__ = ["TrainingJob", "run_training", "resume_config", "prepare_data", "connect_ray", "keep_ray_on_loopback"]
 
@@ -321,7 +321,7 @@ class TrainingJob:
                 daemon=True,
             )
         ]
-        if cfg.faults is not None:
+        if cfg.faults is not None and cfg.faults.max_failures > 0:
             threads.append(threading.Thread(target=self._inject_faults, args=(stop,), daemon=True))
         for t in threads:
             t.start()
@@ -365,14 +365,24 @@ class TrainingJob:
                 continue
         run_schedule(self.supervisor, schedule, stop)
 
-    def finish(self) -> dict:
-        """Collects the supervisor's summary and writes report.json, events.jsonl, summary.txt."""
+    def request_stop(self) -> None:
+        """Asks the trainers to stop at their next step (the run then counts as interrupted)."""
+        import ray
+
+        ray.get(self.supervisor.request_stop.remote("interrupted"), timeout=30)
+
+    def finish(self, interrupted: bool = False) -> dict:
+        """Collects the supervisor's summary and writes report.json, events.jsonl, summary.txt.
+        Raises RunFailed (after writing them) when the run stopped on a budget."""
         import ray
 
         from app.report import build_report, write_report
 
-        summary = ray.get(self.supervisor.summary.remote(), timeout=self.cfg.embeddings.call_timeout_s)
+        summary = ray.get(self.supervisor.summary.remote(), timeout=self.cfg.embeddings.call_timeout_s * 6)
         t = self._t
+        t.setdefault("train", t.get("data", t["start"]))
+        t.setdefault("end", time.perf_counter())
+        self._wall_train = getattr(self, "_wall_train", time.time())
         # Event wall times say when the first step began and the last one ended; what lies
         # before is startup (shards, Ray Train worker group, quorum), what follows evaluation.
         walls = {e["kind"]: e["wall_time"] for e in summary["events"] if "wall_time" in e}
@@ -391,7 +401,14 @@ class TrainingJob:
                 "total_s": t["end"] - t["start"],
             },
         )
+        report["interrupted"] = interrupted
         write_report(self.run_dir, report)
+        state = summary["state"]
+        if state["state"] == "failed":
+            raise RunFailed(
+                f"the run stopped: {state['reason']}. Its report is in {self.run_dir}/report.json; "
+                f"continue it with `cpr train --resume {self.cfg.run_dir}`"
+            )
         return report
 
     def close(self) -> None:
@@ -402,7 +419,8 @@ class TrainingJob:
                 ray.get(self.supervisor.shutdown.remote(), timeout=30)
             except Exception as err:  # still remove what we can
                 logger.warning("supervisor shutdown failed: %s", err)
-                _kill_leftovers(self.run_dir, self.cfg.ray.namespace, self.run_id)
+            # Also whatever the supervisor could not reach (half-started shards of a recovery).
+            _kill_leftovers(self.run_dir, self.cfg.ray.namespace, self.run_id)
             ray.kill(self.supervisor, no_restart=True)
             self.supervisor = None
         if self._started_ray:
@@ -435,15 +453,48 @@ def resume_config(run_dir: str) -> RunConfig:
     return load_config(path)
 
 
-def run_training(cfg: RunConfig, show_progress: bool = True, resume: bool = False) -> dict:
-    """Runs one training job end to end and returns the report (also written to run_dir)."""
+def run_training(cfg: RunConfig, show_progress: bool = True, resume: bool = False, stop_grace_s: float = 25.0) -> dict:
+    """Runs one training job end to end and returns the report (also written to run_dir).
+
+    SIGINT or SIGTERM stops it cleanly: trainers stop at their next step, the report is
+    written with ``"interrupted": true``, the shards are killed, and ``--resume`` continues
+    from the last valid checkpoint. A second signal stops at once.
+    """
     job = TrainingJob(cfg, show_progress, resume)
+    interrupted = threading.Event()
+
+    def on_signal(signum, frame):
+        if interrupted.is_set():
+            raise KeyboardInterrupt
+        logger.warning("%s: stopping the run at the next step and writing its report", signal.Signals(signum).name)
+        interrupted.set()
+
+    handlers = {}
+    if threading.current_thread() is threading.main_thread():
+        handlers = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         job.start()
-        job.fit()
-        return job.finish()
+        if not interrupted.is_set():
+            # fit() on a thread: the main thread keeps the signals (Ray Train would otherwise
+            # install its own SIGINT handler, which aborts without a report).
+            training = job.fit_in_background()
+            while training.is_alive() and not interrupted.wait(0.5):
+                pass
+            if interrupted.is_set():
+                job.request_stop()
+                try:
+                    training.join(timeout_s=stop_grace_s)
+                except TimeoutError:
+                    logger.warning("trainers did not stop within %.0fs; writing the report anyway", stop_grace_s)
+                except Exception as err:  # the run is being stopped; its report says so
+                    logger.warning("training ended with %r while stopping", err)
+            else:
+                training.join()
+        return job.finish(interrupted=interrupted.is_set())
     finally:
         job.close()
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
 
 
 def _bind_host() -> str:

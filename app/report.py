@@ -16,7 +16,9 @@ __all__ = ["build_report", "write_report", "format_summary"]
 def build_report(cfg: RunConfig, summary: dict, data: dict, wall: dict) -> dict:
     tr = cfg.training
     evaluation = summary.get("eval") or {}
-    steps = evaluation.get("steps", 0)
+    commits = summary.get("commits", {})
+    # A run that stopped early has no evaluation: count the steps it committed.
+    steps = evaluation.get("steps") or (max(int(s) for s in commits) + 1 if commits else summary.get("resumed_from_step") or 0)
     samples_per_step = tr.microbatches_per_step * tr.microbatch_rows
     resumed_from = summary.get("resumed_from_step") or 0
     samples = steps * samples_per_step
@@ -24,7 +26,7 @@ def build_report(cfg: RunConfig, summary: dict, data: dict, wall: dict) -> dict:
     ceiling = data.get("ceiling_auc")
     auc = evaluation.get("auc")
     failures = summary.get("failures", [])
-    lost_samples = sum(f["lost_samples"] for f in failures)
+    lost_samples = sum(f["lost_samples"] or 0.0 for f in failures)
     saves = [e for e in summary.get("events", []) if e["kind"] == "checkpoint_saved"]
     step_time_s = wall["training_s"] / max(steps - resumed_from, 1)
     shard_states = [st for st in summary.get("shards") or [] if "tracking_s" in st]
@@ -36,10 +38,9 @@ def build_report(cfg: RunConfig, summary: dict, data: dict, wall: dict) -> dict:
         "save": sum(e["duration_s"] for e in saves),
         "tracking": sum(st["tracking_s"] for st in shard_states),
         "load": sum(f["load_s"] for f in failures),
-        "lost_computation": sum(f["lost_steps_recomputed"] for f in failures) * step_time_s,
+        "lost_computation": sum(f["lost_steps_recomputed"] or 0 for f in failures) * step_time_s,
         "rescheduling": sum(f["reschedule_s"] for f in failures),
     }
-    commits = summary.get("commits", {})
     counts = sorted({c["total"] for c in commits.values()})
     return {
         "run_id": summary["run_id"],
@@ -54,7 +55,11 @@ def build_report(cfg: RunConfig, summary: dict, data: dict, wall: dict) -> dict:
         "samples_this_run": samples_this_run,
         "samples_per_s": samples_this_run / wall["training_s"] if wall["training_s"] > 0 else None,
         "bad_lines_skipped": data["train"].bad_lines + data["eval"].bad_lines,
+        # The mode each failure used, as decided when it happened (not recomputed at the end).
         "recovery": summary.get("recovery_mode"),
+        "state": summary.get("state"),
+        "supervisor_restarts": summary.get("supervisor_restarts", 0),
+        "faults_injected": summary.get("faults_injected", []),
         "failures": failures,
         "lost_samples": lost_samples,
         # Portion of lost samples: lost samples (weighted by the model fraction they touched)
@@ -90,18 +95,24 @@ def format_summary(report: dict) -> str:
     ceiling = report["ceiling_auc"]
     lines = [
         f"run {report['run_id']}",
-        f"  held-out AUC      {report['auc']:.4f}" + (f"  ({report['auc_fraction_of_ceiling']:.1%} of the generator's ceiling {ceiling:.4f})" if ceiling else ""),
-        f"  held-out log loss {report['log_loss']:.4f}  on {report['eval_rows']:,} rows",
+        (
+            f"  held-out AUC      {report['auc']:.4f}"
+            + (f"  ({report['auc_fraction_of_ceiling']:.1%} of the generator's ceiling {ceiling:.4f})" if ceiling else "")
+            + f"\n  held-out log loss {report['log_loss']:.4f}  on {report['eval_rows']:,} rows"
+            if report["auc"] is not None
+            else "  held-out AUC      not evaluated (the run stopped before its end)"
+        ),
         f"  samples trained   {report['samples_trained']:,} in {report['steps']} steps"
         + (f"  ({report['samples_per_s']:,.0f} samples/s)" if report["samples_per_s"] else ""),
         f"  bad lines skipped {report['bad_lines_skipped']}",
-        f"  failures          {len(report['failures'])} ({report['recovery']['mode']} recovery), "
+        f"  failures          {len(report['failures'])} shard ({_modes(report)}), "
+        f"{len(report['faults_injected'])} kills injected, {report['supervisor_restarts']} supervisor restarts, "
         f"PLS {report['pls']:.5f} ({report['lost_samples']:,.0f} samples' updates lost), "
         f"{report['checkpoints_saved']} checkpoints ({report['incremental_checkpoints']} incremental, "
         f"policy {report['checkpoint_policy'].get('policy')}, every {report['checkpoint_policy'].get('interval_steps')} steps"
         + (f", expected PLS {report['checkpoint_policy']['expected_pls']:.5f}" if report["checkpoint_policy"].get("expected_pls") is not None else "")
         + ")",
-        f"  recovery          {report['recovery']['mode']} (requested {report['recovery']['requested']}): {report['recovery']['reason']}",
+        f"  recovery          requested {report['recovery']['requested']}; used {_modes(report)}",
         "  overhead          "
         + ", ".join(f"{k.replace('_', ' ')} {v:.2f}%" for k, v in report["overhead_pct_of_wall"].items())
         + " of wall time",
@@ -128,11 +139,22 @@ def format_summary(report: dict) -> str:
     for f in report["failures"]:
         detect = f"{f['detection_s']:.2f}s" if f.get("detection_s") is not None else "n/a"
         lines.append(
-            f"    {f['actor']}: detected {detect}, recovered in {f['recovery_s']:.2f}s from step "
-            f"{f['restored_step']} (failed at {f['failed_at_step']}), {f['rows_reloaded']:,} rows / "
-            f"{f['bytes_reloaded'] / 1e6:,.1f} MB reloaded, {f['lost_samples']:,.0f} lost samples"
+            f"    {f['actor']}: {f['recovery']} recovery ({f['decision'].get('reason', '')[:60]}), detected {detect}, "
+            f"recovered in {f['recovery_s']:.2f}s from step {f['restored_step']} (redone from {f['failed_at_step']}), "
+            f"{f['rows_reloaded']:,} rows / {f['bytes_reloaded'] / 1e6:,.1f} MB reloaded, "
+            f"{f['lost_samples'] or 0:,.0f} lost samples"
         )
+    state = report.get("state") or {}
+    if report.get("interrupted"):
+        lines.insert(1, "  INTERRUPTED: stopped by a signal; continue with cpr train --resume")
+    elif state.get("state") == "failed":
+        lines.insert(1, f"  STOPPED: {state.get('reason')}")
     return "\n".join(lines)
+
+
+def _modes(report: dict) -> str:
+    used = report["recovery"].get("used") or []
+    return ", ".join(f"{m} recovery" for m in used) if used else "no recovery needed"
 
 
 def write_report(run_dir: Path, report: dict) -> None:

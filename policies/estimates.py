@@ -109,6 +109,11 @@ class OnlineCostModel:
         self.reschedules_observed += 1
 
     @property
+    def clock_s(self) -> float:
+        """The latest time observed; later observations must not be earlier."""
+        return self._clock_s
+
+    @property
     def mtbf_s(self) -> float:
         open_gap_s = self._clock_s - self._last_failure_s
         return (self._exposure_s + open_gap_s) / self._failure_weight

@@ -419,3 +419,22 @@ def test_gc_keeps_chain_of_newest_valid_state(tmp_path: Path) -> None:
     assert CheckpointStore(uri, keep_last=1).gc() == [20]
     assert writer.list_committed() == [10, 15, 30]
     assert writer.restore_chain(0)[0] == [10, 15]
+
+
+@pytest.mark.parametrize("name", ["../../etc/passwd", "/etc/passwd", "..", "a/../../b", "x\\..\\y", "nul\0"])
+def test_crafted_manifest_file_names_make_the_checkpoint_corrupt(tmp_path: Path, name: str) -> None:
+    # A manifest that names a file outside its checkpoint directory is refused like a corrupt
+    # checkpoint: never opened, and restores fall back to the previous valid one.
+    store = CheckpointStore(str(tmp_path), keep_last=5)
+    for step in (1, 2):
+        save_and_commit(store, step)
+    outside = tmp_path / "secret"
+    outside.write_bytes(b"not yours")
+    manifest = json.loads(file_path(tmp_path, 2, MANIFEST_FILE).read_text())
+    manifest["files"][name] = {"size_bytes": outside.stat().st_size, "checksum": "sha256:" + "0" * 64}
+    file_path(tmp_path, 2, MANIFEST_FILE).write_text(json.dumps(manifest))
+
+    with pytest.raises(CheckpointCorrupt, match="unsafe file name"):
+        store.info(2)
+    assert store.chain_steps() == [1]
+    assert store.fallbacks and store.fallbacks[-1][0] == 2

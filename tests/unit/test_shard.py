@@ -2,6 +2,7 @@
 microbatches have arrived, to exactly the looked-up rows, independent of chunking."""
 
 import numpy as np
+import pyarrow as pa
 import pytest
 
 from actors.plan import make_plan
@@ -71,11 +72,76 @@ def test_update_does_not_depend_on_chunking():
         np.testing.assert_allclose(ma, mb_, rtol=1e-6, atol=1e-7)
 
 
-def test_gradient_without_lookup_is_an_error():
+def test_stale_gradient_of_a_replaced_chunk_is_ignored_not_an_error():
+    # Defect 8: a redo split step 0 differently (one trainer took both microbatches); the
+    # slow trainer's push for its old chunk (0,) must not crash it with a KeyError.
     plan = make_plan("table_wise", TABLE_ROWS, 1)
     shard = _shard(plan, 0)
-    with pytest.raises(KeyError, match="without its lookup"):
-        shard.push_grads(0, (0,), np.zeros((8, 26 * DIM), dtype=np.float32))
+    r0, r1 = _batch(0), _batch(1)
+    sb0 = plan.route(r0, 0)
+    shard.lookup(0, (0,), sb0.lengths, sb0.indices)
+    both = plan.route(np.concatenate([r0, r1]), 0)
+    shard.lookup(0, (0, 1), both.lengths, both.indices)  # the redo replaces chunk (0,)
+    g = np.ones((8, 26 * DIM), dtype=np.float32)
+    before = shard.get_rows()
+    assert shard.push_grads(0, (0,), g) == {"applied": False, "duplicate": False, "stale": True}
+    assert all(np.array_equal(b[0], a[0]) for b, a in zip(before, shard.get_rows()))
+    assert shard.push_grads(0, (0, 1), np.ones((16, 26 * DIM), dtype=np.float32))["applied"] is True
+    assert shard.applied_log() == [(0, (0, 1))]
+    # A gradient that never had a lookup at all is stale too: nothing is applied.
+    assert shard.push_grads(1, (2,), g)["stale"] is True and shard.applied_step == 0
+
+
+def test_mfu_counts_clear_only_when_the_save_is_confirmed_committed(tmp_path):
+    # Defect 4 (two-phase saves): rows written for a save whose manifest never committed
+    # stay counted, so the next incremental writes them again; a confirmed save clears them,
+    # except for accesses that came after its snapshot.
+    from actors.checkpoint import FULL, INCREMENTAL, CheckpointStore
+
+    plan = make_plan("table_wise", TABLE_ROWS, 1)
+    prio = {"policy": "mfu", "r": 0.02, "sample_rate": 1.0, "full_every": 100}
+    uri = str(tmp_path / "ckpt")
+    store = CheckpointStore(uri)
+    shard = EmbeddingShard(0, list(plan.shards[0]), DIM, 0.1, 1e-8, 3, microbatches_per_step=1, priority=prio)
+    hot = np.zeros((16, 26), dtype=np.int64)  # row 0 of every table
+
+    def train(step, rows):
+        sb = plan.route(rows, 0)
+        shard.lookup(step, (step,), sb.lengths, sb.indices)
+        shard.push_grads(step, (step,), np.ones((16, 26 * DIM), dtype=np.float32))
+
+    def saved(result):
+        # The shard file as written, committed or not.
+        with pa.OSFile(str(tmp_path / "ckpt" / f"ckpt-{result['step']:012d}" / result["entry"].name)) as f:
+            batch = pa.ipc.open_file(f).read_all()
+        return set(zip(batch.column("table").to_pylist(), batch.column("row").to_pylist()))
+
+    hot_rows = {(t, 0) for t in range(26)}
+    for step in range(3):
+        train(step, hot)
+    store.commit(3, [shard.save_checkpoint(uri, 3, save_index=0)["entry"]], kind=FULL)
+    shard.confirm_save(3)
+    for step in range(3, 6):
+        train(step, hot)
+    first = {"step": 6, **shard.save_checkpoint(uri, 6, save_index=1)}
+    assert hot_rows <= saved(first)
+    # Step 6's manifest never commits (a shard died during the save): nothing confirms it,
+    # so the hot rows are still the most used and the next save writes them again.
+    train(6, _batch(6, batch=16))
+    again = {"step": 7, **shard.save_checkpoint(uri, 7, save_index=2, confirmed_step=None)}
+    assert hot_rows <= saved(again)
+    store.commit(7, [again["entry"]], kind=INCREMENTAL, base_step=3)
+    train(7, hot)  # after the snapshot of step 7: these updates are not in it
+    shard.confirm_save(7)
+    for step in range(8, 10):
+        train(step, _batch(step, batch=16))
+    third = {"step": 10, **shard.save_checkpoint(uri, 10, save_index=3)}
+    # Row 0 was used after the snapshot more than any random row since: still chosen.
+    assert hot_rows <= saved(third)
+    shard.confirm_save(10)
+    train(10, _batch(10, batch=16))
+    fourth = {"step": 11, **shard.save_checkpoint(uri, 11, save_index=4)}
+    assert not (hot_rows & saved(fourth)), "confirmed rows with no later access must not be saved again"
 
 
 @pytest.mark.parametrize("kind", ["table_wise", "row_wise"])
@@ -135,7 +201,7 @@ def test_mfu_incremental_checkpoint_restores_row_by_row(tmp_path):
     at_full = shard.get_rows()
     for step in (1, 2, 3):
         train(step)
-    inc = shard.save_checkpoint(uri, 4, save_index=1)
+    inc = shard.save_checkpoint(uri, 4, save_index=1, confirmed_step=1)
     assert not inc["full"] and 0 < inc["rows"] <= int(np.ceil(0.1 * 26 * 50))
     store.commit(4, [inc["entry"]], kind=INCREMENTAL, base_step=1)
     trained = shard.get_rows()

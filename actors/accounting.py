@@ -1,0 +1,103 @@
+"""Pure accounting of lost samples (CPR's PLS numerator) and of trainer failures.
+
+No Ray: functions over arrays and plain records, so the supervisor, the report and the soak's
+independent recount share one definition.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+import numpy as np
+
+__all__ = ["saved_at_rows", "lost_accesses", "count_lost_samples", "trainer_failures", "NUM_SPARSE"]
+
+NUM_SPARSE = 26
+
+
+def saved_at_rows(num_rows: int, chain: list[int], incremental_rows: Iterable[tuple[int, np.ndarray]]) -> np.ndarray:
+    """Per shard row, the step of the checkpoint it was last saved in along ``chain``
+    (a full at ``chain[0]``, then incrementals); 0 without a checkpoint (initial rows)."""
+    saved_at = np.full(num_rows, chain[0] if chain else 0, dtype=np.int64)
+    for step, rows in incremental_rows:
+        saved_at[np.asarray(rows, dtype=np.int64)] = step
+    return saved_at
+
+
+def lost_accesses(
+    saved_at: np.ndarray, first_step: int, redo_step: int, shard_rows_of_step: Callable[[int], Iterable[np.ndarray]]
+) -> int:
+    """Accesses whose update the dead actor held and nobody will redo.
+
+    The dead actor applied the steps ``[first_step, redo_step)`` (it took over at
+    ``first_step``; trainers redo from ``redo_step`` on its replacement). An access at step
+    ``t`` to a row last saved at step ``c <= t`` is lost; one saved after ``t`` is not.
+    ``shard_rows_of_step(t)`` yields the shard-row ids each microbatch of step ``t`` looks up.
+    """
+    if redo_step <= first_step:
+        return 0
+    lost = 0
+    for t in range(max(first_step, int(saved_at.min())), redo_step):
+        for ids in shard_rows_of_step(t):
+            lost += int((saved_at[ids] <= t).sum())
+    return lost
+
+
+def trainer_failures(
+    kills: list[dict], failed_steps: list[dict], commits: dict[int, dict], heals: list[dict], num_trainers: int
+) -> list[dict]:
+    """One record per killed trainer: detection, steps with fewer trainers, heal time."""
+    out = []
+    for kill in (k for k in kills if k["target"].startswith("trainer:")):
+        rank = int(kill["target"].split(":")[1])
+        # Detected when the survivors first act on it: a failed step, or a commit by a
+        # smaller quorum (the synchronous quorum often drops the dead trainer at once).
+        seen = sorted(
+            [f["time"] for f in failed_steps if f["time"] >= kill["time"]]
+            + [c["time"] for c in commits.values() if c["time"] >= kill["time"] and c["participants"] < num_trainers]
+        )
+        heal = next((h for h in heals if h["rank"] == rank and h["time"] >= kill["time"]), None)
+        end = heal["time"] if heal else float("inf")
+        degraded = [s for s, c in commits.items() if kill["time"] <= c["time"] <= end and c["participants"] < num_trainers]
+        out.append(
+            {
+                "actor": kill["target"],
+                "killed_at": kill["time"],
+                "detection_s": round(seen[0] - kill["time"], 3) if seen else None,
+                "steps_with_fewer_trainers": len(degraded),
+                "heal_s": round(heal["heal_s"], 3) if heal else None,
+                "rejoined_s": round(heal["time"] - kill["time"], 3) if heal else None,
+                "replacement_joined_at_step": heal["step"] if heal else None,
+            }
+        )
+    return out
+
+
+def count_lost_samples(cfg, plan, schedule, store, train_cache: str, failure: dict) -> float:
+    """Lost samples of one partial recovery: the dead actor's updates since
+    ``failure['first_step']`` that its restored chain does not hold and that trainers do not
+    redo (from ``failure['failed_at_step']`` on). Reads the incrementals' row lists from the
+    store and the microbatches from the data cache; a lost access is 1/26 of a sample."""
+    from actors.plan import shard_row_ids, slice_offsets
+    from app.cache import MicrobatchFile
+    from app.data import sparse_to_rows
+
+    k, chain = failure["shard"], failure["chain"]
+    if failure["first_step"] is None:
+        return 0.0  # the dead actor never applied a step
+    offsets = slice_offsets(plan.shards[k])
+    incrementals = []
+    for step in chain[1:]:
+        data = store.read_shard(step, k)
+        ids = [data.rows[data.tables == s.table] - s.row_start + offsets[i] for i, s in enumerate(plan.shards[k])]
+        incrementals.append((step, np.concatenate(ids)))
+    saved_at = saved_at_rows(plan.shard_rows(k), chain, incrementals)
+    cache = MicrobatchFile(train_cache)
+
+    def rows_of_step(t: int):
+        for m in range(schedule.microbatches_per_step):
+            rows = sparse_to_rows(cache.get(schedule.microbatch(t, m))[2], cfg.model.rows_per_table)
+            sb = plan.route(rows, k)
+            yield shard_row_ids(sb.lengths, sb.indices, offsets)
+
+    return lost_accesses(saved_at, failure["first_step"], failure["failed_at_step"], rows_of_step) / NUM_SPARSE

@@ -1,0 +1,209 @@
+"""The checkpoint coordinator: when the next save is due, the two-phase save itself, and
+the timeline after a rollback (newer checkpoints fenced, the schedule restarted).
+
+A save: every shard writes its own file (phase one), the coordinator commits the manifest;
+the rows a shard's MFU/SSU policy selected count as saved only once the shard hears that the
+manifest committed (phase two, on its next save call), so a save that never commits loses
+no row from later incrementals.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Callable
+
+import ray
+
+from actors.checkpoint import DATA_POSITION_FILE, DENSE_FILE, FULL, INCREMENTAL, CheckpointStore, write_blob
+from app.errors import ConfigError
+from policies import IntervalController, OnlineCostModel, interval_steps
+
+__all__ = ["CheckpointCoordinator"]
+
+_SCHEDULE_FIELDS = ("save_index", "last_full_step", "last_checkpoint_step", "next_checkpoint_step", "interval_steps_in_use")
+
+
+class CheckpointCoordinator:
+    def __init__(
+        self,
+        cfg,
+        num_shards: int,
+        costs: OnlineCostModel,
+        record_event: Callable[..., dict],
+        step_time_s: Callable[[], float | None],
+        clock: Callable[[], float] = time.time,
+    ):
+        self.cfg = cfg
+        ck = cfg.checkpoint
+        self.store = CheckpointStore(cfg.checkpoint_uri, keep_last=ck.keep_last) if ck.enabled else None
+        self.costs = costs
+        self.controller = IntervalController(cfg.recovery, costs, num_shards, ck.pls_target)
+        self.record_event = record_event
+        self.step_time_s = step_time_s
+        self.clock = clock
+        self.save_index = 0
+        self.last_full_step: int | None = None
+        self.last_checkpoint_step = 0
+        self.next_checkpoint_step: int | None = None
+        self.interval_steps_in_use: int | None = None
+        # A save and a rollback's fencing exclude each other: a save that began before the
+        # rollback must not commit a checkpoint of the abandoned timeline after the fence.
+        self._timeline = threading.Lock()
+
+    # ------------------------------------------------------------------ persisted schedule
+
+    def to_doc(self) -> dict:
+        return {f: getattr(self, f) for f in _SCHEDULE_FIELDS}
+
+    def load_doc(self, doc: dict) -> None:
+        for f in _SCHEDULE_FIELDS:
+            setattr(self, f, doc[f])
+
+    # ------------------------------------------------------------------ schedule
+
+    def after(self, step: int) -> int | None:
+        """The step count at which the next checkpoint is due, or None when saves are off.
+
+        MFU/SSU saves write r of the rows, 1/r times as often as full saves would come.
+        With ``auto_interval`` the interval comes from the CPR cost model, re-chosen (and
+        logged) as the online estimates change; the time since the last failure counts as
+        exposure, so a quiet stretch lengthens the interval again.
+        """
+        ck = self.cfg.checkpoint
+        if not ck.enabled:
+            return None
+        scale = ck.r if ck.policy != "full" else 1.0
+        step_time_s = self.step_time_s()
+        fallback_steps = self.cfg.training.progress_every_steps
+        candidates = []
+        if ck.every_steps is not None:
+            candidates.append(max(1, round(ck.every_steps * scale)))
+        if ck.every_s is not None:
+            candidates.append(interval_steps(ck.every_s * scale, step_time_s) if step_time_s else fallback_steps)
+        if ck.auto_interval:
+            self.costs.observe_time(max(self.clock(), self.costs.clock_s))
+            decision, change = self.controller.update()
+            steps = interval_steps(decision.interval_s * scale, step_time_s) if step_time_s else fallback_steps
+            candidates.append(steps)
+            if change is not None or steps != self.interval_steps_in_use:
+                self.record_event(
+                    "interval_changed",
+                    interval_s=round(decision.interval_s * scale, 3),
+                    interval_steps=steps,
+                    step_time_s=round(step_time_s, 4) if step_time_s else None,
+                    mtbf_s=round(self.costs.mtbf_s, 3),
+                    mode=decision.mode.value,
+                    reason=change.reason if change is not None else "measured step time changed",
+                )
+        self.interval_steps_in_use = min(candidates)
+        return step + self.interval_steps_in_use
+
+    def start(self, step: int = 0) -> None:
+        self.last_checkpoint_step = step
+        self.next_checkpoint_step = self.after(step)
+
+    # ------------------------------------------------------------------ chains
+
+    def chain(self) -> list[int]:
+        """The newest restorable state of one shard: a full checkpoint, then its incrementals."""
+        return self.store.chain_steps() if self.store is not None else []
+
+    def consistent_chain(self, upto_step: int | None = None) -> list[int]:
+        """The newest state every shard and the dense model share: the newest valid full
+        checkpoint, alone. An MFU/SSU incremental saves only its prioritized rows, so a chain
+        through incrementals holds rows last saved at different steps; that suits partial
+        recovery of one shard, not a rollback of everything (full recovery, every trainer
+        dead, --resume)."""
+        return self.chain_upto(upto_step)[:1]
+
+    def chain_upto(self, step: int | None) -> list[int]:
+        return self.store.chain_steps(step) if self.store is not None else []
+
+    # ------------------------------------------------------------------ saves
+
+    def save(self, step: int, dense_blob: bytes, shards: list, meta: dict, at_point: Callable[[str], None]) -> dict:
+        """A consistent checkpoint after ``step`` committed steps, if one is due."""
+        with self._timeline:
+            return self._save(step, dense_blob, shards, meta, at_point)
+
+    def _save(self, step: int, dense_blob: bytes, shards: list, meta: dict, at_point: Callable[[str], None]) -> dict:
+        if self.store is None:
+            raise ConfigError("checkpoint: every_steps, every_s or auto_interval must be set to save checkpoints")
+        if self.next_checkpoint_step is None or step < self.next_checkpoint_step:
+            return {"next_step": self.next_checkpoint_step, "duration_s": 0.0, "saved": False}
+        if step in self.store.list_committed():
+            # A call retried after a supervisor restart: the save already happened.
+            return {"next_step": self.next_checkpoint_step, "duration_s": 0.0, "saved": False}
+        t0 = time.perf_counter()
+        uri = self.cfg.checkpoint_uri
+        timeout = self.cfg.embeddings.call_timeout_s
+        # Phase two of the previous save rides on this call: the shards count the rows they
+        # wrote for last_checkpoint_step as saved only if that checkpoint committed.
+        confirmed = self.last_checkpoint_step if self.last_checkpoint_step in self.store.list_committed() else None
+        refs = [s.save_checkpoint.remote(uri, step, self.save_index, confirmed) for s in shards]
+        entries = [
+            write_blob(uri, step, DENSE_FILE, dense_blob),
+            write_blob(uri, step, DATA_POSITION_FILE, json.dumps(meta["position"]).encode()),
+        ]
+        try:
+            results = ray.get(refs, timeout=timeout)
+        except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError) as err:
+            # A shard died or lags behind (just recovered): no manifest, so this checkpoint
+            # does not exist; the trainer asks again at a later step.
+            self.record_event("checkpoint_failed", step=step, error=str(err).splitlines()[0][:200])
+            return {"next_step": step + 1, "duration_s": time.perf_counter() - t0, "saved": False}
+        at_point("save.files_written")
+        entries += [r["entry"] for r in results]
+        full = all(r["full"] for r in results)
+        if not full and self.last_full_step is None:
+            raise RuntimeError(f"incremental save at step {step} without a full checkpoint before it")
+        info = self.store.commit(
+            step,
+            entries,
+            kind=FULL if full else INCREMENTAL,
+            base_step=None if full else self.last_full_step,
+            meta={"run_id": meta["run_id"], "save_index": self.save_index, "policy": self.cfg.checkpoint.policy},
+        )
+        # Phase two: the shards may now count the rows they wrote as saved. A shard that died
+        # meanwhile is being recovered anyway; one that misses this hears it on the next save.
+        ready, _ = ray.wait([s.confirm_save.remote(step) for s in shards], num_returns=len(shards), timeout=timeout)
+        duration_s = time.perf_counter() - t0
+        self.costs.observe_save(duration_s)
+        self.save_index += 1
+        if full:
+            self.last_full_step = step
+        self.last_checkpoint_step = step
+        self.next_checkpoint_step = self.after(step)
+        self.record_event(
+            "checkpoint_saved",
+            step=step,
+            checkpoint_kind=info.kind,
+            duration_s=round(duration_s, 4),
+            bytes=info.total_bytes,
+            rows=sum(r["rows"] for r in results),
+            shard_write_s=[round(r["duration_s"], 4) for r in results],
+            next_step=self.next_checkpoint_step,
+        )
+        return {"next_step": self.next_checkpoint_step, "duration_s": duration_s, "saved": True}
+
+    # ------------------------------------------------------------------ after a rollback
+
+    def restart_timeline(self, step: int, chain: list[int]) -> list[int]:
+        """Everything was rolled back to ``step``: checkpoints newer than it belong to an
+        abandoned timeline and are fenced (deleted, manifest first, so never loaded), and the
+        save schedule starts again from ``step``. Idempotent. Returns the fenced steps."""
+        with self._timeline:
+            return self._restart_timeline(step, chain)
+
+    def _restart_timeline(self, step: int, chain: list[int]) -> list[int]:
+        fenced = self.store.fence_after(step) if self.store is not None else []
+        if chain:
+            meta = self.store.info(chain[0]).meta
+            self.save_index = int(meta.get("save_index", 0)) + 1
+            self.last_full_step = chain[0]
+        else:
+            self.save_index, self.last_full_step = 0, None
+        self.start(step)
+        return fenced

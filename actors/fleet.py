@@ -1,0 +1,165 @@
+"""The embedding-shard fleet: named, detached shard actors, adopted or spawned by generation,
+and the watchers that see a shard's death from Ray's own signal.
+
+A shard's name carries its generation (``cpr-shard-<run>-<k>-g<gen>``). The supervisor
+reserves a generation in its journal before it spawns, so a restarted supervisor adopts the
+actor under the reserved name if it answers, or kills it and reserves the next: a name is
+never used twice.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import ray
+
+from actors.shard import EmbeddingShard
+from app.errors import ShardUnavailable
+
+__all__ = ["ShardFleet", "shard_name"]
+
+logger = logging.getLogger(__name__)
+
+
+def shard_name(run_id: str, shard: int, generation: int) -> str:
+    return f"cpr-shard-{run_id}-{shard}-g{generation}"
+
+
+class ShardFleet:
+    """Creates, finds and watches the shards of one run. ``on_death(k, gen, cause, t)`` is
+    called from the watcher thread when a watched shard's process is gone."""
+
+    def __init__(self, cfg, plan, run_id: str, audit_dir: str | None, on_death: Callable[[int, int, str, float], None]):
+        self.cfg = cfg
+        self.plan = plan
+        self.run_id = run_id
+        self.audit_dir = audit_dir
+        self.on_death = on_death
+        self.timeout_s = cfg.embeddings.call_timeout_s
+        self._watch: dict[Any, tuple[int, int]] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # ------------------------------------------------------------------ actors
+
+    def spawn(self, k: int, generation: int):
+        emb, ck = self.cfg.embeddings, self.cfg.checkpoint
+        # Detached: the shards outlive a supervisor restart; shutdown() and the driver's
+        # cleanup remove them. The extra concurrency group runs watch() beside the compute.
+        actor_cls = ray.remote(concurrency_groups={"watch": 1})(EmbeddingShard)
+        return actor_cls.options(
+            name=shard_name(self.run_id, k, generation),
+            namespace=self.cfg.ray.namespace,
+            lifetime="detached",
+            num_cpus=emb.num_cpus,
+            num_gpus=emb.num_gpus,
+            max_restarts=0,
+        ).remote(
+            shard_id=k,
+            slices=list(self.plan.shards[k]),
+            dim=self.cfg.model.embedding_dim,
+            learning_rate=emb.learning_rate,
+            eps=emb.eps,
+            seed=self.cfg.seed,
+            microbatches_per_step=self.cfg.training.microbatches_per_step,
+            threads=self.cfg.training.threads_per_worker,
+            priority={"policy": ck.policy, "r": ck.r, "sample_rate": ck.sample_rate, "full_every": ck.full_every},
+            generation=generation,
+            audit_dir=self.audit_dir,
+        )
+
+    def find(self, k: int, generation: int):
+        try:
+            return ray.get_actor(shard_name(self.run_id, k, generation), namespace=self.cfg.ray.namespace)
+        except ValueError:
+            return None
+
+    def adopt_or_spawn(self, targets: dict[int, int]) -> tuple[dict, list[int]]:
+        """The live actor of each shard ``k`` under generation ``targets[k]``: adopted if a
+        half-finished recovery already created it and it answers, else spawned (all at once,
+        so several respawns cost one). Returns ``({k: (handle, ready info)}, lost)``: a shard
+        in ``lost`` has an actor under that name that does not answer; it is killed, and the
+        caller must reserve a new generation (the name stays taken until Ray removes it)."""
+        handles = {k: self.find(k, g) or self.spawn(k, g) for k, g in targets.items()}
+        refs = {k: h.ready.remote() for k, h in handles.items()}
+        ray.wait(list(refs.values()), num_returns=len(refs), timeout=self.timeout_s)
+        out, lost = {}, []
+        for k, ref in refs.items():
+            try:
+                out[k] = (handles[k], ray.get(ref, timeout=0.01))
+            except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError) as err:
+                logger.warning("shard %d generation %d is not usable (%s); killing it", k, targets[k], type(err).__name__)
+                self.kill(handles[k])
+                lost.append(k)
+        return out, lost
+
+    def ready(self, handles: list) -> list[dict]:
+        try:
+            return ray.get([h.ready.remote() for h in handles], timeout=self.timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            raise ShardUnavailable(
+                f"{len(handles)} shard(s) did not answer within embeddings.call_timeout_s={self.timeout_s}s"
+            ) from None
+
+    @staticmethod
+    def kill(handle) -> None:
+        if handle is None:
+            return
+        try:
+            ray.kill(handle, no_restart=True)
+        except (ValueError, ray.exceptions.RayError):
+            pass
+
+    def kill_all_named(self) -> list[str]:
+        """Every shard actor of this run still registered, whatever its generation."""
+        ns = self.cfg.ray.namespace
+        prefix = f"cpr-shard-{self.run_id}-"
+        killed = []
+        for a in ray.util.list_named_actors(all_namespaces=True):
+            if a["namespace"] == ns and a["name"].startswith(prefix):
+                try:
+                    self.kill(ray.get_actor(a["name"], namespace=ns))
+                    killed.append(a["name"])
+                except ValueError:
+                    pass
+        return killed
+
+    # ------------------------------------------------------------------ watching
+
+    def watch(self, k: int, generation: int, handle) -> None:
+        """Keeps a ``watch()`` call pending on the shard: it fails the moment the process dies."""
+        ref = handle.watch.options(concurrency_group="watch").remote()
+        with self._lock:
+            self._watch[ref] = (k, generation)
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="shard-watch", daemon=True)
+            self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            with self._lock:
+                refs = list(self._watch)
+            if not refs:
+                self._stop.wait(0.2)
+                continue
+            ready, _ = ray.wait(refs, num_returns=1, timeout=0.2)
+            for ref in ready:
+                with self._lock:
+                    k, gen = self._watch.pop(ref)
+                try:
+                    ray.get(ref)
+                    cause = "watch returned"
+                except ray.exceptions.RayActorError as err:
+                    cause = type(err).__name__
+                except Exception as err:  # an unexpected error still means the shard is gone
+                    cause = repr(err)
+                if not self._stop.is_set():
+                    self.on_death(k, gen, cause, time.time())

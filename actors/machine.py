@@ -1,0 +1,278 @@
+"""The supervisor's recovery state machine, as pure data and one transition function.
+
+States carry their data; ``transition(state, event, budgets)`` returns the next state and
+the reason, or None when the event changes nothing. No Ray, no I/O: the supervisor
+persists the result (write-ahead) before its executor acts on it, so a restarted
+supervisor finds the intent in its journal and finishes it.
+
+    Running ──shard died (partial)──> RecoveringShards ──done──> Running
+    Running ──shard died (full) / every trainer died / resume──> RollingBack ──done──> Running
+    RecoveringShards ──another shard died──> RecoveringShards (merged)
+    RecoveringShards ──every trainer died──> RollingBack (the rollback respawns them too)
+    RollingBack ──shard died──> RollingBack (merged)
+    any ──budget exceeded──> Failed;  any ──training done / stop──> Finished
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, replace
+
+__all__ = [
+    "Running",
+    "RecoveringShards",
+    "RollingBack",
+    "Finished",
+    "Failed",
+    "State",
+    "ShardDied",
+    "RespawnRetry",
+    "WorkDone",
+    "TrainersAllDied",
+    "ResumeRequested",
+    "StopRequested",
+    "BudgetExceeded",
+    "Budgets",
+    "Transition",
+    "transition",
+    "state_to_dict",
+    "state_from_dict",
+    "FULL_RECOVERY",
+    "EVERY_TRAINER_DIED",
+    "RESUME",
+]
+
+FULL_RECOVERY = "full recovery"
+EVERY_TRAINER_DIED = "every trainer died"
+RESUME = "resume"
+
+
+# ----------------------------------------------------------------------------- states
+
+
+@dataclass(frozen=True)
+class Running:
+    """Trainers step; shards answer."""
+
+    name = "running"
+
+
+@dataclass(frozen=True)
+class RecoveringShards:
+    """Respawn ``targets`` (shard -> generation reserved for its new actor) and load each from
+    ``chain`` (partial recovery). ``causes`` holds one record per death being recovered."""
+
+    targets: dict[int, int]
+    chain: tuple[int, ...]
+    causes: tuple[dict, ...]
+    decision: dict
+    name = "recovering_shards"
+
+
+@dataclass(frozen=True)
+class RollingBack:
+    """Every shard (respawning ``targets`` first) and the dense model go back to ``step``,
+    restored from ``chain`` (empty: the initial state of step 0). ``why`` is one of
+    FULL_RECOVERY, EVERY_TRAINER_DIED, RESUME."""
+
+    step: int
+    why: str
+    chain: tuple[int, ...]
+    targets: dict[int, int] = field(default_factory=dict)
+    causes: tuple[dict, ...] = ()
+    decision: dict = field(default_factory=dict)
+    name = "rolling_back"
+
+
+@dataclass(frozen=True)
+class Finished:
+    """Training is over (``how``: completed or interrupted); nothing more is recovered."""
+
+    how: str = "completed"
+    name = "finished"
+
+
+@dataclass(frozen=True)
+class Failed:
+    """The run stopped on a budget or an unrecoverable error; ``--resume`` continues it."""
+
+    reason: str
+    name = "failed"
+
+
+State = Running | RecoveringShards | RollingBack | Finished | Failed
+_STATES = {c.name: c for c in (Running, RecoveringShards, RollingBack, Finished, Failed)}
+
+
+def state_to_dict(state: State) -> dict:
+    d = asdict(state)
+    if "targets" in d:
+        d["targets"] = {str(k): v for k, v in d["targets"].items()}
+    return {"state": state.name, **d}
+
+
+def state_from_dict(d: dict) -> State:
+    d = dict(d)
+    cls = _STATES[d.pop("state")]
+    if "targets" in d:
+        d["targets"] = {int(k): int(v) for k, v in d["targets"].items()}
+    for key in ("chain", "causes"):
+        if key in d:
+            d[key] = tuple(d[key])
+    return cls(**d)
+
+
+# ----------------------------------------------------------------------------- events
+
+
+@dataclass(frozen=True)
+class ShardDied:
+    """Shard ``shard`` of generation ``generation`` is gone. The supervisor fills in the
+    recovery decision and the chains it read from the store (this function does no I/O)."""
+
+    shard: int
+    generation: int
+    committed_generation: int  # the shard's generation in the live fleet
+    next_generation: int  # the lowest generation never reserved for this shard
+    cause: dict
+    partial: bool  # the recovery decision: partial (respawn alone) or full (roll back)
+    decision: dict
+    chain: tuple[int, ...]  # newest restorable chain (full + incrementals), for partial recovery
+    consistent_chain: tuple[int, ...]  # the newest full checkpoint alone, for a rollback
+
+
+@dataclass(frozen=True)
+class RespawnRetry:
+    """The actor under ``targets[shard]`` could not be adopted: use ``next_generation``."""
+
+    shard: int
+    next_generation: int
+
+
+@dataclass(frozen=True)
+class WorkDone:
+    """The executor finished ``state``; ignored if the state moved on meanwhile."""
+
+    state: State
+
+
+@dataclass(frozen=True)
+class TrainersAllDied:
+    step: int
+    chain: tuple[int, ...]
+    cause: dict
+
+
+@dataclass(frozen=True)
+class ResumeRequested:
+    step: int
+    chain: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class StopRequested:
+    how: str  # "completed" or "interrupted"
+
+
+@dataclass(frozen=True)
+class BudgetExceeded:
+    reason: str
+
+
+@dataclass(frozen=True)
+class Budgets:
+    """Counts so far and their limits (-1: no limit); checked on every death."""
+
+    shard_recoveries: int = 0
+    max_shard_recoveries: int = -1
+
+    def exceeded(self) -> str | None:
+        if 0 <= self.max_shard_recoveries < self.shard_recoveries + 1:
+            return (
+                f"budget budgets.max_shard_recoveries={self.max_shard_recoveries} exceeded: "
+                f"{self.shard_recoveries + 1} shard deaths"
+            )
+        return None
+
+
+@dataclass(frozen=True)
+class Transition:
+    state: State
+    reason: str
+
+
+def transition(state: State, event, budgets: Budgets = Budgets()) -> Transition | None:
+    """The one place recovery logic decides what comes next."""
+    if isinstance(state, (Finished, Failed)):
+        return None  # terminal: nothing is recovered after the end
+    if isinstance(event, StopRequested):
+        return Transition(Finished(event.how), f"training {event.how}")
+    if isinstance(event, BudgetExceeded):
+        return Transition(Failed(event.reason), event.reason)
+    if isinstance(event, ShardDied):
+        return _on_shard_died(state, event, budgets)
+    if isinstance(event, RespawnRetry):
+        if isinstance(state, (RecoveringShards, RollingBack)) and event.shard in state.targets:
+            targets = {**state.targets, event.shard: event.next_generation}
+            return Transition(
+                replace(state, targets=targets),
+                f"shard {event.shard}: its half-started actor did not answer; respawning as generation "
+                f"{event.next_generation}",
+            )
+        return None
+    if isinstance(event, WorkDone):
+        if event.state == state and isinstance(state, (RecoveringShards, RollingBack)):
+            return Transition(Running(), f"{state.name} done")
+        return None
+    if isinstance(event, TrainersAllDied):
+        pending = state.targets if isinstance(state, (RecoveringShards, RollingBack)) else {}
+        causes = state.causes if isinstance(state, (RecoveringShards, RollingBack)) else ()
+        return Transition(
+            RollingBack(event.step, EVERY_TRAINER_DIED, tuple(event.chain), dict(pending), causes + (event.cause,)),
+            f"every trainer died: roll back to checkpoint step {event.step}"
+            + (f", respawning shards {sorted(pending)} on the way" if pending else ""),
+        )
+    if isinstance(event, ResumeRequested):
+        return Transition(
+            RollingBack(event.step, RESUME, tuple(event.chain)), f"--resume from checkpoint step {event.step}"
+        )
+    raise TypeError(f"unknown event {event!r}")
+
+
+def _on_shard_died(state: State, e: ShardDied, budgets: Budgets) -> Transition | None:
+    pending = state.targets if isinstance(state, (RecoveringShards, RollingBack)) else {}
+    if e.shard in pending:
+        # Its replacement is already being made; a death of the old actor changes nothing.
+        return None
+    if e.generation != e.committed_generation:
+        return None  # a stale signal from an actor that was already replaced
+    over = budgets.exceeded()
+    if over is not None:
+        return Transition(Failed(over), over)
+    targets = {**pending, e.shard: e.next_generation}
+    who = f"shard {e.shard} (generation {e.generation}) died: {e.cause.get('cause', '?')}"
+    if isinstance(state, RollingBack):
+        return Transition(
+            replace(state, targets=targets, causes=state.causes + (e.cause,)),
+            f"{who}; respawned as part of the rollback to step {state.step}",
+        )
+    if isinstance(state, RecoveringShards):
+        if e.partial:
+            return Transition(
+                replace(state, targets=targets, causes=state.causes + (e.cause,)),
+                f"{who} during the recovery of shards {sorted(state.targets)}; recovering them together",
+            )
+        step = e.consistent_chain[-1] if e.consistent_chain else 0
+        return Transition(
+            RollingBack(step, FULL_RECOVERY, tuple(e.consistent_chain), targets, state.causes + (e.cause,), e.decision),
+            f"{who}; {e.decision.get('reason', 'full recovery')}: roll back to step {step}",
+        )
+    if e.partial:
+        return Transition(
+            RecoveringShards(targets, tuple(e.chain), (e.cause,), e.decision),
+            f"{who}; partial recovery from chain {list(e.chain)}: {e.decision.get('reason', '')}",
+        )
+    step = e.consistent_chain[-1] if e.consistent_chain else 0
+    return Transition(
+        RollingBack(step, FULL_RECOVERY, tuple(e.consistent_chain), targets, (e.cause,), e.decision),
+        f"{who}; full recovery to step {step}: {e.decision.get('reason', '')}",
+    )

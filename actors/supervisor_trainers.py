@@ -1,0 +1,144 @@
+"""The supervisor's book of trainers: registrations, committed steps, failed steps, heals,
+progress, kills, and the faults a run's config ties to training steps (``faults.at_steps``).
+
+A mixin of ``Supervisor``: it reads ``cfg``, ``_lock``, ``fired`` and calls ``_fire``,
+``_transition`` and ``record_event`` of the core.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import numpy as np
+import ray
+
+from actors.accounting import trainer_failures
+from actors.machine import BudgetExceeded
+
+__all__ = ["TrainerBook"]
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+
+
+class TrainerBook:
+    def __init__(self):
+        self.kills: list[dict] = []
+        self.trainers: dict[int, dict] = {}
+        self.commits: dict[int, dict] = {}
+        self.failed_steps: list[dict] = []
+        self.heals: list[dict] = []
+        self.progress_log: list[dict] = []
+        self.training_started = False
+        self._redos: dict[int, dict[int, int]] = {}
+
+    def trainer_doc(self) -> dict:
+        return {
+            "kills": self.kills, "trainers": {str(r): t for r, t in self.trainers.items()},
+            "failed_steps": self.failed_steps[-500:], "heals": self.heals, "progress": self.progress_log[-200:],
+            "training_started": self.training_started,
+        }
+
+    def load_trainer_doc(self, doc: dict) -> None:
+        self.kills, self.failed_steps, self.heals = doc["kills"], doc["failed_steps"], doc["heals"]
+        self.trainers = {int(r): t for r, t in doc["trainers"].items()}
+        self.progress_log, self.training_started = doc["progress"], doc["training_started"]
+
+    def prune_commits(self, step: int) -> None:
+        self.commits = {s: c for s, c in self.commits.items() if s < step}
+
+    def register_trainer(self, rank: int, pid: int | None = None, node_id: str | None = None) -> bool:
+        """A trainer is ready to step. Returns True once the first step may begin: every
+        trainer of the group has registered, or training is already under way (a
+        replacement trainer joins the running quorum and heals from a peer)."""
+        with self._lock:
+            self.trainers[rank] = {"pid": pid, "node_id": node_id, "registered": time.time()}
+            self._persist()
+            return self.training_started or len(self.trainers) >= self.cfg.training.num_trainers
+
+    def record_training_started(self, step: int, trainers: int, wall_time: float) -> None:
+        with self._lock:
+            if self.training_started:
+                return
+            self.training_started = True
+        self.record_event("training_started", step=step, trainers=trainers, wall_time=wall_time)
+
+    def record_trainer_healed(self, rank: int, step: int, heal_s: float, wall_time: float) -> None:
+        """A replacement trainer took its first share of a step after healing from a peer."""
+        with self._lock:
+            self.heals.append({"rank": rank, "step": step, "heal_s": heal_s, "time": wall_time})
+        self.record_event("trainer_healed", rank=rank, step=step, heal_s=round(heal_s, 3))
+
+    def record_commit(self, step: int, rank: int, microbatches: tuple, total: int, participants: int, wall_time: float) -> None:
+        """A trainer's share of a committed dense step (its microbatch ids) and the step's
+        microbatch total as the all-reduce summed it (the same on every trainer)."""
+        with self._lock:
+            entry = self.commits.setdefault(
+                step, {"microbatches": [], "total": total, "participants": participants, "time": wall_time}
+            )
+            entry["microbatches"].extend(microbatches)
+            if rank in self.trainers:
+                self.trainers[rank]["committed_at"] = wall_time
+        self._faults_at_step(step)
+
+    def record_step_failed(self, step: int, rank: int, wall_time: float, cause: str) -> None:
+        with self._lock:
+            self.failed_steps.append({"step": step, "rank": rank, "time": wall_time, "cause": cause})
+            per_rank = self._redos.setdefault(step, {})
+            per_rank[rank] = per_rank.get(rank, 0) + 1
+            redos = max(per_rank.values())
+        budget = self.cfg.budgets.max_step_redos
+        if 0 <= budget < redos:
+            self._transition(BudgetExceeded(f"budget budgets.max_step_redos={budget} exceeded: step {step} failed {redos} times"))
+
+    def record_progress(self, progress: dict) -> None:
+        with self._lock:
+            self.progress_log.append({"time": round(time.time(), 3), **progress})
+
+    def _step_time_s(self) -> float | None:
+        with self._lock:
+            rates = [p["samples_per_s"] for p in self.progress_log[-5:] if p.get("samples_per_s")]
+        return self.samples_per_step / (sum(rates) / len(rates)) if rates else None
+
+    def _faults_at_step(self, step: int) -> None:
+        """``faults.at_steps``: kill a target once ``step`` committed (fired once, ever)."""
+        f = self.cfg.faults
+        if f is None or not f.at_steps:
+            return
+        for kind, steps in f.at_steps.items():
+            key = f"step {step}->{kind}"
+            with self._lock:
+                if step not in steps or key in self.fired:
+                    continue
+                target = kind
+                if kind in ("shard", "trainer"):
+                    count = self.plan.num_shards if kind == "shard" else self.cfg.training.num_trainers
+                    target = f"{kind}:{int(np.random.default_rng([f.seed, step]).integers(count))}"
+            threading.Thread(target=self._fire, args=(target, f"at step {step}", key), daemon=True).start()
+
+    def _live_established_trainers(self, exclude: int, timeout_s: float) -> list[int]:
+        """Ranks other than ``exclude`` whose current process has committed a step and is alive."""
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        with self._lock:
+            candidates = {
+                r: t for r, t in self.trainers.items()
+                if r != exclude and t.get("committed_at", 0) > t["registered"] and t["pid"] is not None
+            }
+        probe = ray.remote(num_cpus=0, max_retries=0)(_pid_alive)
+        refs = {
+            r: probe.options(scheduling_strategy=NodeAffinitySchedulingStrategy(t["node_id"], soft=False)).remote(t["pid"])
+            for r, t in candidates.items()
+        }
+        return sorted(r for r, ref in refs.items() if ray.get(ref, timeout=timeout_s))
+
+    def trainer_failures(self) -> list[dict]:
+        with self._lock:
+            return trainer_failures(self.kills, self.failed_steps, self.commits, self.heals, self.cfg.training.num_trainers)

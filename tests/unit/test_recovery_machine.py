@@ -1,0 +1,121 @@
+"""The supervisor's recovery state machine as a table of transitions (pure, no Ray), and
+the pure pieces around it: lost-sample accounting, nested deadlines."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from actors.accounting import lost_accesses, saved_at_rows
+from actors.deadlines import Deadlines
+from actors.machine import (
+    EVERY_TRAINER_DIED, FULL_RECOVERY, RESUME, BudgetExceeded, Budgets, Failed, Finished, RecoveringShards,
+    RespawnRetry, ResumeRequested, RollingBack, Running, ShardDied, StopRequested, TrainersAllDied, WorkDone,
+    state_from_dict, state_to_dict, transition,
+)
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def died(k, gen=0, committed=0, next_gen=1, partial=True, chain=(50, 60), consistent=(50,)):
+    return ShardDied(k, gen, committed, next_gen, {"shard": k}, partial, {"mode": "partial" if partial else "full"},
+                     chain, consistent)
+
+
+def test_partial_death_reserves_the_next_generation_and_keeps_the_chain():
+    t = transition(Running(), died(1, next_gen=3))
+    assert t.state == RecoveringShards({1: 3}, (50, 60), ({"shard": 1},), {"mode": "partial"})
+
+
+def test_full_death_rolls_back_to_the_consistent_chain():
+    t = transition(Running(), died(0, partial=False))
+    assert isinstance(t.state, RollingBack)
+    assert (t.state.step, t.state.why, t.state.chain, t.state.targets) == (50, FULL_RECOVERY, (50,), {0: 1})
+
+
+def test_second_death_during_a_partial_recovery_merges_into_it():
+    state = transition(Running(), died(1)).state
+    t = transition(state, died(0))
+    assert t.state.targets == {1: 1, 0: 1} and len(t.state.causes) == 2
+
+
+def test_two_dead_shards_under_full_recovery_respawn_both_in_one_rollback():
+    # Defect 3: the second dead shard is a respawn target, never a "survivor" to load into.
+    state = transition(Running(), died(0, partial=False)).state
+    t = transition(state, died(1, partial=False))
+    assert isinstance(t.state, RollingBack) and t.state.targets == {0: 1, 1: 1}
+
+
+def test_death_of_a_shard_already_being_replaced_or_of_a_stale_generation_is_ignored():
+    state = transition(Running(), died(1)).state
+    assert transition(state, died(1)) is None
+    assert transition(Running(), died(1, gen=2, committed=3)) is None
+
+
+def test_respawn_retry_takes_a_new_name():
+    state = transition(Running(), died(1, next_gen=1)).state
+    t = transition(state, RespawnRetry(1, 2))
+    assert t.state.targets == {1: 2}
+
+
+def test_work_done_only_for_the_state_it_was_done_for():
+    state = transition(Running(), died(1)).state
+    grown = transition(state, died(0)).state
+    assert transition(grown, WorkDone(state)) is None  # the executor runs again, for both
+    assert isinstance(transition(grown, WorkDone(grown)).state, Running)
+
+
+def test_every_trainer_dying_during_a_shard_recovery_becomes_one_rollback():
+    state = transition(Running(), died(1)).state
+    t = transition(state, TrainersAllDied(50, (50,), {"ahead": 57}))
+    assert isinstance(t.state, RollingBack) and t.state.why == EVERY_TRAINER_DIED and t.state.targets == {1: 1}
+
+
+def test_resume_is_a_rollback():
+    t = transition(Running(), ResumeRequested(75, (75,)))
+    assert t.state == RollingBack(75, RESUME, (75,))
+
+
+def test_budget_stops_the_run_with_the_counts():
+    t = transition(Running(), died(1), Budgets(shard_recoveries=3, max_shard_recoveries=3))
+    assert isinstance(t.state, Failed) and "max_shard_recoveries=3" in t.reason and "4 shard deaths" in t.reason
+    assert isinstance(transition(Running(), BudgetExceeded("x")).state, Failed)
+
+
+def test_terminal_states_ignore_everything():
+    for terminal in (Finished(), Failed("x")):
+        assert transition(terminal, died(0)) is None
+        assert transition(terminal, StopRequested("completed")) is None
+
+
+def test_states_survive_the_journal_round_trip():
+    for state in (Running(), RecoveringShards({1: 3}, (5, 9), ({"a": 1},), {"m": 1}),
+                  RollingBack(5, FULL_RECOVERY, (5,), {0: 2}), Finished("interrupted"), Failed("budget")):
+        assert state_from_dict(state_to_dict(state)) == state
+
+
+def test_lost_accesses_stop_at_the_redo_step():
+    # Defect 6: a shard that dies in the push phase of step 7 (others applied it) has step 7
+    # redone by the trainers, so only steps 5 and 6 are lost.
+    saved_at = saved_at_rows(4, [5], [])
+    per_step = {t: [np.array([0, 1])] for t in range(0, 12)}
+    assert lost_accesses(saved_at, 0, 7, per_step.__getitem__) == 4
+
+
+def test_incremental_rows_saved_later_are_not_lost():
+    saved_at = saved_at_rows(4, [5, 8], [(8, np.array([1]))])
+    per_step = {t: [np.array([0, 1])] for t in range(0, 12)}
+    # Row 1 saved at 8 holds steps 5..7: only row 0's accesses in 5..9, and row 1's in 8, 9.
+    assert lost_accesses(saved_at, 0, 10, per_step.__getitem__) == 5 + 2
+
+
+def test_an_actor_that_never_applied_a_step_loses_nothing():
+    saved_at = saved_at_rows(4, [5], [])
+    assert lost_accesses(saved_at, 9, 9, lambda t: [np.array([0])]) == 0
+
+
+def test_outer_timeouts_contain_the_inner_ones():
+    # Defect 10: a trainer's wait on the supervisor outlasts the longest wait inside it.
+    d = Deadlines(shard_call_s=30)
+    assert d.supervisor_wait_s >= 2 * d.shard_call_s  # a respawn and a load
+    assert d.trainer_wait_s > d.supervisor_wait_s + 0.9 * d.shard_call_s
