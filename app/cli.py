@@ -138,6 +138,27 @@ def chaos_schedule(run_dir: str, mtbf: str, targets: str, duration: str, distrib
     click.echo(f"{len(kills)} kills")
 
 
+@main.command()
+@click.option("--config", "config_path", type=click.Path(dir_okay=False), default="configs/soak.yaml", show_default=True)
+@click.option("--seed", "seeds", type=click.IntRange(0), multiple=True, default=(0,), help="One run per seed.")
+@click.option("--kills", type=click.IntRange(1), default=20, show_default=True, help="Random kills per run.")
+@click.option("--mtbf", type=float, default=6.0, show_default=True, help="Mean seconds between kills.")
+def soak(config_path: str, seeds: tuple[int, ...], kills: int, mtbf: float) -> None:
+    """Trains under random SIGKILLs of every kind, then checks the run's invariants from its files."""
+    from app.soak import run_soak
+
+    bad = 0
+    for seed in seeds:
+        r = run_soak(config_path, f"runs/soak-{seed}", seed, kills, mtbf)
+        bad += len(r["violations"]) + r["wedged"]
+        click.echo(f"seed {seed}: {r['kills']} kills, {r['shard_recoveries']} shard recoveries, "
+                   f"{r['supervisor_restarts']} supervisor restarts, finished={r['finished']}, "
+                   f"{len(r['violations'])} violations")
+        for line in r["violations"]:
+            click.echo(f"  violation: {line}")
+    sys.exit(1 if bad else 0)
+
+
 def run() -> None:
     """Entry point: user errors print one clear line and exit 2, not a traceback."""
     try:

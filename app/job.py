@@ -106,16 +106,17 @@ def format_event(e: dict) -> str | None:
     kind = e["kind"]
     if kind == "shard_recovered":
         detect = f"detected in {e['detection_s']:.2f}s, " if e.get("detection_s") is not None else ""
-        lost = (
-            f"{e['lost_samples']:,.0f} samples' updates lost"
-            if e["recovery"] == "partial"
-            else f"{e['lost_steps_recomputed']} steps to recompute"
-        )
         return (
             f"[failure] {e['actor']} died ({e['cause']}); {detect}{e['recovery']} recovery from step "
             f"{e['restored_step']} in {e['recovery_s']:.2f}s (respawn {e['reschedule_s']:.2f}s, load "
-            f"{e['load_s']:.2f}s), {e['rows_reloaded']:,} rows reloaded, {lost}"
+            f"{e['load_s']:.2f}s), {e['rows_reloaded']:,} rows reloaded"
         )
+    if kind == "lost_samples_counted":
+        return f"[failure] {e['actor']}: {e['lost_samples']:,.0f} samples' updates lost (steps {e['first_step']}..{e['failed_at_step']})"
+    if kind == "state_changed" and e["state"] == "failed":
+        return f"[stopped] {e['reason']}"
+    if kind == "fault_injected":
+        return f"[chaos] killing {e['target']} (pid {e['pid']}, {e['trigger']})"
     if kind == "trainer_healed":
         return f"[failure] trainer:{e['rank']} replaced by Ray Train; healed from a live peer in {e['heal_s']:.2f}s, training again from step {e['step']}"
     if kind == "all_trainers_failed":

@@ -1,0 +1,168 @@
+"""Compound failures on a real local Ray, each injected at a named point (``faults.at_points``,
+like torchft's ``EventInjector.fail_at``) or at a training step (``faults.at_steps``). Each
+test asserts what survived, what was reloaded, what was counted as lost, and that the run
+finished; the audit log (written by the shards and trainers) must show every microbatch
+applied exactly once (a rolled-back or redone step exactly once more)."""
+
+from __future__ import annotations
+
+import pytest
+
+from actors.checkpoint import CheckpointStore
+from app.config import config_from_dict
+from app.job import TrainingJob
+from app.soak import check_run
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(400)]
+
+M, B, STEPS, EVERY = 4, 128, 120, 20
+
+
+def _config(tmp_path, data, recovery="partial", at_steps=None, at_points=None, **checkpoint):
+    return config_from_dict({
+        "run_dir": str(tmp_path / "run"),
+        "seed": 7,
+        "data": {"train": [data.train_path], "eval": [data.eval_path], "cache_dir": str(tmp_path.parent / "cache")},
+        "model": {"embedding_dim": 8, "table_rows": 20_000, "dense_arch": [32, 8], "over_arch": [32, 1]},
+        "embeddings": {"num_shards": 2, "call_timeout_s": 30},
+        "training": {"num_trainers": 2, "microbatch_rows": B, "microbatches_per_step": M, "max_steps": STEPS,
+                     "progress_every_steps": 5, "collective_timeout_s": 30},
+        "checkpoint": {"every_steps": EVERY, "keep_last": 100, **checkpoint},
+        "recovery": recovery,
+        "audit_log": True,
+        "faults": {"max_failures": 0, "at_steps": at_steps or {}, "at_points": at_points or []},
+    })
+
+
+def _train(cfg):
+    job = TrainingJob(cfg, show_progress=False)
+    try:
+        job.start()
+        before = {k: v["pid"] for k, v in _targets(job).items()}
+        job.fit_in_background().join(timeout_s=350)
+        report = job.finish()
+        after = {k: v["pid"] for k, v in _targets(job).items()}
+        violations = check_run(cfg, report, [], job.data["train"].path)
+        return report, before, after, violations
+    finally:
+        job.close()
+
+
+def _targets(job):
+    import ray
+
+    return ray.get(job.supervisor.targets.remote(), timeout=60)
+
+
+def _kinds(report, kind):
+    return [e for e in report["events"] if e["kind"] == kind]
+
+
+def test_two_shards_at_once_under_full_recovery(ray_local, small_data, tmp_path):
+    cfg = _config(tmp_path, small_data, recovery="full", at_steps={"shard:0": [45], "shard:1": [45]})
+    report, before, after, violations = _train(cfg)
+    assert violations == []
+    assert report["steps"] == STEPS and report["auc"] > 0.65
+    assert sorted(f["actor"] for f in report["failures"]) == ["shard:0", "shard:1"]
+    # One rollback respawned both (or a second one followed at once): nothing lost, steps redone.
+    assert all(f["recovery"] == "full" and f["lost_samples"] == 0 for f in report["failures"])
+    assert all(f["restored_step"] == 40 for f in report["failures"])
+    assert sum(f["lost_steps_recomputed"] for f in report["failures"]) >= 5
+    assert all(after[f"shard:{k}"] != before[f"shard:{k}"] for k in (0, 1))
+    assert len(report["faults_injected"]) == 2
+
+
+def test_shard_killed_during_a_checkpoint_save(ray_local, small_data, tmp_path):
+    cfg = _config(tmp_path, small_data, at_points=[{"at": "save.files_written", "kill": "shard:1"}])
+    report, before, after, violations = _train(cfg)
+    assert violations == []
+    assert report["steps"] == STEPS
+    [failure] = report["failures"]
+    # Shard 1 died after writing its file of the first save (step 20). Whether that save
+    # committed before the recovery read the store or not, shard 1 came back alone from a
+    # checkpoint that verifies (step 20), or from the initial rows (no checkpoint yet).
+    assert failure["actor"] == "shard:1" and failure["recovery"] == "partial"
+    assert failure["restored_step"] in (0, EVERY) and failure["chain"] in ([], [EVERY])
+    assert after["shard:0"] == before["shard:0"] and after["shard:1"] != before["shard:1"]
+    store = CheckpointStore(cfg.checkpoint_uri)
+    assert [s for s in store.list_committed() if s > EVERY] == list(range(2 * EVERY, STEPS, EVERY))
+    # Restored from the save it died in, it had applied nothing since: nothing lost.
+    # From the initial rows, its first 20 steps are lost.
+    assert (failure["lost_samples"] == 0) == (failure["restored_step"] == EVERY)
+    assert [e["trigger"] for e in report["faults_injected"]] == ["at save.files_written"]
+
+
+def test_shard_killed_during_another_shards_recovery(ray_local, small_data, tmp_path):
+    cfg = _config(tmp_path, small_data, at_steps={"shard:1": [45]},
+                  at_points=[{"at": "recovery.spawned", "kill": "shard:0"}])
+    report, before, after, violations = _train(cfg)
+    assert violations == []
+    assert report["steps"] == STEPS
+    assert sorted(f["actor"] for f in report["failures"]) == ["shard:0", "shard:1"]
+    assert all(f["recovery"] == "partial" and f["restored_step"] == 40 for f in report["failures"])
+    assert all(after[f"shard:{k}"] != before[f"shard:{k}"] for k in (0, 1))
+    # Both came back in one recovery (shard 1's new actor adopted, not spawned twice).
+    assert {f["generation_after"] for f in report["failures"]} == {1}
+    assert sum(f["lost_samples"] for f in report["failures"]) > 0
+
+
+def test_trainer_killed_during_a_shard_recovery(ray_local, small_data, tmp_path):
+    cfg = _config(tmp_path, small_data, at_steps={"shard:0": [45]},
+                  at_points=[{"at": "recovery.spawned", "kill": "trainer:1"}])
+    report, before, after, violations = _train(cfg)
+    assert violations == []
+    assert report["steps"] == STEPS
+    [failure] = report["failures"]
+    assert failure["actor"] == "shard:0" and failure["restored_step"] == 40
+    assert [t["actor"] for t in report["trainer_failures"]] == ["trainer:1"]
+    [killed] = [k for k in report["faults_injected"] if k["target"] == "trainer:1"]
+    assert killed["trigger"] == "at recovery.spawned"
+    assert after["trainer:1"] != killed["pid"] and after["shard:1"] == before["shard:1"]
+    assert report["microbatches_per_committed_step"] == [M]
+
+
+def test_supervisor_killed_during_a_shard_recovery(ray_local, small_data, tmp_path):
+    # Defect 2: the restarted supervisor finds the half-done recovery in its journal, adopts
+    # the new shard under its reserved name (or kills it and takes the next), never reuses one.
+    cfg = _config(tmp_path, small_data, at_steps={"shard:1": [45]},
+                  at_points=[{"at": "recovery.spawned", "kill": "supervisor"}])
+    report, before, after, violations = _train(cfg)
+    assert violations == []
+    assert report["steps"] == STEPS and report["supervisor_restarts"] == 1
+    [failure] = report["failures"]
+    assert failure["actor"] == "shard:1" and failure["restored_step"] == 40
+    restarted = _kinds(report, "supervisor_restarted")
+    assert len(restarted) == 1 and restarted[0]["state"] == "recovering_shards"
+    assert not [e for e in report["events"] if e["kind"] == "recovery_error"]
+    assert after["supervisor"] != before["supervisor"] and after["shard:0"] == before["shard:0"]
+
+
+def test_supervisor_killed_during_a_save_keeps_its_history(ray_local, small_data, tmp_path):
+    # Defect 1: with auto_interval, a restarted supervisor used to overwrite its state file
+    # before reading it, forgetting failures, kills and generations.
+    cfg = _config(tmp_path, small_data, at_steps={"shard:1": [25]},
+                  at_points=[{"at": "save.files_written", "kill": "supervisor"}],
+                  auto_interval=True, mtbf_s=60)
+    report, before, after, violations = _train(cfg)
+    assert violations == []
+    assert report["steps"] == STEPS and report["supervisor_restarts"] == 1
+    # What happened before the restart is still in the report.
+    assert _kinds(report, "shards_ready") and _kinds(report, "training_started")
+    assert [e["target"] for e in report["faults_injected"]] == ["shard:1", "supervisor"] or [
+        e["target"] for e in report["faults_injected"]] == ["supervisor", "shard:1"]
+    assert [f["actor"] for f in report["failures"]] == ["shard:1"]
+    store = CheckpointStore(cfg.checkpoint_uri)
+    assert len(store.list_committed()) >= 2  # saving went on after the restart
+
+
+def test_supervisor_killed_during_a_rollback(ray_local, small_data, tmp_path):
+    cfg = _config(tmp_path, small_data, recovery="full", at_steps={"shard:0": [45]},
+                  at_points=[{"at": "rollback.loaded", "kill": "supervisor"}])
+    report, before, after, violations = _train(cfg)
+    assert violations == []
+    assert report["steps"] == STEPS and report["supervisor_restarts"] == 1
+    [failure] = report["failures"]
+    assert failure["recovery"] == "full" and failure["restored_step"] == 40 and failure["lost_samples"] == 0
+    # The abandoned timeline was fenced once the restarted supervisor finished the rollback.
+    assert _kinds(report, "supervisor_restarted")[0]["state"] == "rolling_back"
+    assert after["shard:1"] == before["shard:1"] and after["shard:0"] != before["shard:0"]
