@@ -301,14 +301,21 @@ class Supervisor(RunApi, TrainerBook):
     def _at_point(self, point: str) -> None:
         f = self.cfg.faults
         for spec in (f.at_points if f is not None else []):
-            if spec.at == point and f"{point}->{spec.kill}" not in self.fired:
-                self._fire(spec.kill, f"at {point}", key=f"{point}->{spec.kill}")
+            if spec.at == point and self._claim(f"{point}->{spec.kill}"):
+                self._fire(spec.kill, f"at {point}")
 
-    def _fire(self, target: str, trigger: str, key: str) -> None:
-        """Kills ``target`` now (persisted as fired first, so a restart never repeats it)."""
+    def _claim(self, key: str) -> bool:
+        """Marks a fault as fired, atomically and persisted before it fires: concurrent
+        triggers (every trainer reports the same commit) and a restart never repeat it."""
         with self._lock:
+            if key in self.fired:
+                return False
             self.fired.append(key)
             self._persist()
+            return True
+
+    def _fire(self, target: str, trigger: str) -> None:
+        """Kills ``target`` now; the caller has claimed the fault."""
         if target == "supervisor":
             self.record_kill("supervisor", time.time(), os.getpid(), trigger)
             os.kill(os.getpid(), signal.SIGKILL)

@@ -1,7 +1,7 @@
 """The supervisor's book of trainers: registrations, committed steps, failed steps, heals,
 progress, kills, and the faults a run's config ties to training steps (``faults.at_steps``).
 
-A mixin of ``Supervisor``: it reads ``cfg``, ``_lock``, ``fired`` and calls ``_fire``,
+A mixin of ``Supervisor``: it reads ``cfg``, ``_lock``, ``fired`` and calls ``_claim``, ``_fire``,
 ``_transition`` and ``record_event`` of the core.
 """
 
@@ -113,15 +113,13 @@ class TrainerBook:
         if f is None or not f.at_steps:
             return
         for kind, steps in f.at_steps.items():
-            key = f"step {step}->{kind}"
-            with self._lock:
-                if step not in steps or key in self.fired:
-                    continue
-                target = kind
-                if kind in ("shard", "trainer"):
-                    count = self.plan.num_shards if kind == "shard" else self.cfg.training.num_trainers
-                    target = f"{kind}:{int(np.random.default_rng([f.seed, step]).integers(count))}"
-            threading.Thread(target=self._fire, args=(target, f"at step {step}", key), daemon=True).start()
+            if step not in steps or not self._claim(f"step {step}->{kind}"):
+                continue
+            target = kind
+            if kind in ("shard", "trainer"):
+                count = self.plan.num_shards if kind == "shard" else self.cfg.training.num_trainers
+                target = f"{kind}:{int(np.random.default_rng([f.seed, step]).integers(count))}"
+            threading.Thread(target=self._fire, args=(target, f"at step {step}"), daemon=True).start()
 
     def _live_established_trainers(self, exclude: int, timeout_s: float) -> list[int]:
         """Ranks other than ``exclude`` whose current process has committed a step and is alive."""
