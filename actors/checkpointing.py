@@ -133,7 +133,8 @@ class CheckpointCoordinator:
             raise ConfigError("checkpoint: every_steps, every_s or auto_interval must be set to save checkpoints")
         if self.next_checkpoint_step is None or step < self.next_checkpoint_step:
             return {"next_step": self.next_checkpoint_step, "duration_s": 0.0, "saved": False}
-        if step in self.store.list_committed():
+        committed = self.store.list_committed()
+        if step in committed:
             # A call retried after a supervisor restart: the save already happened.
             return {"next_step": self.next_checkpoint_step, "duration_s": 0.0, "saved": False}
         t0 = time.perf_counter()
@@ -141,7 +142,7 @@ class CheckpointCoordinator:
         timeout = self.cfg.embeddings.call_timeout_s
         # Phase two of the previous save rides on this call: the shards count the rows they
         # wrote for last_checkpoint_step as saved only if that checkpoint committed.
-        confirmed = self.last_checkpoint_step if self.last_checkpoint_step in self.store.list_committed() else None
+        confirmed = self.last_checkpoint_step if self.last_checkpoint_step in committed else None
         refs = [s.save_checkpoint.remote(uri, step, self.save_index, confirmed) for s in shards]
         entries = [
             write_blob(uri, step, DENSE_FILE, dense_blob),

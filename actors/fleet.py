@@ -20,13 +20,28 @@ import ray
 from actors.shard import EmbeddingShard
 from app.errors import ShardUnavailable
 
-__all__ = ["ShardFleet", "shard_name"]
+__all__ = ["ShardFleet", "shard_name", "kill_run_shards"]
 
 logger = logging.getLogger(__name__)
 
 
 def shard_name(run_id: str, shard: int, generation: int) -> str:
     return f"cpr-shard-{run_id}-{shard}-g{generation}"
+
+
+def kill_run_shards(run_id: str, namespace: str) -> list[str]:
+    """Kills every shard actor of run ``run_id`` still registered, whatever its generation
+    (half-started ones of an unfinished recovery too); returns their names."""
+    prefix = f"cpr-shard-{run_id}-"
+    killed = []
+    for a in ray.util.list_named_actors(all_namespaces=True):
+        if a["namespace"] == namespace and a["name"].startswith(prefix):
+            try:
+                ray.kill(ray.get_actor(a["name"], namespace=namespace), no_restart=True)
+                killed.append(a["name"])
+            except (ValueError, ray.exceptions.RayError):
+                pass  # gone meanwhile
+    return killed
 
 
 class ShardFleet:
@@ -114,20 +129,6 @@ class ShardFleet:
             ray.kill(handle, no_restart=True)
         except (ValueError, ray.exceptions.RayError):
             pass
-
-    def kill_all_named(self) -> list[str]:
-        """Every shard actor of this run still registered, whatever its generation."""
-        ns = self.cfg.ray.namespace
-        prefix = f"cpr-shard-{self.run_id}-"
-        killed = []
-        for a in ray.util.list_named_actors(all_namespaces=True):
-            if a["namespace"] == ns and a["name"].startswith(prefix):
-                try:
-                    self.kill(ray.get_actor(a["name"], namespace=ns))
-                    killed.append(a["name"])
-                except ValueError:
-                    pass
-        return killed
 
     # ------------------------------------------------------------------ watching
 

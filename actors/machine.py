@@ -24,6 +24,8 @@ __all__ = [
     "Finished",
     "Failed",
     "State",
+    "RECOVERING",
+    "TERMINAL",
     "ShardDied",
     "RespawnRetry",
     "WorkDone",
@@ -100,6 +102,8 @@ class Failed:
 
 
 State = Running | RecoveringShards | RollingBack | Finished | Failed
+RECOVERING = (RecoveringShards, RollingBack)  # states the executor carries out
+TERMINAL = (Finished, Failed)  # nothing is recovered after these
 _STATES = {c.name: c for c in (Running, RecoveringShards, RollingBack, Finished, Failed)}
 
 

@@ -9,8 +9,6 @@ in flight again (every step of it is idempotent).
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import logging
 import os
 import signal
@@ -21,16 +19,14 @@ from pathlib import Path
 import ray
 
 from actors.accounting import count_lost_samples
-from actors.checkpoint import DENSE_FILE
 from actors.checkpointing import CheckpointCoordinator
-from actors.deadlines import Deadline, Deadlines
+from actors.deadlines import Deadlines
 from actors.faults import sigkill_on_node
 from actors.fleet import ShardFleet, shard_name
 from actors.journal import Journal
 from actors.machine import (
-    EVERY_TRAINER_DIED, FULL_RECOVERY, RESUME, BudgetExceeded, Budgets, Failed, Finished, RecoveringShards,
-    RespawnRetry, ResumeRequested, RollingBack, Running, ShardDied, StopRequested, TrainersAllDied, WorkDone,
-    state_from_dict, state_to_dict, transition,
+    EVERY_TRAINER_DIED, FULL_RECOVERY, RECOVERING, RESUME, TERMINAL, BudgetExceeded, Budgets, RecoveringShards,
+    RespawnRetry, RollingBack, Running, ShardDied, WorkDone, state_from_dict, state_to_dict, transition,
 )
 from actors.plan import make_plan
 from actors.recovery import RecoveryExecutor, ShardsLost
@@ -38,15 +34,11 @@ from actors.supervisor_api import RunApi
 from actors.supervisor_trainers import TrainerBook
 from actors.trainer import StepSchedule
 from app.config import config_from_dict
-from app.errors import ConfigError, ShardUnavailable
 from policies import OnlineCostModel, RecoveryMode, decide_recovery
 
 __all__ = ["Supervisor", "supervisor_name", "shard_name"]
 
 logger = logging.getLogger(__name__)
-
-_RECOVERING = (RecoveringShards, RollingBack)
-_TERMINAL = (Finished, Failed)
 
 
 def supervisor_name(run_id: str) -> str:
@@ -161,10 +153,15 @@ class Supervisor(RunApi, TrainerBook):
         self._work.set()
 
     def record_event(self, kind: str, **fields) -> dict:
-        event = {"time": round(time.time(), 3), "kind": kind, **fields}
         with self._lock:
-            self.events.append(event)
+            event = self._append_event(kind, **fields)
             self._persist()
+        return event
+
+    def _append_event(self, kind: str, **fields) -> dict:
+        """Adds an event without writing the journal; the caller persists (under the lock)."""
+        event = {"time": round(time.time(), 3), "kind": kind, **fields}
+        self.events.append(event)
         logger.info("event %s", event)
         return event
 
@@ -173,7 +170,7 @@ class Supervisor(RunApi, TrainerBook):
     def _transition(self, event) -> bool:
         """The only place the state changes: decide, persist the intent, then wake the executor."""
         with self._lock:
-            pending = len(self.state.targets) if isinstance(self.state, _RECOVERING) else 0
+            pending = len(self.state.targets) if isinstance(self.state, RECOVERING) else 0
             budgets = Budgets(len(self.failures) + pending, self.cfg.budgets.max_shard_recoveries)
             t = transition(self.state, event, budgets)
             if t is None:
@@ -183,9 +180,9 @@ class Supervisor(RunApi, TrainerBook):
                 self.next_gens[k] = max(self.next_gens[k], g + 1)  # reserved before any spawn
             if isinstance(event, WorkDone):
                 self._commit_outcome(previous)
+            self._append_event("state_changed", previous=previous.name, state=t.state.name, reason=t.reason)
             self._persist()
             self._changed.notify_all()
-        self.record_event("state_changed", previous=previous.name, state=t.state.name, reason=t.reason)
         logger.warning("supervisor: %s -> %s: %s", previous.name, t.state.name, t.reason)
         self._work.set()
         return True
@@ -197,9 +194,9 @@ class Supervisor(RunApi, TrainerBook):
 
     def _on_death(self, k: int, generation: int, cause: str, detected: float) -> None:
         with self._lock:
-            if isinstance(self.state, _TERMINAL) or generation != self.shard_gens[k]:
+            if isinstance(self.state, TERMINAL) or generation != self.shard_gens[k]:
                 return
-            if isinstance(self.state, _RECOVERING) and k in self.state.targets:
+            if isinstance(self.state, RECOVERING) and k in self.state.targets:
                 return
             kill = next((x for x in reversed(self.kills) if x["target"] == f"shard:{k}" and x["time"] <= detected), None)
             self.costs.observe_failure(max(detected, self.costs.clock_s))
@@ -224,7 +221,7 @@ class Supervisor(RunApi, TrainerBook):
             self._work.clear()
             with self._lock:
                 state, committed = self.state, list(self.shards)
-            if not isinstance(state, _RECOVERING):
+            if not isinstance(state, RECOVERING):
                 continue
             try:
                 outcome = self.executor.run(state, committed)
@@ -341,19 +338,24 @@ class Supervisor(RunApi, TrainerBook):
     def _settle(self, known_generation: int, redo_step: int) -> None:
         """Trainers redo ``redo_step`` on a fleet newer than ``known_generation``: the
         failures recovered since are now complete, and their lost samples can be counted."""
-        todo = []
         with self._lock:
-            for f in self.failures:
-                if f["generation_after"] > known_generation and f["failed_at_step"] is None:
-                    f["failed_at_step"] = redo_step
-                    if f["recovery"] == "partial":
-                        todo.append(f)
-                    else:
-                        f["lost_steps_recomputed"] = max(redo_step - f["restored_step"], 0)
-                    if f["shard"] is not None and self.live_since[f["shard"]] is None:
-                        self.live_since[f["shard"]] = redo_step
+            todo = [f for f in self.failures if f["generation_after"] > known_generation and self._close(f, redo_step)]
+            for f in todo:  # a rollback already set live_since; a partial recovery's starts here
+                if self.live_since[f["shard"]] is None:
+                    self.live_since[f["shard"]] = redo_step
         if todo:
             threading.Thread(target=self._count_lost, args=(todo,), daemon=True).start()
+
+    @staticmethod
+    def _close(f: dict, redo_step: int) -> bool:
+        """Closes an open failure at ``redo_step``: a full recovery's recomputed steps are
+        known now; returns True for a partial one, whose lost samples are still to count."""
+        if f["failed_at_step"] is not None:
+            return False
+        f["failed_at_step"] = redo_step
+        if f["recovery"] != "partial":
+            f["lost_steps_recomputed"] = max(redo_step - f["restored_step"], 0)
+        return f["recovery"] == "partial"
 
     def _count_lost(self, failures: list[dict]) -> None:
         for f in failures:

@@ -14,21 +14,15 @@ import time
 
 import ray
 
-from actors.accounting import count_lost_samples
 from actors.checkpoint import DATA_POSITION_FILE, DENSE_FILE
 from actors.deadlines import Deadline
-from actors.machine import (
-    Failed, Finished, RecoveringShards, ResumeRequested, RollingBack, Running, StopRequested, TrainersAllDied,
-    state_to_dict,
-)
+from actors.fleet import kill_run_shards
+from actors.machine import RECOVERING, TERMINAL, ResumeRequested, Running, StopRequested, TrainersAllDied, state_to_dict
 from app.errors import ConfigError, ShardUnavailable, TrainerConflict
 
 __all__ = ["RunApi"]
 
 logger = logging.getLogger(__name__)
-
-_RECOVERING = (RecoveringShards, RollingBack)
-_TERMINAL = (Finished, Failed)
 
 
 class RunApi:
@@ -90,7 +84,7 @@ class RunApi:
     def _wait_settled(self, deadline: Deadline) -> bool:
         """Waits until no recovery is in flight; False if the deadline passed first."""
         with self._changed:
-            return self._changed.wait_for(lambda: not isinstance(self.state, _RECOVERING), timeout=deadline.remaining())
+            return self._changed.wait_for(lambda: not isinstance(self.state, RECOVERING), timeout=deadline.remaining())
 
     # ------------------------------------------------------------------ trainers
 
@@ -107,7 +101,7 @@ class RunApi:
                 "shards": list(self.shards), "generation": self.generation, "plan": self.plan, "schedule": self.schedule,
                 "train_cache": self.train_cache, "eval_cache": self.eval_cache,
                 "resume": None if start is None else {"step": start, "dense": self._dense(start)},
-                "training_started": self.training_started, "finished": isinstance(self.state, _TERMINAL),
+                "training_started": self.training_started, "finished": isinstance(self.state, TERMINAL),
                 "next_checkpoint_step": self.ckpt.next_checkpoint_step,
                 "audit_dir": str(self.run_dir / "audit") if self.cfg.audit_log else None,
             }
@@ -118,7 +112,7 @@ class RunApi:
     def status(self) -> dict:
         """Polled by trainers every step without blocking: stop, or when to save next."""
         with self._lock:
-            return {"stop": isinstance(self.state, _TERMINAL), "state": self.state.name,
+            return {"stop": isinstance(self.state, TERMINAL), "state": self.state.name,
                     "next_checkpoint": self.ckpt.next_checkpoint_step}
 
     def report_shard_failure(self, k: int, generation: int, reason: str, step: int) -> None:
@@ -146,8 +140,8 @@ class RunApi:
             with self._lock:
                 state, generation, shards = self.state, self.generation, list(self.shards)
                 answer = {"generation": generation, "shards": shards, "rollback": None,
-                          "stop": isinstance(state, _TERMINAL), "next_checkpoint": self.ckpt.next_checkpoint_step}
-                if isinstance(state, _TERMINAL):
+                          "stop": isinstance(state, TERMINAL), "next_checkpoint": self.ckpt.next_checkpoint_step}
+                if isinstance(state, TERMINAL):
                     return answer
                 if isinstance(state, Running) and generation > known_generation:
                     rb = self.rollback if self.rollback and self.rollback["generation"] > known_generation else None
@@ -221,7 +215,7 @@ class RunApi:
         self._transition(StopRequested(how))
 
     def is_finished(self) -> bool:
-        return isinstance(self.state, _TERMINAL)
+        return isinstance(self.state, TERMINAL)
 
     def progress(self) -> dict | None:
         with self._lock:
@@ -249,13 +243,8 @@ class RunApi:
         the last committed step and their lost samples counted now."""
         with self._lock:
             final = (self.eval_metrics or {}).get("steps") or (max(self.commits) + 1 if self.commits else 0)
-            open_ = [f for f in self.failures if f["failed_at_step"] is None]
-        for f in open_:
-            f["failed_at_step"] = final
-            if f["recovery"] == "partial":
-                f["lost_samples"] = count_lost_samples(self.cfg, self.plan, self.schedule, self.ckpt.store, self.train_cache, f)
-            else:
-                f["lost_steps_recomputed"] = max(final - f["restored_step"], 0)
+            todo = [f for f in self.failures if self._close(f, final)]
+        self._count_lost(todo)
         try:
             shard_states = ray.get([s.state.remote() for s in self.shards], timeout=self.deadlines.shard_call_s)
         except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError, AttributeError) as err:
@@ -291,4 +280,4 @@ class RunApi:
         (half-started ones of an unfinished recovery too)."""
         self._stop.set()
         self.fleet.stop()
-        self.fleet.kill_all_named()
+        kill_run_shards(self.run_id, self.cfg.ray.namespace)

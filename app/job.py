@@ -433,17 +433,15 @@ def _kill_leftovers(run_dir: Path, namespace: str, run_id: str | None = None) ->
     """Kills the detached shards of a run whose driver died (read from its run.json)."""
     import json
 
-    import ray
+    from actors.fleet import kill_run_shards
 
     if run_id is None:
         info = Path(run_dir) / "run.json"
         if not info.exists():
             return
         run_id = json.loads(info.read_text())["run_id"]
-    for a in ray.util.list_named_actors(all_namespaces=True):
-        if a["namespace"] == namespace and a["name"].startswith(f"cpr-shard-{run_id}-"):
-            ray.kill(ray.get_actor(a["name"], namespace=namespace), no_restart=True)
-            logger.warning("removed %s left by an earlier driver", a["name"])
+    for name in kill_run_shards(run_id, namespace):
+        logger.warning("removed %s left behind", name)
 
 
 def resume_config(run_dir: str) -> RunConfig:
