@@ -10,7 +10,7 @@ from collections.abc import Callable, Iterable
 
 import numpy as np
 
-__all__ = ["saved_at_rows", "lost_accesses", "count_lost_samples", "trainer_failures", "NUM_SPARSE"]
+__all__ = ["saved_at_rows", "lost_accesses", "chain_rows", "count_lost_samples", "trainer_failures", "NUM_SPARSE"]
 
 NUM_SPARSE = 26
 
@@ -73,11 +73,30 @@ def trainer_failures(
     return out
 
 
-def count_lost_samples(cfg, plan, schedule, store, train_cache: str, failure: dict) -> float:
+def chain_rows(plan, store, failure: dict) -> list[tuple[int, np.ndarray]]:
+    """The shard rows each incremental of the failure's restored chain saved, as
+    ``(step, shard-row ids)``: what ``count_lost_samples`` reads from the store. Only the
+    incrementals before the redo step matter (a rollback may have fenced later ones: the
+    chain then ends at or before the rollback's full checkpoint)."""
+    from actors.plan import slice_offsets
+
+    k, chain, redo = failure["shard"], failure["chain"], failure["failed_at_step"]
+    if failure["first_step"] is None or not chain or redo <= chain[0]:
+        return []  # nothing applied, or every row was saved at or after the redo step
+    offsets = slice_offsets(plan.shards[k])
+    out = []
+    for step in chain[1:]:
+        data = store.read_shard(step, k)
+        ids = [data.rows[data.tables == s.table] - s.row_start + offsets[i] for i, s in enumerate(plan.shards[k])]
+        out.append((step, np.concatenate(ids)))
+    return out
+
+
+def count_lost_samples(cfg, plan, schedule, train_cache: str, failure: dict, incrementals: list) -> float:
     """Lost samples of one partial recovery: the dead actor's updates since
     ``failure['first_step']`` that its restored chain does not hold and that trainers do not
-    redo (from ``failure['failed_at_step']`` on). Reads the incrementals' row lists from the
-    store and the microbatches from the data cache; a lost access is 1/26 of a sample."""
+    redo (from ``failure['failed_at_step']`` on). ``incrementals`` is ``chain_rows()`` of
+    the failure; the microbatches come from the data cache; a lost access is 1/26 of a sample."""
     from actors.plan import shard_row_ids, slice_offsets
     from app.cache import MicrobatchFile
     from app.data import sparse_to_rows
@@ -86,11 +105,6 @@ def count_lost_samples(cfg, plan, schedule, store, train_cache: str, failure: di
     if failure["first_step"] is None:
         return 0.0  # the dead actor never applied a step
     offsets = slice_offsets(plan.shards[k])
-    incrementals = []
-    for step in chain[1:]:
-        data = store.read_shard(step, k)
-        ids = [data.rows[data.tables == s.table] - s.row_start + offsets[i] for i, s in enumerate(plan.shards[k])]
-        incrementals.append((step, np.concatenate(ids)))
     saved_at = saved_at_rows(plan.shard_rows(k), chain, incrementals)
     cache = MicrobatchFile(train_cache)
 

@@ -615,6 +615,8 @@ class CheckpointStore:
             except CheckpointCorrupt as exc:
                 skipped.append((step, str(exc)))
                 continue
+            except CheckpointNotFound:
+                continue  # removed since the listing (fenced by a rollback, or retention)
             full_step = step
             break
         if record:
@@ -631,6 +633,8 @@ class CheckpointStore:
                 if info.kind != INCREMENTAL or info.base_step != full_step:
                     continue
                 verify(step)
+            except CheckpointNotFound:
+                break  # removed since the listing: fenced, and so is everything after it
             except CheckpointCorrupt as exc:
                 if record:
                     self._report([(step, f"{exc} (restore chain stops before it)")], chain[-1])

@@ -191,6 +191,10 @@ class CheckpointCoordinator:
 
     # ------------------------------------------------------------------ after a rollback
 
+    def timeline(self) -> threading.Lock:
+        """Held while nothing may commit or fence (saves and rollbacks take it too)."""
+        return self._timeline
+
     def restart_timeline(self, step: int, chain: list[int]) -> list[int]:
         """Everything was rolled back to ``step``: checkpoints newer than it belong to an
         abandoned timeline and are fenced (deleted, manifest first, so never loaded), and the

@@ -58,12 +58,12 @@ class RecoveryExecutor:
             raise ShardsLost(lost)
         return handles, time.time() - t0
 
-    def _load(self, handles: dict, chain: tuple[int, ...]) -> tuple[dict, float]:
+    def _load(self, handles: dict, chain: tuple[int, ...], why: str) -> tuple[dict, float]:
         """Loads ``chain`` into every handle (the initial rows without a chain); raises
-        ShardsLost naming every shard that died meanwhile."""
+        ShardsLost naming every shard that died meanwhile. ``why`` goes to the audit log."""
         t0 = time.time()
         refs = {
-            k: (h.load_checkpoint.remote(self.uri, list(chain)) if chain else h.reset_to_init.remote())
+            k: (h.load_checkpoint.remote(self.uri, list(chain), why) if chain else h.reset_to_init.remote(why))
             for k, h in handles.items()
         }
         ray.wait(list(refs.values()), num_returns=len(refs), timeout=self.timeout_s)
@@ -83,7 +83,7 @@ class RecoveryExecutor:
         """Partial recovery: only the dead shards are respawned and loaded."""
         handles, reschedule_s = self._respawn(state.targets)
         self.at_point("recovery.spawned")
-        loaded, load_s = self._load({k: h for k, (h, _) in handles.items()}, state.chain)
+        loaded, load_s = self._load({k: h for k, (h, _) in handles.items()}, state.chain, "recovery")
         self.at_point("recovery.loaded")
         return Outcome(handles, loaded, reschedule_s, load_s)
 
@@ -95,7 +95,7 @@ class RecoveryExecutor:
         if missing:
             raise ShardsLost(missing)
         everyone = {k: (handles[k][0] if k in handles else h) for k, h in enumerate(committed)}
-        loaded, load_s = self._load(everyone, state.chain)
+        loaded, load_s = self._load(everyone, state.chain, "rollback")
         self.at_point("rollback.loaded")
         fenced = self.coordinator.restart_timeline(state.step, list(state.chain))
         return Outcome(handles, loaded, reschedule_s, load_s, fenced)

@@ -150,8 +150,9 @@ class EmbeddingShard:
         own signal, no polling."""
         self._released.wait()
 
-    def reset_to_init(self) -> None:
-        """Back to the initial rows and empty Adagrad state: the state of step 0."""
+    def reset_to_init(self, why: str = "recovery") -> None:
+        """Back to the initial rows and empty Adagrad state: the state of step 0. ``why``
+        (recovery or rollback) goes to the audit log."""
         import torch
 
         self._init_weights(self.seed)
@@ -164,7 +165,7 @@ class EmbeddingShard:
         self.first_step_after_load = None
         self.priority = self._new_policy()
         self.confirm_save(None)
-        self._log({"event": "load", "chain": []})
+        self._log({"event": "load", "chain": [], "why": why})
 
     def ready(self) -> dict:
         """Identifies the process (used to kill it in chaos tests) and its size."""
@@ -340,7 +341,7 @@ class EmbeddingShard:
         self._unconfirmed_save = None
         self._since_save = []
 
-    def load_checkpoint(self, uri: str, steps: list[int]) -> dict:
+    def load_checkpoint(self, uri: str, steps: list[int], why: str = "recovery") -> dict:
         """Restores the rows saved in ``steps`` (a full checkpoint, then incrementals, each
         applied in order over the last) and forgets any step in flight: the shard is then
         exactly at ``steps[-1]`` committed steps. Returns which shard rows each incremental
@@ -377,7 +378,7 @@ class EmbeddingShard:
         # Every row now equals its saved copy: nothing is unsaved, so access counts restart.
         self.priority = self._new_policy()
         self.confirm_save(None)
-        self._log({"event": "load", "chain": list(steps)})
+        self._log({"event": "load", "chain": list(steps), "why": why})
         self.applied_microbatches = [x for x in self.applied_microbatches if x[0] < steps[-1]]
         return {
             "rows": int(rows_loaded),

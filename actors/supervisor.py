@@ -18,7 +18,7 @@ from pathlib import Path
 
 import ray
 
-from actors.accounting import count_lost_samples
+from actors.accounting import chain_rows, count_lost_samples
 from actors.checkpointing import CheckpointCoordinator
 from actors.deadlines import Deadlines
 from actors.faults import sigkill_on_node
@@ -252,6 +252,7 @@ class Supervisor(RunApi, TrainerBook):
         """Makes what the executor did for ``done`` the live fleet (called under the lock,
         inside the transition that persists it)."""
         out, now = self._outcome, time.time()
+        earlier = len(self.failures)
         for k, (handle, info) in out.handles.items():
             self.shards[k], self.shard_info[k], self.shard_gens[k] = handle, info, done.targets[k]
             self.fleet.watch(k, done.targets[k], handle)
@@ -277,6 +278,7 @@ class Supervisor(RunApi, TrainerBook):
             self.failures.append(failure)
             self.events.append({"time": round(now, 3), "kind": "shard_recovered", **failure})
         if isinstance(done, RollingBack):
+            self._reopen_after_rollback(done.step, earlier)
             self.live_since = [done.step] * self.plan.num_shards
             self.prune_commits(done.step)
             self.rollback = {"generation": self.generation, "step": done.step} if done.why == FULL_RECOVERY else None
@@ -346,6 +348,19 @@ class Supervisor(RunApi, TrainerBook):
         if todo:
             threading.Thread(target=self._count_lost, args=(todo,), daemon=True).start()
 
+    def _reopen_after_rollback(self, step: int, before: int) -> None:
+        """Everything went back to ``step`` and trainers redo every step from there: a
+        partial recovery among the first ``before`` failures loses only updates before
+        ``step``, so it closes (or closes again) there and is counted again."""
+        todo = []
+        for f in self.failures[:before]:
+            if f["recovery"] == "partial" and (f["failed_at_step"] is None or f["failed_at_step"] > step):
+                f["failed_at_step"] = None
+                if self._close(f, step):
+                    todo.append(f)
+        if todo:
+            threading.Thread(target=self._count_lost, args=(todo,), daemon=True).start()
+
     @staticmethod
     def _close(f: dict, redo_step: int) -> bool:
         """Closes an open failure at ``redo_step``: a full recovery's recomputed steps are
@@ -359,10 +374,22 @@ class Supervisor(RunApi, TrainerBook):
 
     def _count_lost(self, failures: list[dict]) -> None:
         for f in failures:
+            redo = f["failed_at_step"]
+            error = None
             try:
-                f["lost_samples"] = count_lost_samples(self.cfg, self.plan, self.schedule, self.ckpt.store, self.train_cache, f)
+                # The chain's row lists are read while no rollback can fence them; the count
+                # itself (the data of every step in between) runs outside the lock.
+                with self.ckpt.timeline():
+                    rows = chain_rows(self.plan, self.ckpt.store, f)
+                lost = count_lost_samples(self.cfg, self.plan, self.schedule, self.train_cache, f, rows)
             except Exception as err:  # counted from the data and the store; never blocks training
                 logger.exception("counting lost samples of %s failed", f["actor"])
-                f["lost_samples"], f["lost_samples_error"] = 0.0, repr(err)
-            self.record_event("lost_samples_counted", actor=f["actor"], lost_samples=f["lost_samples"],
-                              first_step=f["first_step"], failed_at_step=f["failed_at_step"])
+                lost, error = 0.0, repr(err)
+            with self._lock:
+                if f["failed_at_step"] != redo:
+                    continue  # a rollback moved the redo step meanwhile and counts it again
+                f["lost_samples"] = lost
+                if error:
+                    f["lost_samples_error"] = error
+            self.record_event("lost_samples_counted", actor=f["actor"], lost_samples=lost,
+                              first_step=f["first_step"], failed_at_step=redo)

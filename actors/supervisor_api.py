@@ -17,7 +17,9 @@ import ray
 from actors.checkpoint import DATA_POSITION_FILE, DENSE_FILE
 from actors.deadlines import Deadline
 from actors.fleet import kill_run_shards
-from actors.machine import RECOVERING, TERMINAL, ResumeRequested, Running, StopRequested, TrainersAllDied, state_to_dict
+from actors.machine import (
+    RECOVERING, TERMINAL, ResumeRequested, RollingBack, Running, StopRequested, TrainersAllDied, state_to_dict,
+)
 from app.errors import ConfigError, ShardUnavailable, TrainerConflict
 
 __all__ = ["RunApi"]
@@ -92,7 +94,9 @@ class RunApi:
         """What a trainer needs: shard handles, the plan, the data, the step schedule, the
         step to start from with its dense state, and when the next checkpoint is due."""
         with self._lock:
-            if self.training_started:
+            if isinstance(self.state, RollingBack) and self.training_started:
+                start = self.state.step  # newer checkpoints are being fenced right now
+            elif self.training_started:
                 chain = self.ckpt.consistent_chain()
                 start = chain[-1] if chain else 0
             else:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import io
 import json
+import logging
 import math
 import os
 import time
@@ -194,6 +195,10 @@ def train_loop(loop_config: dict) -> None:
 
     cfg = config_from_dict(loop_config["config"])
     tr = cfg.training
+    # torchft's Python logs follow RUST_LOG, its Rust logs' knob (app.job.worker_env): a
+    # few lines per step at info, warnings only by default.
+    levels = {"trace": "DEBUG", "debug": "DEBUG", "info": "INFO", "warn": "WARNING", "error": "ERROR"}
+    logging.getLogger("torchft").setLevel(levels.get(os.environ.get("RUST_LOG", "warn").lower(), "WARNING"))
     torch.set_num_threads(tr.threads_per_worker)
     rank = ray.train.get_context().get_world_rank()
     supervisor = ray.get_actor(loop_config["supervisor"], namespace=cfg.ray.namespace)

@@ -73,6 +73,16 @@ def keep_ray_on_loopback() -> None:
     ray_constants.ENABLE_RAY_CLUSTER = False
 
 
+def worker_env() -> dict[str, str]:
+    """Environment of the run's Ray workers: gloo on loopback unless told otherwise, and
+    torchft's Rust logs (a few lines per quorum, every step) at warnings unless RUST_LOG
+    asks for more."""
+    return {
+        "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo"),
+        "RUST_LOG": os.environ.get("RUST_LOG", "warn"),
+    }
+
+
 def connect_ray(cfg: RunConfig) -> bool:
     """Joins ``ray.address`` / RAY_ADDRESS, or starts an embedded Ray on 127.0.0.1 with
     token authentication. Returns True if this call started Ray (and must shut it down).
@@ -82,7 +92,7 @@ def connect_ray(cfg: RunConfig) -> bool:
     if ray.is_initialized():
         return False
     address = cfg.ray.address or os.environ.get("RAY_ADDRESS")
-    runtime_env = {"env_vars": {"GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo")}}
+    runtime_env = {"env_vars": worker_env()}
     if address:
         ray.init(address=address, namespace=cfg.ray.namespace, runtime_env=runtime_env, log_to_driver=True)
         return False

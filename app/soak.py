@@ -12,7 +12,7 @@ from pathlib import Path
 
 from app.config import RunConfig
 
-__all__ = ["check_run", "soak_config"]
+__all__ = ["check_run", "leftovers", "soak_config"]
 
 logger = logging.getLogger(__name__)
 
@@ -136,6 +136,8 @@ def _recount_lost(cfg: RunConfig, report: dict, audit: Path, cache: str) -> floa
     from actors.trainer import StepSchedule
     from app.cache import MicrobatchFile
 
+    from actors.accounting import chain_rows
+
     partial = [f for f in report["failures"] if f["recovery"] == "partial"]
     if not partial:
         return 0.0
@@ -150,8 +152,15 @@ def _recount_lost(cfg: RunConfig, report: dict, audit: Path, cache: str) -> floa
         mine = [e for e in events if e["gen"] == gen]
         last_load = max((i for i, e in enumerate(mine) if e["event"] == "load"), default=-1)
         first = next((e["step"] for e in mine[last_load + 1:] if e["event"] == "apply"), None)
-        redo = next((e["step"] for e in events if e["gen"] > gen and e["event"] == "apply"), report["steps"])
-        lost += count_lost_samples(cfg, plan, schedule, store, cache, {**f, "first_step": first, "failed_at_step": redo})
+        later = [e for e in events if e["gen"] > gen]
+        redo = next((e["step"] for e in later if e["event"] == "apply"), report["steps"])
+        # A rollback after the recovery makes trainers redo everything from its step: only
+        # updates before it are lost.
+        for e in later:
+            if e["event"] == "load" and e.get("why") == "rollback":
+                redo = min(redo, e["chain"][-1] if e["chain"] else 0)
+        failure = {**f, "first_step": first, "failed_at_step": redo}
+        lost += count_lost_samples(cfg, plan, schedule, cache, failure, chain_rows(plan, store, failure))
     return lost
 
 
@@ -193,9 +202,13 @@ def run_soak(config_path: str, run_dir: str, seed: int, kills: int, mtbf_s: floa
         violations.append(f"training raised {error}")
     if report is not None:
         violations += check_run(cfg, report, [], job.data["train"].path)
-        violations += _leftovers(pids, job.run_id, cfg.ray.namespace)
+        violations += leftovers(pids, job.run_id, cfg.ray.namespace)
     if started_ray:
         ray.shutdown()
+    if cfg.checkpoint.storage is None:
+        # The run's own store keeps every incremental for the recount (keep_last, about
+        # 10 GB an hour of soak); once checked, they go.
+        shutil.rmtree(cfg.checkpoint_uri, ignore_errors=True)
     report = report or {}
     return {
         "seed": seed, "kills": len(report.get("faults_injected", [])),
@@ -207,7 +220,7 @@ def run_soak(config_path: str, run_dir: str, seed: int, kills: int, mtbf_s: floa
     }
 
 
-def _leftovers(pids: dict, run_id: str, namespace: str, wait_s: float = 30.0) -> list[str]:
+def leftovers(pids: dict, run_id: str, namespace: str, wait_s: float = 30.0) -> list[str]:
     """No process or named actor of the run may outlive it (checked on this node)."""
     import os
     import time

@@ -15,7 +15,7 @@ os.environ.setdefault("RAY_AUTH_MODE", "token")
 def ray_local():
     import ray
 
-    from app.job import keep_ray_on_loopback
+    from app.job import keep_ray_on_loopback, worker_env
 
     keep_ray_on_loopback()
     ray.init(
@@ -23,7 +23,7 @@ def ray_local():
         num_cpus=8,
         namespace="cpr",
         include_dashboard=False,
-        runtime_env={"env_vars": {"GLOO_SOCKET_IFNAME": "lo", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}},
+        runtime_env={"env_vars": {**worker_env(), "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}},
     )
     yield ray
     ray.shutdown()

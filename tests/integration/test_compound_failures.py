@@ -56,6 +56,16 @@ def _targets(job):
     return ray.get(job.supervisor.targets.remote(), timeout=60)
 
 
+def _brief(report) -> dict:
+    """What an assertion message shows: the failures and kills, without the event log."""
+    keys = ("actor", "recovery", "restored_step", "chain", "lost_samples", "lost_steps_recomputed", "generation_after")
+    return {
+        "steps": report["steps"], "auc": report.get("auc"), "state": report.get("state"),
+        "failures": [{k: f.get(k) for k in keys} for f in report["failures"]],
+        "kills": [(k["target"], k["trigger"]) for k in report["faults_injected"]],
+    }
+
+
 def _kinds(report, kind):
     return [e for e in report["events"] if e["kind"] == kind]
 
@@ -63,15 +73,18 @@ def _kinds(report, kind):
 def test_two_shards_at_once_under_full_recovery(ray_local, small_data, tmp_path):
     cfg = _config(tmp_path, small_data, recovery="full", at_steps={"shard:0": [45], "shard:1": [45]})
     report, before, after, violations = _train(cfg)
-    assert violations == []
-    assert report["steps"] == STEPS and report["auc"] > 0.65
-    assert sorted(f["actor"] for f in report["failures"]) == ["shard:0", "shard:1"]
+    brief = _brief(report)
+    assert violations == [], brief
+    assert report["steps"] == STEPS and report["auc"] > 0.65, brief
+    assert sorted(f["actor"] for f in report["failures"]) == ["shard:0", "shard:1"], brief
     # One rollback respawned both (or a second one followed at once): nothing lost, steps redone.
-    assert all(f["recovery"] == "full" and f["lost_samples"] == 0 for f in report["failures"])
-    assert len({f["restored_step"] for f in report["failures"]}) == 1 and report["failures"][0]["restored_step"] >= 40
-    assert sum(f["lost_steps_recomputed"] for f in report["failures"]) >= 1
+    assert all(f["recovery"] == "full" and f["lost_samples"] == 0 for f in report["failures"]), brief
+    # Both from the newest checkpoint at the kill (a second rollback, if the second death
+    # came after the first finished, may find a newer one).
+    assert all(f["restored_step"] >= 40 for f in report["failures"]), brief
+    assert sum(f["lost_steps_recomputed"] for f in report["failures"]) >= 1, brief
     assert all(after[f"shard:{k}"] != before[f"shard:{k}"] for k in (0, 1))
-    assert len(report["faults_injected"]) == 2
+    assert len(report["faults_injected"]) == 2, brief
 
 
 def test_shard_killed_during_a_checkpoint_save(ray_local, small_data, tmp_path):

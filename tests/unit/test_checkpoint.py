@@ -438,3 +438,12 @@ def test_crafted_manifest_file_names_make_the_checkpoint_corrupt(tmp_path: Path,
         store.info(2)
     assert store.chain_steps() == [1]
     assert store.fallbacks and store.fallbacks[-1][0] == 2
+
+
+def test_a_chain_read_while_a_rollback_fences_stops_before_the_fenced_step(chain_store: CheckpointStore, monkeypatch) -> None:
+    # Seen in the soak: a replacement trainer asked for the chain while a rollback fenced
+    # step 20; the listing still held it, reading its manifest raised CheckpointNotFound.
+    listed = chain_store.list_committed()
+    chain_store.fence_after(10)
+    monkeypatch.setattr(chain_store, "list_committed", lambda: listed)
+    assert chain_store.chain_steps() == [10]

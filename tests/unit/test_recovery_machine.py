@@ -3,6 +3,9 @@ the pure pieces around it: lost-sample accounting, nested deadlines."""
 
 from __future__ import annotations
 
+import time
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 
@@ -119,3 +122,31 @@ def test_outer_timeouts_contain_the_inner_ones():
     d = Deadlines(shard_call_s=30)
     assert d.supervisor_wait_s >= 2 * d.shard_call_s  # a respawn and a load
     assert d.trainer_wait_s > d.supervisor_wait_s + 0.9 * d.shard_call_s
+
+
+def test_lost_samples_after_a_rollback_to_the_chains_own_full_need_no_read():
+    # Seen in the soak: a partial recovery from chain [226, 232], then every trainer died
+    # and everything rolled back to 226, fencing 232. Trainers redo from 226, so nothing
+    # is lost and the fenced incremental is never read (the store here cannot be read).
+    from actors.accounting import chain_rows
+
+    failure = {"shard": 0, "chain": [226, 232], "first_step": 200, "failed_at_step": 226}
+    assert chain_rows(None, None, failure) == []
+    assert lost_accesses(saved_at_rows(4, [226], []), 200, 226, lambda t: [np.array([0, 1])]) == 0
+
+
+def test_a_rollback_closes_earlier_partial_recoveries_at_its_step():
+    from actors.supervisor import Supervisor
+
+    counted = []
+    failures = [
+        {"recovery": "partial", "failed_at_step": None, "restored_step": 30},  # open: redo never came
+        {"recovery": "partial", "failed_at_step": 45, "restored_step": 30},  # redone past the rollback
+        {"recovery": "partial", "failed_at_step": 12, "restored_step": 10},  # redone before it: unchanged
+        {"recovery": "full", "failed_at_step": None, "restored_step": 40},  # this rollback's own
+    ]
+    me = SimpleNamespace(failures=failures, _close=Supervisor._close, _count_lost=counted.extend)
+    Supervisor._reopen_after_rollback(me, 40, 3)
+    time.sleep(0.2)  # counted on a thread
+    assert [f["failed_at_step"] for f in failures] == [40, 40, 12, None]
+    assert counted == failures[:2]
