@@ -88,6 +88,7 @@ class Supervisor(RunApi, TrainerBook):
         self.eval_metrics: dict | None = None
         self.resume_step: int | None = None
         self.started = False
+        self.start_error: str | None = None
         self.supervisor_restarts = 0
         self.fired: list[str] = []
         TrainerBook.__init__(self)
@@ -150,6 +151,11 @@ class Supervisor(RunApi, TrainerBook):
         for k in missing:
             if self.started:
                 self._on_death(k, self.shard_gens[k], "not found after supervisor restart", time.time())
+        # Counts that were in flight when the previous supervisor died.
+        uncounted = [f for f in self.failures if f["recovery"] == "partial" and f["failed_at_step"] is not None
+                     and f["lost_samples"] is None]
+        if uncounted:
+            threading.Thread(target=self._count_lost, args=(uncounted,), daemon=True).start()
         self._work.set()
 
     def record_event(self, kind: str, **fields) -> dict:
@@ -341,10 +347,15 @@ class Supervisor(RunApi, TrainerBook):
         """Trainers redo ``redo_step`` on a fleet newer than ``known_generation``: the
         failures recovered since are now complete, and their lost samples can be counted."""
         with self._lock:
-            todo = [f for f in self.failures if f["generation_after"] > known_generation and self._close(f, redo_step)]
+            closed = [f for f in self.failures if f["generation_after"] > known_generation and f["failed_at_step"] is None]
+            todo = [f for f in closed if self._close(f, redo_step)]
             for f in todo:  # a rollback already set live_since; a partial recovery's starts here
                 if self.live_since[f["shard"]] is None:
                     self.live_since[f["shard"]] = redo_step
+            if closed:
+                # Journaled: a supervisor restarted later must not close them again at a
+                # later step (seen in the soak: closed at a rollback 80 steps on).
+                self._persist()
         if todo:
             threading.Thread(target=self._count_lost, args=(todo,), daemon=True).start()
 

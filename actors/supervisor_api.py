@@ -39,12 +39,19 @@ class RunApi:
             with self._lock:
                 self.next_gens = [max(g, 1) for g in self.next_gens]
                 self._persist()
-            handles = [self.fleet.find(k, 0) or self.fleet.spawn(k, 0) for k in range(n)]
-            infos = self.fleet.ready(handles)
+            try:
+                handles = [self.fleet.find(k, 0) or self.fleet.spawn(k, 0) for k in range(n)]
+                infos = self.fleet.ready(handles)
+            except Exception as err:  # trainers waiting in trainer_setup end; the driver raises it
+                with self._lock:
+                    self.start_error = repr(err)[:500]
+                    self._changed.notify_all()
+                raise
             with self._lock:
                 self.shards, self.shard_info, self.started = handles, infos, True
                 self.ckpt.start(0)
                 self._persist()
+                self._changed.notify_all()
             for k, h in enumerate(handles):
                 self.fleet.watch(k, 0, h)
             self.record_event(
@@ -94,6 +101,11 @@ class RunApi:
         """What a trainer needs: shard handles, the plan, the data, the step schedule, the
         step to start from with its dense state, and when the next checkpoint is due."""
         with self._lock:
+            # The driver starts Ray Train while the shards start: wait for them here.
+            if not self._changed.wait_for(lambda: self.started or self.start_error, self.deadlines.supervisor_wait_s):
+                raise ShardUnavailable(f"the embedding shards did not start within {self.deadlines.supervisor_wait_s:.0f}s")
+            if self.start_error:
+                return {"finished": True}  # the driver raises the error from start()
             if isinstance(self.state, RollingBack) and self.training_started:
                 start = self.state.step  # newer checkpoints are being fenced right now
             elif self.training_started:

@@ -72,6 +72,9 @@ def kill_target(supervisor, target: str, timeout_s: float = 30.0, trigger: str =
     return {"target": target, "pid": info["pid"], "time": now}
 
 
+_KILL_ATTEMPTS = 10
+
+
 @dataclass(frozen=True)
 class FaultSchedule:
     """When and whom to kill: inter-failure times drawn from ``distribution`` with mean
@@ -122,17 +125,24 @@ def run_schedule(supervisor, schedule: FaultSchedule, stop: threading.Event, on_
     for at_s, target in schedule.plan(list(targets)):
         if stop.wait(max(0.0, at_s - (time.monotonic() - start))):
             break
-        if ray.get(supervisor.is_finished.remote(), timeout=30):
-            break  # training is over: a kill now would only disturb the shutdown
-        try:
-            if target == "all_trainers":
-                # Every trainer at once: Ray Train restarts the whole group from the checkpoint.
-                for t in sorted(x for x in ray.get(supervisor.targets.remote(), timeout=30) if x.startswith("trainer:")):
-                    kills.append(kill_target(supervisor, t, trigger="schedule"))
-            else:
-                kills.append(kill_target(supervisor, target, trigger="schedule"))
-        except Exception as err:  # the run may be ending; a failed kill must not kill the run
-            logger.warning("could not kill %s: %s", target, err)
+        # A target that is being replaced has no process yet: try again for a few seconds,
+        # so that the schedule's kills all land.
+        for attempt in range(_KILL_ATTEMPTS):
+            if ray.get(supervisor.is_finished.remote(), timeout=30):
+                return kills  # training is over: a kill now would only disturb the shutdown
+            try:
+                if target == "all_trainers":
+                    # Every trainer at once: Ray Train restarts the whole group from the checkpoint.
+                    names = sorted(x for x in ray.get(supervisor.targets.remote(), timeout=30) if x.startswith("trainer:"))
+                    kills.extend(kill_target(supervisor, t, trigger="schedule") for t in names)
+                else:
+                    kills.append(kill_target(supervisor, target, trigger="schedule"))
+                break
+            except Exception as err:  # the run may be ending; a failed kill must not kill the run
+                logger.warning("could not kill %s (attempt %d): %s", target, attempt + 1, err)
+                if stop.wait(1.0):
+                    return kills
+        else:
             continue
         if on_kill:
             on_kill(kills[-1])

@@ -131,6 +131,8 @@ def format_event(e: dict) -> str | None:
         return f"[failure] trainer:{e['rank']} replaced by Ray Train; healed from a live peer in {e['heal_s']:.2f}s, training again from step {e['step']}"
     if kind == "all_trainers_failed":
         return f"[failure] every trainer died; dense state and shards fell back to checkpoint step {e['fallback_step']}"
+    if kind == "trainer_group_restarted":
+        return f"[failure] Ray Train's controller gave up ({e['reason']}); trainers started again (attempt {e['attempt']})"
     if kind == "supervisor_restarted":
         return f"[failure] supervisor restarted; rebuilt its state in {e['rebuilt_s']:.2f}s from step {e['last_checkpoint_step']}"
     if kind == "checkpoint_saved":
@@ -236,11 +238,16 @@ class TrainingJob:
         self.run_dir = Path(cfg.run_dir).resolve()
         self.run_id = uuid.uuid4().hex[:8]
         self.supervisor = None
+        self.started: dict | None = None
+        self._starting = None
         self.data: dict = {}
         self._started_ray = False
         self._t: dict[str, float] = {"start": time.perf_counter()}
 
-    def start(self) -> dict:
+    def start(self, wait: bool = True) -> dict | None:
+        """Data, Ray, the supervisor and its shards. ``wait=False`` returns while the shards
+        start, so that ``fit()`` starts Ray Train's worker group meanwhile (trainers wait
+        for the shards in ``trainer_setup``); a resumed run always waits (it restores first)."""
         import ray
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
@@ -283,13 +290,25 @@ class TrainingJob:
                 self.data["train"].microbatches,
             )
         )
-        self.started = ray.get(self.supervisor.start.remote(), timeout=cfg.embeddings.call_timeout_s * 2)
+        self._starting = self.supervisor.start.remote()
         write_run_info(self.run_dir, self.run_id, cfg.ray.namespace, ray.get_runtime_context().gcs_address)
-        if self.resume:
-            self.resumed = ray.get(self.supervisor.restore.remote(), timeout=cfg.embeddings.call_timeout_s * 2)
-            if self.resumed is None:
-                raise CheckpointNotFound(f"--resume: no valid checkpoint under {cfg.checkpoint_uri}")
-            logger.warning("resuming at step %d from %s", self.resumed["step"], cfg.checkpoint_uri)
+        if wait or self.resume:
+            return self.await_start()
+        return None
+
+    def await_start(self) -> dict:
+        """Waits until every shard answers (and, resuming, holds the checkpoint); raises
+        what went wrong there."""
+        import ray
+
+        cfg = self.cfg
+        if self.started is None:
+            self.started = ray.get(self._starting, timeout=cfg.embeddings.call_timeout_s * 2)
+            if self.resume:
+                self.resumed = ray.get(self.supervisor.restore.remote(), timeout=cfg.embeddings.call_timeout_s * 2)
+                if self.resumed is None:
+                    raise CheckpointNotFound(f"--resume: no valid checkpoint under {cfg.checkpoint_uri}")
+                logger.warning("resuming at step %d from %s", self.resumed["step"], cfg.checkpoint_uri)
         return self.started
 
     def fit(self) -> None:
@@ -304,31 +323,34 @@ class TrainingJob:
 
         cfg = self.cfg
         host = _bind_host()
-        trainer = TorchTrainer(
-            train_loop_per_worker=train_loop,
-            train_loop_config={
-                "config": cfg.model_dump(),
-                "supervisor": supervisor_name(self.run_id),
-                "lighthouse_host": host,
-            },
-            scaling_config=ScalingConfig(num_workers=cfg.training.num_trainers, use_gpu=False),
-            torch_config=TorchftConfig(
-                lighthouse_kwargs={"bind": f"{host}:0", "min_replicas": 1, "join_timeout_ms": 10_000},
-                backend="gloo",
-            ),
-            # A failure replaces only the dead trainer's replica group (TorchftConfig); the
-            # whole group restarts only when every trainer died.
-            run_config=TrainRunConfig(
-                name=f"cpr-{self.run_id}",
-                storage_path=str(self.run_dir / "ray_train"),
-                failure_config=FailureConfig(max_failures=cfg.training.max_trainer_failures),
-            ),
-        )
+
+        def make_trainer(attempt: int) -> TorchTrainer:
+            return TorchTrainer(
+                train_loop_per_worker=train_loop,
+                train_loop_config={
+                    "config": cfg.model_dump(),
+                    "supervisor": supervisor_name(self.run_id),
+                    "lighthouse_host": host,
+                },
+                scaling_config=ScalingConfig(num_workers=cfg.training.num_trainers, use_gpu=False),
+                torch_config=TorchftConfig(
+                    lighthouse_kwargs={"bind": f"{host}:0", "min_replicas": 1, "join_timeout_ms": 10_000},
+                    backend="gloo",
+                ),
+                # A failure replaces only the dead trainer's replica group (TorchftConfig); the
+                # whole group restarts only when every trainer died.
+                run_config=TrainRunConfig(
+                    name=f"cpr-{self.run_id}" + (f"-{attempt}" if attempt else ""),
+                    storage_path=str(self.run_dir / "ray_train"),
+                    failure_config=FailureConfig(max_failures=cfg.training.max_trainer_failures),
+                ),
+            )
+
         stop = threading.Event()
         threads = [
             threading.Thread(
                 target=_progress_loop,
-                args=(self.supervisor, stop, self.started["total_steps"], self.show_progress),
+                args=(self.supervisor, stop, self._total_steps(), self.show_progress),
                 daemon=True,
             )
         ]
@@ -344,7 +366,7 @@ class TrainingJob:
         main = threading.current_thread() is threading.main_thread()
         sigint = signal.getsignal(signal.SIGINT) if main else None
         try:
-            trainer.fit()
+            self._fit_with_restarts(make_trainer)
         finally:
             if main:
                 signal.signal(signal.SIGINT, sigint)
@@ -352,6 +374,42 @@ class TrainingJob:
             for t in threads:
                 t.join(timeout=10)
         self._t["end"] = time.perf_counter()
+        self.await_start()  # a shard that never started ended the trainers: say why
+
+    def _fit_with_restarts(self, make_trainer) -> None:
+        """Ray Train's ``fit()``, started again when its controller gave up because a second
+        trainer died while it replaced the first (Ray Train 2.60 raises a non-retryable
+        ControllerError from ``replace_replica_group``; the worker group is gone then). The
+        new group is the every-trainer-died case: it falls back to the last checkpoint.
+        Counted against ``training.max_trainer_failures``."""
+        import ray
+        from ray.train import ControllerError
+
+        budget = self.cfg.training.max_trainer_failures
+        attempt = 0
+        while True:
+            try:
+                make_trainer(attempt).fit()
+                return
+            except ControllerError as err:
+                died = isinstance(err.controller_failure, ray.exceptions.RayActorError)
+                status = ray.get(self.supervisor.status.remote(), timeout=self.cfg.embeddings.call_timeout_s)
+                if not died or status["stop"] or 0 <= budget <= attempt:
+                    raise
+                attempt += 1
+                logger.warning("Ray Train's controller stopped (%s); starting the trainers again (%d)",
+                               str(err.controller_failure).splitlines()[0], attempt)
+                ray.get(self.supervisor.record_event.remote(
+                    "trainer_group_restarted", attempt=attempt, reason=str(err.controller_failure).splitlines()[0][:200],
+                ), timeout=self.cfg.embeddings.call_timeout_s)
+
+    def _total_steps(self) -> int:
+        from actors.trainer import StepSchedule
+
+        tr = self.cfg.training
+        return StepSchedule.from_config(
+            self.data["train"].microbatches, tr.microbatches_per_step, tr.epochs, tr.max_steps, self.cfg.seed
+        ).total_steps
 
     def fit_in_background(self) -> "BackgroundFit":
         """Starts ``fit()`` on a thread, for callers that act on the run while it trains
@@ -482,7 +540,7 @@ def run_training(cfg: RunConfig, show_progress: bool = True, resume: bool = Fals
     if threading.current_thread() is threading.main_thread():
         handlers = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        job.start()
+        job.start(wait=False)  # Ray Train's worker group starts while the shards do
         if not interrupted.is_set():
             # fit() on a thread: the main thread keeps the signals (Ray Train would otherwise
             # install its own SIGINT handler, which aborts without a report).

@@ -182,7 +182,7 @@ def run_soak(config_path: str, run_dir: str, seed: int, kills: int, mtbf_s: floa
     job = TrainingJob(cfg, show_progress=False)
     report, wedged, error = None, False, None
     try:
-        job.start()
+        job.start(wait=False)
         training = job.fit_in_background()
         try:
             training.join(timeout_s=timeout_s)

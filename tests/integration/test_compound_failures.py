@@ -15,7 +15,7 @@ from app.soak import check_run
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(400)]
 
-M, B, STEPS, EVERY = 4, 128, 120, 20
+M, B, STEPS, EVERY = 4, 128, 100, 20
 # at_steps kills land once the step committed, a Ray task later: at or after it, so a
 # kill "at step 45" restores from the checkpoint of step 40 or a later one.
 
@@ -39,9 +39,11 @@ def _config(tmp_path, data, recovery="partial", at_steps=None, at_points=None, *
 def _train(cfg):
     job = TrainingJob(cfg, show_progress=False)
     try:
-        job.start()
+        job.start(wait=False)
+        training = job.fit_in_background()  # Ray Train starts while the shards do
+        job.await_start()
         before = {k: v["pid"] for k, v in _targets(job).items()}
-        job.fit_in_background().join(timeout_s=350)
+        training.join(timeout_s=350)
         report = job.finish()
         after = {k: v["pid"] for k, v in _targets(job).items()}
         violations = check_run(cfg, report, [], job.data["train"].path)

@@ -49,12 +49,15 @@ def _run(ray, cfg, kill: str | None = None, kill_after_step: int = 0, steps_past
     Returns the report, each shard's final rows and counters, and the shard pids before and after."""
     job = TrainingJob(cfg, show_progress=False)
     try:
-        job.start()
-        before = ray.get(job.supervisor.targets.remote(), timeout=30)
         if not kill:
+            job.start()
+            before = ray.get(job.supervisor.targets.remote(), timeout=30)
             job.fit()  # on pytest's main thread, where Ray Train installs its SIGINT handler
         else:
-            training = job.fit_in_background()
+            job.start(wait=False)
+            training = job.fit_in_background()  # Ray Train starts while the shards do
+            job.await_start()
+            before = ray.get(job.supervisor.targets.remote(), timeout=30)
             store = CheckpointStore(cfg.checkpoint_uri)
             wait_for_condition(
                 lambda: any(s > kill_after_step for s in store.list_committed()), timeout=300, retry_interval_ms=100

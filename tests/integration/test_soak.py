@@ -47,7 +47,7 @@ def test_short_soak_eleven_kills_of_every_kind(ray_local, small_data, tmp_path):
     })
     job = TrainingJob(cfg, show_progress=False)
     try:
-        job.start()
+        job.start(wait=False)
         job.fit_in_background().join(timeout_s=450)
         report = job.finish()
         import ray
