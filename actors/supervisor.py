@@ -285,6 +285,12 @@ class Supervisor(RunApi, TrainerBook):
             self.events.append({"time": round(now, 3), "kind": "shard_recovered", **failure})
         if isinstance(done, RollingBack):
             self._reopen_after_rollback(done.step, earlier)
+            if done.why != FULL_RECOVERY:
+                # Shards that died in a fallback or a resume: the new trainers start at the
+                # rollback step through trainer_setup (no await_shards to settle them); the
+                # work redone is the fallback's own (all_trainers_failed.steps_lost).
+                for f in self.failures[earlier:]:
+                    self._close(f, done.step)
             self.live_since = [done.step] * self.plan.num_shards
             self.prune_commits(done.step)
             self.rollback = {"generation": self.generation, "step": done.step} if done.why == FULL_RECOVERY else None
