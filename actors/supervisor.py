@@ -349,11 +349,13 @@ class Supervisor(RunApi, TrainerBook):
 
     # ------------------------------------------------------------------ lost samples, off the recovery path
 
-    def _settle(self, known_generation: int, redo_step: int) -> None:
-        """Trainers redo ``redo_step`` on a fleet newer than ``known_generation``: the
-        failures recovered since are now complete, and their lost samples can be counted."""
+    def _settle(self, known_generation: int, redo_step: int, upto_generation: float = float("inf")) -> None:
+        """Trainers redo ``redo_step`` on a fleet newer than ``known_generation`` (up to
+        ``upto_generation``): the failures recovered since are now complete, and their lost
+        samples can be counted."""
         with self._lock:
-            closed = [f for f in self.failures if f["generation_after"] > known_generation and f["failed_at_step"] is None]
+            closed = [f for f in self.failures if known_generation < f["generation_after"] <= upto_generation
+                      and f["failed_at_step"] is None]
             todo = [f for f in closed if self._close(f, redo_step)]
             for f in todo:  # a rollback already set live_since; a partial recovery's starts here
                 if self.live_since[f["shard"]] is None:

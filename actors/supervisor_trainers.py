@@ -76,9 +76,16 @@ class TrainerBook:
             self.heals.append({"rank": rank, "step": step, "heal_s": heal_s, "time": wall_time})
         self.record_event("trainer_healed", rank=rank, step=step, heal_s=round(heal_s, 3))
 
-    def record_commit(self, step: int, rank: int, microbatches: tuple, total: int, participants: int, wall_time: float) -> None:
+    def record_commit(
+        self, step: int, rank: int, microbatches: tuple, total: int, participants: int, wall_time: float,
+        generation: int | None = None,
+    ) -> None:
         """A trainer's share of a committed dense step (its microbatch ids) and the step's
-        microbatch total as the all-reduce summed it (the same on every trainer)."""
+        microbatch total as the all-reduce summed it (the same on every trainer). A commit on
+        fleet ``generation`` settles recoveries up to it that no ``await_shards`` settled
+        (trainers that learned the fleet from trainer_setup or a fallback)."""
+        if generation is not None:
+            self._settle(-1, step, upto_generation=generation)
         with self._lock:
             entry = self.commits.setdefault(
                 step, {"microbatches": [], "total": total, "participants": participants, "time": wall_time}

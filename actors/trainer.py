@@ -382,7 +382,7 @@ def train_loop(loop_config: dict) -> None:
             steps_since += 1
             committed = True
             supervisor.record_commit.remote(
-                step, rank, chunk if mine else (), step_microbatches, manager.num_participants(), time.time()
+                step, rank, chunk if mine else (), step_microbatches, manager.num_participants(), time.time(), generation
             )
             if audit is not None:
                 audit.write(json.dumps({"t": round(time.time(), 6), "event": "commit", "step": step, "rank": rank,

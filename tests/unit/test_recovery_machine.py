@@ -150,3 +150,23 @@ def test_a_rollback_closes_earlier_partial_recoveries_at_its_step():
     time.sleep(0.2)  # counted on a thread
     assert [f["failed_at_step"] for f in failures] == [40, 40, 12, None]
     assert counted == failures[:2]
+
+
+def test_a_commit_settles_recoveries_no_trainer_asked_about():
+    # Seen in the soak: shards recovered while the trainers were being restarted; the new
+    # trainers learned the fleet from trainer_setup, never called await_shards, and the
+    # failures stayed open until a rollback 100 steps later closed them there.
+    import threading
+
+    from actors.supervisor import Supervisor
+
+    counted = []
+    failures = [
+        {"shard": 0, "recovery": "partial", "failed_at_step": None, "generation_after": 3},
+        {"shard": 1, "recovery": "partial", "failed_at_step": None, "generation_after": 5},  # newer than the commit's fleet
+    ]
+    me = SimpleNamespace(failures=failures, _close=Supervisor._close, _count_lost=counted.extend,
+                         _lock=threading.RLock(), live_since=[None, None], _persist=lambda: None)
+    Supervisor._settle(me, -1, 56, upto_generation=4)
+    time.sleep(0.2)  # counted on a thread
+    assert [f["failed_at_step"] for f in failures] == [56, None] and counted == failures[:1]
