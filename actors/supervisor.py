@@ -154,8 +154,7 @@ class Supervisor(RunApi, TrainerBook):
         # Counts that were in flight when the previous supervisor died.
         uncounted = [f for f in self.failures if f["recovery"] == "partial" and f["failed_at_step"] is not None
                      and f["lost_samples"] is None]
-        if uncounted:
-            threading.Thread(target=self._count_lost, args=(uncounted,), daemon=True).start()
+        self._count_lost_later(uncounted)
         self._work.set()
 
     def record_event(self, kind: str, **fields) -> dict:
@@ -364,8 +363,7 @@ class Supervisor(RunApi, TrainerBook):
                 # Journaled: a supervisor restarted later must not close them again at a
                 # later step (seen in the soak: closed at a rollback 80 steps on).
                 self._persist()
-        if todo:
-            threading.Thread(target=self._count_lost, args=(todo,), daemon=True).start()
+        self._count_lost_later(todo)
 
     def _reopen_after_rollback(self, step: int, before: int) -> None:
         """Everything went back to ``step`` and trainers redo every step from there: a
@@ -377,8 +375,7 @@ class Supervisor(RunApi, TrainerBook):
                 f["failed_at_step"] = None
                 if self._close(f, step):
                     todo.append(f)
-        if todo:
-            threading.Thread(target=self._count_lost, args=(todo,), daemon=True).start()
+        self._count_lost_later(todo)
 
     @staticmethod
     def _close(f: dict, redo_step: int) -> bool:
@@ -390,6 +387,11 @@ class Supervisor(RunApi, TrainerBook):
         if f["recovery"] != "partial":
             f["lost_steps_recomputed"] = max(redo_step - f["restored_step"], 0)
         return f["recovery"] == "partial"
+
+    def _count_lost_later(self, failures: list[dict]) -> None:
+        """Counts on a thread: off the recovery path and out of the lock."""
+        if failures:
+            threading.Thread(target=self._count_lost, args=(failures,), daemon=True).start()
 
     def _count_lost(self, failures: list[dict]) -> None:
         for f in failures:

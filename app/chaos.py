@@ -125,25 +125,36 @@ def run_schedule(supervisor, schedule: FaultSchedule, stop: threading.Event, on_
     for at_s, target in schedule.plan(list(targets)):
         if stop.wait(max(0.0, at_s - (time.monotonic() - start))):
             break
-        # A target that is being replaced has no process yet: try again for a few seconds,
-        # so that the schedule's kills all land.
-        for attempt in range(_KILL_ATTEMPTS):
-            if ray.get(supervisor.is_finished.remote(), timeout=30):
-                return kills  # training is over: a kill now would only disturb the shutdown
-            try:
-                if target == "all_trainers":
-                    # Every trainer at once: Ray Train restarts the whole group from the checkpoint.
-                    names = sorted(x for x in ray.get(supervisor.targets.remote(), timeout=30) if x.startswith("trainer:"))
-                    kills.extend(kill_target(supervisor, t, trigger="schedule") for t in names)
-                else:
-                    kills.append(kill_target(supervisor, target, trigger="schedule"))
-                break
-            except Exception as err:  # the run may be ending; a failed kill must not kill the run
-                logger.warning("could not kill %s (attempt %d): %s", target, attempt + 1, err)
-                if stop.wait(1.0):
-                    return kills
-        else:
-            continue
-        if on_kill:
-            on_kill(kills[-1])
+        landed = _kill_retrying(supervisor, target, stop)
+        if landed is None:
+            break  # training is over, or the schedule was stopped
+        kills.extend(landed)
+        if landed and on_kill:
+            on_kill(landed[-1])
     return kills
+
+
+def _kill_retrying(supervisor, target: str, stop: threading.Event) -> list[dict] | None:
+    """Kills ``target`` (every trainer for ``all_trainers``). A target that is being replaced
+    has no process yet, so it is tried again for a few seconds and the schedule's kills all
+    land. Returns the kills that landed; None if none did before training ended (a kill then
+    would only disturb the shutdown) or ``stop`` was set."""
+    import ray
+
+    landed: list[dict] = []
+    for attempt in range(_KILL_ATTEMPTS):
+        if ray.get(supervisor.is_finished.remote(), timeout=30):
+            return landed or None
+        try:
+            if target != "all_trainers":
+                landed.append(kill_target(supervisor, target, trigger="schedule"))
+                return landed
+            # Every trainer at once: Ray Train restarts the whole group from the checkpoint.
+            for t in sorted(x for x in ray.get(supervisor.targets.remote(), timeout=30) if x.startswith("trainer:")):
+                landed.append(kill_target(supervisor, t, trigger="schedule"))
+            return landed
+        except Exception as err:  # the run may be ending; a failed kill must not kill the run
+            logger.warning("could not kill %s (attempt %d): %s", target, attempt + 1, err)
+            if stop.wait(1.0):
+                return landed or None
+    return landed

@@ -397,11 +397,10 @@ class TrainingJob:
                 if not died or status["stop"] or 0 <= budget <= attempt:
                     raise
                 attempt += 1
-                logger.warning("Ray Train's controller stopped (%s); starting the trainers again (%d)",
-                               str(err.controller_failure).splitlines()[0], attempt)
-                ray.get(self.supervisor.record_event.remote(
-                    "trainer_group_restarted", attempt=attempt, reason=str(err.controller_failure).splitlines()[0][:200],
-                ), timeout=self.cfg.embeddings.call_timeout_s)
+                reason = str(err.controller_failure).splitlines()[0][:200]
+                logger.warning("Ray Train's controller stopped (%s); starting the trainers again (%d)", reason, attempt)
+                ray.get(self.supervisor.record_event.remote("trainer_group_restarted", attempt=attempt, reason=reason),
+                        timeout=self.cfg.embeddings.call_timeout_s)
 
     def _total_steps(self) -> int:
         from actors.trainer import StepSchedule

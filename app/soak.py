@@ -130,13 +130,11 @@ def _check_dense(audit: Path, m: int, total: int) -> list[str]:
 def _recount_lost(cfg: RunConfig, report: dict, audit: Path, cache: str) -> float:
     """PLS numerator again, from the audit: a partially recovered actor's updates from its
     first applied step up to the first step its successors applied, minus what its chain saved."""
-    from actors.accounting import count_lost_samples
+    from actors.accounting import chain_rows, count_lost_samples
     from actors.checkpoint import CheckpointStore
     from actors.plan import make_plan
     from actors.trainer import StepSchedule
     from app.cache import MicrobatchFile
-
-    from actors.accounting import chain_rows
 
     partial = [f for f in report["failures"] if f["recovery"] == "partial"]
     if not partial:

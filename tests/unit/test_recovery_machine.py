@@ -3,7 +3,6 @@ the pure pieces around it: lost-sample accounting, nested deadlines."""
 
 from __future__ import annotations
 
-import time
 from types import SimpleNamespace
 
 import numpy as np
@@ -145,9 +144,8 @@ def test_a_rollback_closes_earlier_partial_recoveries_at_its_step():
         {"recovery": "partial", "failed_at_step": 12, "restored_step": 10},  # redone before it: unchanged
         {"recovery": "full", "failed_at_step": None, "restored_step": 40},  # this rollback's own
     ]
-    me = SimpleNamespace(failures=failures, _close=Supervisor._close, _count_lost=counted.extend)
+    me = SimpleNamespace(failures=failures, _close=Supervisor._close, _count_lost_later=counted.extend)
     Supervisor._reopen_after_rollback(me, 40, 3)
-    time.sleep(0.2)  # counted on a thread
     assert [f["failed_at_step"] for f in failures] == [40, 40, 12, None]
     assert counted == failures[:2]
 
@@ -165,8 +163,7 @@ def test_a_commit_settles_recoveries_no_trainer_asked_about():
         {"shard": 0, "recovery": "partial", "failed_at_step": None, "generation_after": 3},
         {"shard": 1, "recovery": "partial", "failed_at_step": None, "generation_after": 5},  # newer than the commit's fleet
     ]
-    me = SimpleNamespace(failures=failures, _close=Supervisor._close, _count_lost=counted.extend,
+    me = SimpleNamespace(failures=failures, _close=Supervisor._close, _count_lost_later=counted.extend,
                          _lock=threading.RLock(), live_since=[None, None], _persist=lambda: None)
     Supervisor._settle(me, -1, 56, upto_generation=4)
-    time.sleep(0.2)  # counted on a thread
     assert [f["failed_at_step"] for f in failures] == [56, None] and counted == failures[:1]
