@@ -37,21 +37,28 @@ def test_ray_job_submit_to_a_started_head(tmp_path, small_data):
     env["PATH"] = f"{Path(sys.executable).parent}:{env['PATH']}"
     # Short: Ray's unix sockets live under it and their paths are limited to 107 bytes.
     temp_dir = tempfile.mkdtemp(prefix="cpr-ray-", dir="/tmp")
+    # As the README says: `ray start` with token auth needs a token (only ray.init makes one).
+    # On a fresh machine the head would otherwise fail to start.
+    ray_cli = str(Path(sys.executable).parent / "ray")
+    subprocess.run([ray_cli, "get-auth-token", "--generate"], env=env, check=True, capture_output=True, timeout=60)
     # --block keeps `ray start` in the foreground, owning its processes: stopping its
     # process group stops this head only, not the suite's shared Ray (as `ray stop` would).
+    head_log = open(tmp_path / "head.log", "wb")
     head = subprocess.Popen(
         [
-            str(Path(sys.executable).parent / "ray"), "start", "--head", "--block",
+            ray_cli, "start", "--head", "--block",
             "--node-ip-address=127.0.0.1", f"--port={gcs_port}", "--dashboard-host=127.0.0.1",
             f"--dashboard-port={dash_port}", "--num-cpus=6", "--disable-usage-stats",
             f"--temp-dir={temp_dir}",
         ],
-        env=env, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        env=env, start_new_session=True, stdout=head_log, stderr=subprocess.STDOUT,
     )
     try:
         address = f"http://127.0.0.1:{dash_port}"
 
         def _up() -> bool:
+            if head.poll() is not None:
+                pytest.fail(f"ray start exited with {head.returncode}: {(tmp_path / 'head.log').read_text()[-2000:]}")
             try:
                 JobSubmissionClient(address).list_jobs()
                 return True
@@ -90,4 +97,5 @@ def test_ray_job_submit_to_a_started_head(tmp_path, small_data):
         except subprocess.TimeoutExpired:
             os.killpg(head.pid, signal.SIGKILL)
             head.wait(timeout=30)
+        head_log.close()
         shutil.rmtree(temp_dir, ignore_errors=True)
