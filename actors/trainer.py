@@ -148,6 +148,9 @@ class _ShardClient:
         return results
 
 
+EVAL_ROWS_PER_LOOKUP = 8192
+
+
 def _evaluate(model, client: _ShardClient, eval_file, table_rows) -> dict:
     import torch
     from torchmetrics.functional.classification import binary_auroc
@@ -157,8 +160,12 @@ def _evaluate(model, client: _ShardClient, eval_file, table_rows) -> dict:
     preds, labels = [], []
     model.eval()
     with torch.no_grad():
-        for i in range(len(eval_file)):
-            y, dense, sparse = eval_file.get(i)
+        # Several microbatches per lookup: one round trip per shard for every ~8k rows.
+        n = len(eval_file)
+        per_lookup = max(1, EVAL_ROWS_PER_LOOKUP // len(eval_file.get(0)[0])) if n else 1
+        for first in range(0, n, per_lookup):
+            parts = [eval_file.get(i) for i in range(first, min(first + per_lookup, n))]
+            y, dense, sparse = (np.concatenate([p[j] for p in parts]) for j in range(3))
             pooled = client.lookup(sparse_to_rows(sparse, table_rows))
             logits = model(torch.from_numpy(dense), torch.from_numpy(pooled))
             preds.append(torch.sigmoid(logits))
@@ -191,6 +198,7 @@ def train_loop(loop_config: dict) -> None:
     from app.cache import MicrobatchFile
     from app.config import config_from_dict
     from app.data import NUM_DENSE, NUM_SPARSE, sparse_to_rows
+    from app.errors import TrainerConflict
     from app.model import DenseModel
 
     cfg = config_from_dict(loop_config["config"])
@@ -313,20 +321,28 @@ def train_loop(loop_config: dict) -> None:
         step_error = None
         committed = False
         participant = manager.participating_rank()
-        if first_quorum:
+        # Only a quorum that formed decides anything: one whose group failed to connect (a
+        # peer died meanwhile) left this trainer at its start step without healing it.
+        healthy = manager.errored() is None
+        if first_quorum and healthy:
             first_quorum = False
             if replacement and resume is not None and step == resume["step"]:
                 # Nobody was ahead to heal from: every trainer died. Shards go back to the
                 # same checkpoint as the dense state (the supervisor does it once).
-                generation = ray.get(supervisor.fallback_to_checkpoint.remote(step, rank), timeout=wait_s)["generation"]
-        if replacement and participant is not None:
+                try:
+                    generation = ray.get(supervisor.fallback_to_checkpoint.remote(step, rank), timeout=wait_s)["generation"]
+                except TrainerConflict as err:
+                    # A quorum of replacements only, while a live trainer is ahead: this step
+                    # fails everywhere and a later quorum with that trainer heals this one.
+                    first_quorum, step_error = True, err
+        if replacement and participant is not None and healthy and step_error is None:
             supervisor.record_trainer_healed.remote(rank, step, time.perf_counter() - started_s, time.time())
             replacement = False
         if last_participant is None and participant == 0:
             supervisor.record_training_started.remote(step, manager.num_participants(), time.time())
         mine = (
             schedule.assignment(step, participant, manager.num_participants())
-            if participant is not None and manager.is_participating()
+            if participant is not None and manager.is_participating() and step_error is None
             else []
         )
         if mine:

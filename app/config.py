@@ -134,10 +134,13 @@ class TrainingConfig(_Section):
     """How often trainers report step, loss and samples/s."""
     collective_timeout_s: float = Field(60.0, gt=0.0, le=3600.0)
     """torchft quorum / all-reduce timeout."""
-    connect_timeout_s: float = Field(5.0, gt=0.0, le=3600.0)
+    connect_timeout_s: float = Field(2.0, gt=0.0, le=3600.0)
     """Timeout of the trainers' gloo connection setup after each new quorum, at most
     ``collective_timeout_s``. A peer that dies while the group connects stalls the survivors
     for up to about 5x this long (gloo retries the connection)."""
+    heartbeat_timeout_s: float = Field(2.0, ge=0.2, le=600.0)
+    """A trainer whose heartbeats (every 0.1 s) stop for this long is dropped from the torchft
+    quorum: after a trainer dies, the survivors wait this long before they go on without it."""
     max_trainer_failures: int = Field(20, ge=-1)
     """Trainer deaths Ray Train replaces before the run fails (-1: no limit)."""
 

@@ -323,9 +323,10 @@ class TrainingJob:
 
         cfg = self.cfg
         host = _bind_host()
+        trainer_cls = _trainer_class()
 
         def make_trainer(attempt: int) -> TorchTrainer:
-            return TorchTrainer(
+            return trainer_cls(
                 train_loop_per_worker=train_loop,
                 train_loop_config={
                     "config": cfg.model_dump(),
@@ -334,7 +335,10 @@ class TrainingJob:
                 },
                 scaling_config=ScalingConfig(num_workers=cfg.training.num_trainers, use_gpu=False),
                 torch_config=TorchftConfig(
-                    lighthouse_kwargs={"bind": f"{host}:0", "min_replicas": 1, "join_timeout_ms": 10_000},
+                    lighthouse_kwargs={
+                        "bind": f"{host}:0", "min_replicas": 1, "join_timeout_ms": 10_000,
+                        "heartbeat_timeout_ms": int(cfg.training.heartbeat_timeout_s * 1000),
+                    },
                     backend="gloo",
                 ),
                 # A failure replaces only the dead trainer's replica group (TorchftConfig); the
@@ -561,6 +565,42 @@ def run_training(cfg: RunConfig, show_progress: bool = True, resume: bool = Fals
         job.close()
         for sig, handler in handlers.items():
             signal.signal(sig, handler)
+
+
+def _trainer_class() -> type:
+    """``TorchTrainer`` without the helper actors that cannot serve this run.
+
+    - Ray Data's callback: trainers read the microbatch cache themselves and pass no
+      ``datasets``, yet Ray Train 2.60 starts a DatasetManager actor (a process importing
+      Ray Data, about 2 s of CPU) for every worker group and every replaced trainer.
+    - The PlacementGroupCleaner, where Ray's state API does not answer (a Ray without a
+      dashboard, such as the embedded one): it watches the controller through that API only,
+      so there it can never clean anything and polls and fails every second for the whole run.
+    On a 2-core machine each of these is CPU taken from the trainers' own start.
+    """
+    from ray.train.torch import TorchTrainer
+    from ray.train.v2._internal.callbacks.datasets import DatasetsCallback
+    from ray.train.v2._internal.callbacks.placement_group_callback import PlacementGroupCleanerCallback
+
+    unused = (DatasetsCallback,) if _state_api_answers() else (DatasetsCallback, PlacementGroupCleanerCallback)
+
+    class Trainer(TorchTrainer):
+        def _create_default_callbacks(self):
+            return [cb for cb in super()._create_default_callbacks() if not isinstance(cb, unused)]
+
+    return Trainer
+
+
+def _state_api_answers() -> bool:
+    from ray.util.state import list_nodes
+
+    try:
+        list_nodes(limit=1, timeout=10)
+        return True
+    except Exception as err:  # no dashboard: its API server is not there
+        logger.info("Ray's state API does not answer (%s); Ray Train runs without its PlacementGroupCleaner",
+                    str(err).splitlines()[0][:120])
+        return False
 
 
 def _bind_host() -> str:

@@ -76,26 +76,8 @@ def _assert_every_microbatch_once(report, logs, total_steps):
         assert per_step == expected
 
 
-def test_killing_one_of_two_trainers(ray_local, small_data, tmp_path):
-    cfg = _config(tmp_path, small_data, trainers=2)  # no checkpoints: nothing can be loaded
-
-    def plan(job):
-        wait_for_condition(_progress_at_least(ray_local, job, 20), timeout=300, retry_interval_ms=100)
-        kill_target(job.supervisor, "trainer:1")
-
-    report, logs = _run_with_kills(ray_local, cfg, plan)
-    assert report["steps"] == 234 and report["auc"] > 0.72
-    _assert_every_microbatch_once(report, logs, 234)
-    [failure] = report["trainer_failures"]
-    assert failure["actor"] == "trainer:1"
-    assert failure["detection_s"] is not None and failure["detection_s"] < 30
-    assert failure["steps_with_fewer_trainers"] >= 1
-    assert failure["heal_s"] is not None and failure["replacement_joined_at_step"] > 20
-    assert report["all_trainers_failed"] == [] and report["checkpoints_saved"] == 0
-    assert report["failures"] == []
-
-
-def test_killing_a_trainer_while_another_heals(ray_local, small_data, tmp_path):
+def test_killing_a_trainer_then_another_while_the_first_heals(ray_local, small_data, tmp_path):
+    # No checkpoints: nothing can be loaded, a replacement can only heal from a live peer.
     # Two epochs: long enough for the second replacement (about 15 s to start) to heal too.
     cfg = _config(tmp_path, small_data, trainers=3, epochs=2)
 
@@ -111,11 +93,18 @@ def test_killing_a_trainer_while_another_heals(ray_local, small_data, tmp_path):
         kill_target(job.supervisor, "trainer:2")
 
     report, logs = _run_with_kills(ray_local, cfg, plan)
-    assert report["steps"] == 468
+    # Two epochs overfit this generator's rare ids a little (a failure-free 1-epoch run: 0.75).
+    assert report["steps"] == 468 and report["auc"] > 0.68
     _assert_every_microbatch_once(report, logs, 468)
-    assert [f["actor"] for f in report["trainer_failures"]] == ["trainer:1", "trainer:2"]
-    assert all(f["heal_s"] is not None for f in report["trainer_failures"])
-    assert report["all_trainers_failed"] == []
+    first, second = report["trainer_failures"]
+    assert (first["actor"], second["actor"]) == ("trainer:1", "trainer:2")
+    # The survivors went on without the dead trainer until its replacement healed from them.
+    assert first["detection_s"] is not None and first["detection_s"] < 30
+    assert first["steps_with_fewer_trainers"] >= 1
+    assert first["heal_s"] is not None and first["replacement_joined_at_step"] > 20
+    assert second["heal_s"] is not None
+    assert report["all_trainers_failed"] == [] and report["checkpoints_saved"] == 0
+    assert report["failures"] == []
 
 
 def test_all_trainers_dead_falls_back_to_the_checkpoint(ray_local, small_data, tmp_path):
