@@ -59,8 +59,12 @@ class TrainerBook:
         trainer of the group has registered, or training is already under way (a
         replacement trainer joins the running quorum and heals from a peer)."""
         with self._lock:
-            self.trainers[rank] = {"pid": pid, "node_id": node_id, "registered": time.time()}
-            self._persist()
+            known = self.trainers.get(rank)
+            if known is None or known["pid"] != pid:  # a new process (the call repeats until all are in)
+                starts = (known or {}).get("starts", 0) + 1
+                self.trainers[rank] = {"pid": pid, "node_id": node_id, "registered": time.time(), "starts": starts}
+                self._append_event("trainer_started", rank=rank, pid=pid, starts=starts)
+                self._persist()
             return self.training_started or len(self.trainers) >= self.cfg.training.num_trainers
 
     def record_training_started(self, step: int, trainers: int, wall_time: float) -> None:

@@ -103,6 +103,10 @@ def test_killing_a_trainer_then_another_while_the_first_heals(ray_local, small_d
     assert first["steps_with_fewer_trainers"] >= 1
     assert first["heal_s"] is not None and first["replacement_joined_at_step"] > 20
     assert second["heal_s"] is not None
+    # One replacement each: a replacement whose first group failed to connect (the second
+    # kill) used to take that for "every trainer died", clash with the survivor and die too.
+    starts = [e["rank"] for e in report["events"] if e["kind"] == "trainer_started"]
+    assert sorted(starts) == [0, 1, 1, 2, 2], starts
     assert report["all_trainers_failed"] == [] and report["checkpoints_saved"] == 0
     assert report["failures"] == []
 
