@@ -200,6 +200,13 @@ class RunApi:
                         self._changed.wait_for(lambda: self.generation > generation, timeout=deadline.remaining())
             ahead = max(st["applied_step"] + 1 for st in states)
             if ahead <= step:
+                # Nothing to roll back: another trainer of this incident did it already, or
+                # every trainer died right at a checkpoint. The latter is still an incident.
+                with self._lock:
+                    if not self._same_fallback(step):
+                        self._append_event("all_trainers_failed", fallback_step=step, steps_lost=0, fenced=[],
+                                           rows_reloaded=0, load_s=0.0)
+                        self._persist()
                 return {"rolled_back": False, "generation": generation}
             cause = {"actor": "all trainers", "ahead": ahead, "reported_by": rank}
             self._transition(TrainersAllDied(step, tuple(self.ckpt.chain_upto(step)), cause))
@@ -207,6 +214,13 @@ class RunApi:
                 raise ShardUnavailable(f"rollback to step {step} not done within {deadline.total_s:.0f}s")
             with self._lock:
                 return {"rolled_back": True, "generation": self.generation}
+
+    def _same_fallback(self, step: int) -> bool:
+        """Whether the last every-trainer fallback went to ``step`` and nothing was committed
+        since: the caller belongs to that incident (read from the journaled events, so it
+        holds across a supervisor restart)."""
+        last = next((e for e in reversed(self.events) if e["kind"] == "all_trainers_failed"), None)
+        return last is not None and last["fallback_step"] == step and not any(s >= step for s in self.commits)
 
     def save_checkpoint(self, step: int, dense_blob: bytes) -> dict:
         """Called by the first participating trainer right after it committed ``step``."""

@@ -15,7 +15,7 @@ os.environ.setdefault("RAY_AUTH_MODE", "token")
 def ray_local():
     import ray
 
-    from app.job import keep_ray_on_loopback, worker_env
+    from app.job import keep_ray_on_loopback, ray_system_config, worker_env
 
     keep_ray_on_loopback()
     ray.init(
@@ -24,6 +24,7 @@ def ray_local():
         namespace="cpr",
         include_dashboard=False,
         runtime_env={"env_vars": {**worker_env(), "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}},
+        _system_config=ray_system_config(),
     )
     yield ray
     ray.shutdown()

@@ -32,7 +32,8 @@ def test_ray_job_submit_to_a_started_head(tmp_path, small_data):
 
     gcs_port, dash_port = _free_port(), _free_port()
     env = dict(os.environ)
-    env.update(RAY_AUTH_MODE="token", RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", GLOO_SOCKET_IFNAME="lo")
+    env.update(RAY_AUTH_MODE="token", RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", GLOO_SOCKET_IFNAME="lo",
+               RAY_max_direct_call_object_size="1048576")  # as the README's `ray start`
     env.pop("RAY_ADDRESS", None)
     env["PATH"] = f"{Path(sys.executable).parent}:{env['PATH']}"
     # Short: Ray's unix sockets live under it and their paths are limited to 107 bytes.

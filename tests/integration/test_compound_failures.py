@@ -15,7 +15,7 @@ from app.soak import check_run
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(400)]
 
-M, B, STEPS, EVERY = 4, 128, 100, 20
+M, B, STEPS, EVERY = 4, 128, 80, 20
 # at_steps kills land once the step committed, a Ray task later: at or after it, so a
 # kill "at step 45" restores from the checkpoint of step 40 or a later one.
 
