@@ -38,10 +38,14 @@ def kill_process(supervisor, target: str, pid: int, trigger: str) -> float | Non
 
 
 def sigkill_on_node(supervisor, target: str, info: dict, trigger: str, timeout_s: float = 30.0) -> float | None:
-    """SIGKILLs ``info['pid']`` from a task pinned to ``info['node_id']``; returns the kill time."""
+    """SIGKILLs ``info['pid']`` on ``info['node_id']``; returns the kill time. From this process
+    when the target runs on this node: a task may first need a new worker process (1-3 s on a
+    busy node), and a kill tied to a training step would land many steps late."""
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+    if info["node_id"] == ray.get_runtime_context().get_node_id():
+        return kill_process(supervisor, target, info["pid"], trigger)
     killer = ray.remote(num_cpus=0, max_retries=0)(kill_process).options(
         scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=info["node_id"], soft=False)
     )
