@@ -41,6 +41,8 @@ __all__ = [
     "FULL_RECOVERY",
     "EVERY_TRAINER_DIED",
     "RESUME",
+    "ReplacementAtCheckpoint",
+    "replacement_at_checkpoint",
 ]
 
 FULL_RECOVERY = "full recovery"
@@ -279,4 +281,37 @@ def _on_shard_died(state: State, e: ShardDied, budgets: Budgets) -> Transition |
     return Transition(
         RollingBack(step, FULL_RECOVERY, tuple(e.consistent_chain), targets, (e.cause,), e.decision),
         f"{who}; full recovery to step {step}: {e.decision.get('reason', '')}",
+    )
+
+
+# ----------------------------------------------------------------------------- replacements
+
+
+@dataclass(frozen=True)
+class ReplacementAtCheckpoint:
+    """What a replacement trainer does when its first quorum put nobody ahead of it, at the
+    checkpoint step it started from: ``heal`` (live trainers are ahead: fail this step and
+    heal from them in a later quorum), ``join`` (live trainers are at that step, or behind
+    it: the timeline is there already, nothing to roll back) or ``roll back`` (every trainer
+    died: shards go back to that checkpoint too)."""
+
+    action: str
+    ranks: tuple[int, ...]
+    reason: str
+
+
+def replacement_at_checkpoint(step: int, live_committed: dict[int, int | None]) -> ReplacementAtCheckpoint:
+    """``live_committed``: each live trainer that committed a step since it started, with the
+    last step it committed (None: not known). A trainer that committed ``step`` or later is
+    ahead. A live trainer exactly at ``step`` has the state of the checkpoint of ``step``
+    (checkpoints newer than a rollback are fenced, so it is on the same timeline): asking
+    it to heal the replacement would find nobody ahead again, every quorum, forever."""
+    if not live_committed:
+        return ReplacementAtCheckpoint("roll back", (), f"no live trainer: every trainer died; roll back to step {step}")
+    ahead = tuple(sorted(r for r, c in live_committed.items() if c is None or c >= step))
+    if ahead:
+        return ReplacementAtCheckpoint("heal", ahead, f"trainer(s) {list(ahead)} are alive and ahead of step {step}")
+    return ReplacementAtCheckpoint(
+        "join", tuple(sorted(live_committed)),
+        f"trainer(s) {sorted(live_committed)} are alive at step {step} or behind it: nothing to roll back",
     )

@@ -18,7 +18,8 @@ from actors.checkpoint import DATA_POSITION_FILE, DENSE_FILE
 from actors.deadlines import Deadline
 from actors.fleet import kill_run_shards
 from actors.machine import (
-    RECOVERING, TERMINAL, ResumeRequested, RollingBack, Running, StopRequested, TrainersAllDied, state_to_dict,
+    RECOVERING, TERMINAL, ResumeRequested, RollingBack, Running, StopRequested, TrainersAllDied,
+    replacement_at_checkpoint, state_to_dict,
 )
 from app.errors import ConfigError, ShardUnavailable, TrainerConflict
 
@@ -178,14 +179,22 @@ class RunApi:
     def fallback_to_checkpoint(self, step: int, rank: int) -> dict:
         """Every trainer died and the new ones start at checkpoint ``step``: roll the shards
         back to it too (the one rollback path), so dense and embedding state agree.
-        Idempotent (several trainers call it). Returns whether it rolled back and the
-        generation the caller now trains with."""
+        Idempotent (several trainers call it). Returns whether it rolled back, and the
+        generation and shards the caller now trains with. Raises ``TrainerConflict`` when a
+        live trainer is ahead of ``step`` (a quorum of replacements only); rolls nothing back
+        when the live trainers are at ``step`` (``actors.machine.replacement_at_checkpoint``)."""
         deadline = Deadline(self.deadlines.supervisor_wait_s)
-        live = self._live_established_trainers(rank, deadline.remaining(self.deadlines.shard_call_s))
-        if live:
-            # Replacements can form a torchft quorum of their own before the survivors join
-            # it; "nobody ahead in my quorum" then does not mean every trainer died.
-            raise TrainerConflict(f"trainer(s) {live} are alive and ahead; replacement {rank} must heal from them")
+        # Replacements can form a torchft quorum of their own before the survivors join it;
+        # "nobody ahead in my quorum" then does not mean every trainer died.
+        decision = replacement_at_checkpoint(
+            step, self._live_established_trainers(rank, deadline.remaining(self.deadlines.shard_call_s))
+        )
+        if decision.action == "heal":
+            raise TrainerConflict(f"{decision.reason}; replacement {rank} must heal from them")
+        if decision.action == "join":
+            logger.info("replacement trainer %d starts at step %d: %s", rank, step, decision.reason)
+            with self._lock:
+                return {"rolled_back": False, "generation": self.generation, "shards": list(self.shards)}
         with self._fallback_lock:
             while True:
                 if not self._wait_settled(deadline):
@@ -207,13 +216,13 @@ class RunApi:
                         self._append_event("all_trainers_failed", fallback_step=step, steps_lost=0, fenced=[],
                                            rows_reloaded=0, load_s=0.0)
                         self._persist()
-                return {"rolled_back": False, "generation": generation}
+                return {"rolled_back": False, "generation": generation, "shards": shards}
             cause = {"actor": "all trainers", "ahead": ahead, "reported_by": rank}
             self._transition(TrainersAllDied(step, tuple(self.ckpt.chain_upto(step)), cause))
             if not self._wait_settled(deadline):
                 raise ShardUnavailable(f"rollback to step {step} not done within {deadline.total_s:.0f}s")
             with self._lock:
-                return {"rolled_back": True, "generation": self.generation}
+                return {"rolled_back": True, "generation": self.generation, "shards": list(self.shards)}
 
     def _same_fallback(self, step: int) -> bool:
         """Whether the last every-trainer fallback went to ``step`` and nothing was committed

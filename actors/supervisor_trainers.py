@@ -52,7 +52,11 @@ class TrainerBook:
         self.progress_log, self.training_started = doc["progress"], doc["training_started"]
 
     def prune_commits(self, step: int) -> None:
+        """Everything went back to ``step``: commits from there on belong to an abandoned timeline."""
         self.commits = {s: c for s, c in self.commits.items() if s < step}
+        for t in self.trainers.values():
+            if t.get("committed_step", -1) >= step:
+                t["committed_step"] = step - 1
 
     def register_trainer(self, rank: int, pid: int | None = None, node_id: str | None = None) -> bool:
         """A trainer is ready to step. Returns True once the first step may begin: every
@@ -96,7 +100,9 @@ class TrainerBook:
             )
             entry["microbatches"].extend(microbatches)
             if rank in self.trainers:
-                self.trainers[rank]["committed_at"] = wall_time
+                me = self.trainers[rank]
+                me["committed_at"] = wall_time
+                me["committed_step"] = max(step, me.get("committed_step", -1))
         self._faults_at_step(step)
 
     def record_step_failed(self, step: int, rank: int, wall_time: float, cause: str) -> None:
@@ -107,7 +113,10 @@ class TrainerBook:
             redos = max(per_rank.values())
         budget = self.cfg.budgets.max_step_redos
         if 0 <= budget < redos:
-            self._transition(BudgetExceeded(f"budget budgets.max_step_redos={budget} exceeded: step {step} failed {redos} times"))
+            self._transition(BudgetExceeded(
+                f"budget budgets.max_step_redos={budget} exceeded: step {step} failed {redos} times "
+                f"(last on trainer {rank}: {cause[:200]})"
+            ))
 
     def record_progress(self, progress: dict) -> None:
         with self._lock:
@@ -132,8 +141,9 @@ class TrainerBook:
                 target = f"{kind}:{int(np.random.default_rng([f.seed, step]).integers(count))}"
             threading.Thread(target=self._fire, args=(target, f"at step {step}"), daemon=True).start()
 
-    def _live_established_trainers(self, exclude: int, timeout_s: float) -> list[int]:
-        """Ranks other than ``exclude`` whose current process has committed a step and is alive."""
+    def _live_established_trainers(self, exclude: int, timeout_s: float) -> dict[int, int | None]:
+        """Ranks other than ``exclude`` whose current process has committed a step and is
+        alive, with the last step each committed."""
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
         with self._lock:
@@ -146,7 +156,7 @@ class TrainerBook:
             r: probe.options(scheduling_strategy=NodeAffinitySchedulingStrategy(t["node_id"], soft=False)).remote(t["pid"])
             for r, t in candidates.items()
         }
-        return sorted(r for r, ref in refs.items() if ray.get(ref, timeout=timeout_s))
+        return {r: candidates[r].get("committed_step") for r, ref in refs.items() if ray.get(ref, timeout=timeout_s)}
 
     def trainer_failures(self) -> list[dict]:
         with self._lock:

@@ -327,10 +327,12 @@ def train_loop(loop_config: dict) -> None:
         if first_quorum and healthy:
             first_quorum = False
             if replacement and resume is not None and step == resume["step"]:
-                # Nobody was ahead to heal from: every trainer died. Shards go back to the
-                # same checkpoint as the dense state (the supervisor does it once).
+                # Nobody was ahead to heal from: every trainer died (shards go back to the
+                # same checkpoint as the dense state; the supervisor does it once), or the
+                # live ones are at this very step (nothing to roll back).
                 try:
-                    generation = ray.get(supervisor.fallback_to_checkpoint.remote(step, rank), timeout=wait_s)["generation"]
+                    fleet = ray.get(supervisor.fallback_to_checkpoint.remote(step, rank), timeout=wait_s)
+                    generation, client.shards = fleet["generation"], fleet["shards"]
                 except TrainerConflict as err:
                     # A quorum of replacements only, while a live trainer is ahead: this step
                     # fails everywhere and a later quorum with that trainer heals this one.

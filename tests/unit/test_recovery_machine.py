@@ -13,7 +13,7 @@ from actors.deadlines import Deadlines
 from actors.machine import (
     EVERY_TRAINER_DIED, FULL_RECOVERY, RESUME, BudgetExceeded, Budgets, Failed, Finished, RecoveringShards,
     RespawnRetry, ResumeRequested, RollingBack, Running, ShardDied, StopRequested, TrainersAllDied, WorkDone,
-    state_from_dict, state_to_dict, transition,
+    replacement_at_checkpoint, state_from_dict, state_to_dict, transition,
 )
 
 pytestmark = pytest.mark.timeout(30)
@@ -167,3 +167,32 @@ def test_a_commit_settles_recoveries_no_trainer_asked_about():
                          _lock=threading.RLock(), live_since=[None, None], _persist=lambda: None)
     Supervisor._settle(me, -1, 56, upto_generation=4)
     assert [f["failed_at_step"] for f in failures] == [56, None] and counted == failures[:1]
+
+
+# A replacement trainer whose first quorum found nobody ahead of its checkpoint step.
+
+
+def test_replacement_with_no_live_trainer_rolls_back():
+    d = replacement_at_checkpoint(136, {})
+    assert (d.action, d.ranks) == ("roll back", ())
+
+
+def test_replacement_heals_from_a_live_trainer_ahead_of_its_checkpoint():
+    # Trainer 1 committed step 140: the replacement's quorum held only replacements.
+    d = replacement_at_checkpoint(136, {1: 140, 2: 135})
+    assert (d.action, d.ranks) == ("heal", (1,))
+    assert replacement_at_checkpoint(136, {1: 136}).action == "heal"  # committed 136: it is at 137
+
+
+def test_replacement_joins_a_live_trainer_redoing_its_checkpoint_step():
+    # Seen in CI's short soak: the survivor committed 135 and was redoing 136 after a shard
+    # death; the replacement started from the full checkpoint of step 136. Healing would find
+    # nobody ahead in every quorum: the step failed until the redo budget stopped the run.
+    d = replacement_at_checkpoint(136, {1: 135})
+    assert (d.action, d.ranks) == ("join", (1,))
+    # Behind the checkpoint (it was blocked while the others went on): it heals from us later.
+    assert replacement_at_checkpoint(136, {1: 120}).action == "join"
+
+
+def test_replacement_treats_an_unknown_commit_as_ahead():
+    assert replacement_at_checkpoint(136, {1: None, 2: 135}).action == "heal"
