@@ -192,7 +192,7 @@ class RunApi:
         if decision.action == "heal":
             raise TrainerConflict(f"{decision.reason}; replacement {rank} must heal from them")
         if decision.action == "join":
-            logger.info("replacement trainer %d starts at step %d: %s", rank, step, decision.reason)
+            self.record_event("replacement_joined", rank=rank, step=step, reason=decision.reason)
             with self._lock:
                 return {"rolled_back": False, "generation": self.generation, "shards": list(self.shards)}
         with self._fallback_lock:
