@@ -185,9 +185,10 @@ def test_replacement_heals_from_a_live_trainer_ahead_of_its_checkpoint():
 
 
 def test_replacement_joins_a_live_trainer_redoing_its_checkpoint_step():
-    # Seen in CI's short soak: the survivor committed 135 and was redoing 136 after a shard
-    # death; the replacement started from the full checkpoint of step 136. Healing would find
-    # nobody ahead in every quorum: the step failed until the redo budget stopped the run.
+    # CI's short soak failed this way (read from its log, not reproduced here): the survivor
+    # committed 135 and was redoing 136 after a shard death; the replacement started from a
+    # full checkpoint of step 136. Healing found nobody ahead in every quorum, and the step
+    # failed until the redo budget stopped the run.
     d = replacement_at_checkpoint(136, {1: 135})
     assert (d.action, d.ranks) == ("join", (1,))
     # Behind the checkpoint (it was blocked while the others went on): it heals from us later.
@@ -196,3 +197,17 @@ def test_replacement_joins_a_live_trainer_redoing_its_checkpoint_step():
 
 def test_replacement_treats_an_unknown_commit_as_ahead():
     assert replacement_at_checkpoint(136, {1: None, 2: 135}).action == "heal"
+
+
+def test_a_rollback_lowers_the_last_committed_step_of_live_trainers():
+    # After a rollback to 100, a survivor that had committed 130 is at 100 again: a replacement
+    # starting from the checkpoint of 100 must join it, not wait to heal from it.
+    from actors.supervisor_trainers import TrainerBook
+
+    book = TrainerBook()
+    book.trainers = {0: {"committed_step": 130}, 1: {"committed_step": 90}, 2: {}}
+    book.commits = {s: {} for s in (98, 99, 100, 130)}
+    book.prune_commits(100)
+    assert [book.trainers[r].get("committed_step") for r in (0, 1, 2)] == [99, 90, None]
+    assert sorted(book.commits) == [98, 99]
+    assert replacement_at_checkpoint(100, {0: 99, 1: 90}).action == "join"
