@@ -16,6 +16,7 @@ import numpy as np
 import pyarrow as pa
 
 from app.data import NUM_DENSE, NUM_SPARSE, CriteoReader
+from app.errors import InsufficientData
 
 __all__ = ["CacheInfo", "MicrobatchFile", "build_cache"]
 
@@ -65,17 +66,19 @@ def build_cache(
     The cache is keyed by the files' paths, sizes and mtimes, so changed data is re-read.
     ``keep_tail`` keeps a last, shorter microbatch (evaluation); training drops it so that
     every microbatch has the same size. A malformed line raises DataFormatError from the
-    reader and leaves no cache behind.
+    reader, and a file without usable rows, or too few rows for one microbatch, raises
+    InsufficientData; neither leaves a cache behind.
     """
     key = _source_key(paths, microbatch_rows, skip_bad_lines, keep_tail)
     out = Path(cache_dir).resolve() / f"{name}-{key}.arrow"
     meta_path = out.with_suffix(".json")
     if out.exists() and meta_path.exists():
         meta = json.loads(meta_path.read_text())
-        return CacheInfo(str(out), meta["rows"], meta["microbatches"], microbatch_rows, meta["bad_lines"], True)
+        if meta["microbatches"] > 0:  # an empty cache (written before empty data was an error) is rebuilt, and fails
+            return CacheInfo(str(out), meta["rows"], meta["microbatches"], microbatch_rows, meta["bad_lines"], True)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(f".tmp{os.getpid()}")
-    reader = CriteoReader(paths, batch_rows=max(microbatch_rows, 65536), skip_bad_lines=skip_bad_lines)
+    per_file: list[tuple[str, int, int]] = []  # (path, usable rows, lines skipped as malformed)
     rows = batches = 0
     schema = pa.schema(
         [("label", pa.float32()), ("dense", pa.list_(pa.float32(), NUM_DENSE)), ("sparse", pa.list_(pa.uint32(), NUM_SPARSE))]
@@ -83,31 +86,62 @@ def build_cache(
     carry = None
     try:
         with pa.OSFile(str(tmp), "wb") as sink, pa.ipc.new_file(sink, schema) as writer:
-            for raw in reader:
-                parts = (raw.labels, raw.dense, raw.sparse)
-                if carry is not None:
-                    parts = tuple(np.concatenate([c, p]) for c, p in zip(carry, parts))
-                    carry = None
-                n = len(parts[0])
-                full = n - n % microbatch_rows
-                for start in range(0, full, microbatch_rows):
-                    sl = slice(start, start + microbatch_rows)
-                    writer.write_batch(_record_batch(*(p[sl] for p in parts)))
-                    batches += 1
-                    rows += microbatch_rows
-                if full < n:
-                    carry = tuple(p[full:] for p in parts)
+            for path in paths:
+                # One reader per file, for its own counts; a microbatch may span two files.
+                reader = CriteoReader([path], batch_rows=max(microbatch_rows, 65536), skip_bad_lines=skip_bad_lines)
+                usable = 0
+                for raw in reader:
+                    usable += raw.num_rows
+                    parts = (raw.labels, raw.dense, raw.sparse)
+                    if carry is not None:
+                        parts = tuple(np.concatenate([c, p]) for c, p in zip(carry, parts))
+                        carry = None
+                    n = len(parts[0])
+                    full = n - n % microbatch_rows
+                    for start in range(0, full, microbatch_rows):
+                        sl = slice(start, start + microbatch_rows)
+                        writer.write_batch(_record_batch(*(p[sl] for p in parts)))
+                        batches += 1
+                        rows += microbatch_rows
+                    if full < n:
+                        carry = tuple(p[full:] for p in parts)
+                per_file.append((path, usable, reader.bad_lines))
             if keep_tail and carry is not None:
                 writer.write_batch(_record_batch(*carry))
                 batches += 1
                 rows += len(carry[0])
+        _check_usable(name, per_file, batches, microbatch_rows)
         os.replace(tmp, out)
     finally:
         if tmp.exists():
             tmp.unlink()
-    meta = {"rows": rows, "microbatches": batches, "bad_lines": reader.bad_lines, "sources": list(paths)}
+    bad_lines = sum(skipped for _, _, skipped in per_file)
+    meta = {"rows": rows, "microbatches": batches, "bad_lines": bad_lines, "sources": list(paths)}
     meta_path.write_text(json.dumps(meta))
-    return CacheInfo(str(out), rows, batches, microbatch_rows, reader.bad_lines, False)
+    return CacheInfo(str(out), rows, batches, microbatch_rows, bad_lines, False)
+
+
+def _check_usable(name: str, per_file: list[tuple[str, int, int]], microbatches: int, microbatch_rows: int) -> None:
+    """Stops a run before it starts on data that cannot train or evaluate anything: a file
+    without a usable row (empty, or all of it skipped) or fewer rows than one microbatch."""
+
+    def counts(path: str, usable: int, skipped: int) -> str:
+        if usable + skipped == 0:
+            return f"{path}: empty (0 lines)"
+        return f"{path}: {usable + skipped} lines read, {skipped} skipped as malformed, {usable} usable"
+
+    empty = [f for f in per_file if f[1] == 0]
+    if empty:
+        raise InsufficientData(
+            f"{name} data: {len(empty)} of {len(per_file)} file(s) hold no usable row; "
+            + "; ".join(counts(*f) for f in empty)
+        )
+    if microbatches == 0:
+        usable = sum(f[1] for f in per_file)
+        raise InsufficientData(
+            f"{name} data: {usable} usable rows, fewer than one microbatch of {microbatch_rows} rows; "
+            + "; ".join(counts(*f) for f in per_file)
+        )
 
 
 class MicrobatchFile:

@@ -6,11 +6,14 @@ Criteo-shaped synthetic data drawn from a hidden click model whose best AUC is k
 from __future__ import annotations
 
 import bisect
+import contextlib
 import dataclasses
 import json
 import math
 import os
-from collections.abc import Iterator, Sequence
+import re
+import sys
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -283,7 +286,9 @@ class CriteoReader:
     Iterating yields RawBatch of ``batch_rows`` rows; the last batch of each file may be
     shorter. A malformed record raises DataFormatError naming its file and 1-based line
     (Parquet: row) number, unless ``skip_bad_lines``: then it is dropped and counted in
-    ``bad_lines`` (reset at the start of each pass over the files).
+    ``bad_lines`` (reset at the start of each pass over the files). Text that is not UTF-8
+    (a binary file, another encoding) stops the parser: a DataFormatError naming the line,
+    whether or not bad lines are skipped.
     """
 
     def __init__(self, paths: Sequence[str], batch_rows: int = 65536, skip_bad_lines: bool = False):
@@ -323,13 +328,24 @@ class CriteoReader:
             yield _concat(pending)
 
     def _read_parquet(self, path: str) -> Iterator[RawBatch]:
-        with pq.ParquetFile(path) as pf:
+        try:
+            pf = pq.ParquetFile(path)
+        except pa.ArrowInvalid as exc:  # e.g. a TSV or an empty file named .parquet
+            raise DataFormatError(path, 1, f"not a Parquet file: {exc}") from None
+        with pf:
             names = pf.schema_arrow.names
             missing = [c for c in COLUMNS if c not in names]
             if missing:
                 raise DataFormatError(path, 1, f"missing column(s) {', '.join(missing)}")
             rows_before = 0
-            for batch in pf.iter_batches(batch_size=self._batch_rows, columns=list(COLUMNS)):
+            batches = pf.iter_batches(batch_size=self._batch_rows, columns=list(COLUMNS))
+            while True:
+                try:
+                    batch = next(batches)
+                except StopIteration:
+                    break
+                except (pa.ArrowInvalid, OSError) as exc:  # a corrupt page or column chunk
+                    raise DataFormatError(path, rows_before + 1, f"unreadable at or after this row: {exc}") from None
                 parsed = _parse_batch(batch, path, rows_before + 1)
                 bad = parsed.bad_rows()
                 if bad is not None:
@@ -378,22 +394,35 @@ class CriteoReader:
             line, fields = wrong_width[k]
             return DataFormatError(path, line, f"expected {len(COLUMNS)} columns, got {fields}")
 
+        # A wrong-width line that is not UTF-8 never reaches on_invalid_row: pyarrow fails to
+        # decode it for the handler, can only print that, and then stops with a parse error.
+        not_utf8: list[UnicodeDecodeError] = []
+
+        def unreadable(exc: Exception, stream: pa.NativeFile) -> Exception:
+            error = _unreadable(path, line_of(parsed_rows), exc, stream, bool(not_utf8))
+            earlier = not self._skip_bad_lines and reported < len(wrong_width)
+            if earlier and isinstance(error, DataFormatError) and wrong_width[reported][0] < error.line:
+                return wrong_width_error(reported)  # errors are raised in line order
+            return error
+
         with pa.input_stream(path, compression="detect") as stream:
             try:
-                reader = pacsv.open_csv(
-                    stream, read_options=read_options, parse_options=parse_options, convert_options=convert_options
-                )
+                with _decode_errors_of(on_invalid_row, not_utf8):
+                    reader = pacsv.open_csv(
+                        stream, read_options=read_options, parse_options=parse_options, convert_options=convert_options
+                    )
             except (pa.ArrowInvalid, OSError) as exc:
                 if str(exc).startswith("Empty CSV file"):
                     return  # no records is a valid, if useless, file
-                raise _unreadable(path, 1, exc, stream) from None
+                raise unreadable(exc, stream) from None
             while True:
                 try:
-                    batch = reader.read_next_batch()
+                    with _decode_errors_of(on_invalid_row, not_utf8):
+                        batch = reader.read_next_batch()
                 except StopIteration:
                     break
                 except (pa.ArrowInvalid, OSError) as exc:
-                    raise _unreadable(path, line_of(parsed_rows), exc, stream) from None
+                    raise unreadable(exc, stream) from None
                 n = batch.num_rows
                 if n == 0:
                     continue
@@ -421,11 +450,50 @@ class CriteoReader:
                 self.bad_lines += len(wrong_width) - reported
 
 
-def _unreadable(path: str, line: int, exc: Exception, stream: pa.NativeFile) -> Exception:
-    """What to raise when text cannot be read: bad data, or on a plain file a real I/O error."""
+@contextlib.contextmanager
+def _decode_errors_of(handler: Callable, caught: list[UnicodeDecodeError]) -> Iterator[None]:
+    """Collects into ``caught``, instead of printing "Exception ignored in: ...", the
+    UnicodeDecodeError that pyarrow hits, and can only report as unraisable, when it decodes
+    a non-UTF-8 line for the invalid-row ``handler``; anything else goes to the usual hook.
+
+    Installed only around the parser calls that run the handler, never across a yield, so
+    the interpreter-wide hook is back as it was whenever the reader's caller runs."""
+    previous = sys.unraisablehook
+
+    def hook(unraisable) -> None:
+        if unraisable.object is handler and isinstance(unraisable.exc_value, UnicodeDecodeError):
+            caught.append(unraisable.exc_value)
+        else:
+            previous(unraisable)
+
+    sys.unraisablehook = hook
+    try:
+        yield
+    finally:
+        if sys.unraisablehook is hook:
+            sys.unraisablehook = previous
+
+
+_ROW_NUMBER = re.compile(r"\bRow #(\d+)")  # in pyarrow's CSV errors: the physical line, when parsing serially
+
+
+def _unreadable(path: str, line: int, exc: Exception, stream: pa.NativeFile, not_utf8: bool = False) -> Exception:
+    """What to raise when text cannot be read: bad data, or on a plain file a real I/O error.
+
+    ``line`` is the first line of the block that failed; ``not_utf8`` that the parser met a
+    wrong-width line it could not decode (pyarrow's message then quotes its bytes: left out)."""
+    message = str(exc)
+    if not_utf8 or "invalid UTF8" in message:
+        row = _ROW_NUMBER.search(message)
+        return DataFormatError(
+            path,
+            int(row.group(1)) if row else line,
+            "not UTF-8 text (binary data or another encoding; is this a Criteo TSV file?); "
+            "reading stops here, skip_bad_lines cannot skip it",
+        )
     if isinstance(exc, pa.ArrowInvalid) or isinstance(stream, pa.CompressedInputStream):
-        # e.g. invalid UTF-8, a line longer than a parser block, a corrupt or truncated .gz
-        return DataFormatError(path, line, f"unreadable at or after this line: {exc}")
+        # e.g. a line longer than a parser block, a corrupt or truncated .gz
+        return DataFormatError(path, line, f"unreadable at or after this line: {message}")
     return exc
 
 

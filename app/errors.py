@@ -10,6 +10,7 @@ __all__ = [
     "CprError",
     "ConfigError",
     "DataFormatError",
+    "InsufficientData",
     "CheckpointCorrupt",
     "CheckpointNotFound",
     "ShardUnavailable",
@@ -46,6 +47,11 @@ class DataFormatError(CprError, ValueError):
 
     def __str__(self) -> str:
         return f"{self.path}:{self.line}: {self.reason}"
+
+
+class InsufficientData(CprError, ValueError):
+    """Data files that hold too few usable rows to train or evaluate on (empty, or every line
+    skipped as malformed); the message names each such file with its lines read and skipped."""
 
 
 class CheckpointCorrupt(CprError):

@@ -30,6 +30,8 @@ def test_defaults_are_valid():
         ("embeddings", "sharding", "diagonal", r"embeddings\.sharding: .*'table_wise' or 'row_wise'"),
         ("model", "embedding_dim", 0, r"model\.embedding_dim"),
         ("model", "table_rows", [10] * 25, r"model\.table_rows: .*list of 26"),
+        ("model", "max_ind_range", 0, r"model\.max_ind_range: .*greater than or equal to 1"),
+        ("model", "max_ind_range", 2**32 + 1, r"model\.max_ind_range: .*less than or equal to 4294967296"),
         ("training", "epochs", "many", r"training\.epochs"),
         ("training", "microbatch_rowz", 5, r"training\.microbatch_rowz: Extra inputs"),
     ],
@@ -42,6 +44,18 @@ def test_bad_value_names_field_and_range(section, key, value, expect):
 def test_dense_arch_must_end_with_embedding_dim():
     with pytest.raises(ConfigError, match="dense_arch must end with embedding_dim=8"):
         config_from_dict({**BASE, "model": {"embedding_dim": 8, "dense_arch": [32, 16]}})
+
+
+def test_max_ind_range_caps_every_table():
+    rows = [10, 5_000] + [100] * 24
+    cfg = config_from_dict({**BASE, "model": {"table_rows": rows, "max_ind_range": 1_000}})
+    assert cfg.model.table_rows == rows  # as written; the cap applies where tables are sized
+    assert cfg.model.rows_per_table == [10, 1_000] + [100] * 24
+    assert config_from_dict({**BASE, "model": {"table_rows": 7, "max_ind_range": 5}}).model.rows_per_table == [5] * 26
+    with pytest.raises(ConfigError, match=r"needs every table to have >= num_shards=4 rows; the smallest has 3"):
+        config_from_dict(
+            {**BASE, "model": {"max_ind_range": 3}, "embeddings": {"num_shards": 4, "sharding": "row_wise"}}
+        )
 
 
 def test_table_wise_shards_limited_by_tables():
@@ -70,7 +84,7 @@ def test_yaml_file_and_overrides(tmp_path):
 
 
 def test_shipped_configs_validate():
-    for name in ["configs/local.yaml"]:
+    for name in ["configs/local.yaml", "configs/criteo_kaggle.yaml"]:
         load_config(name)
 
 

@@ -3,10 +3,15 @@ synthetic data generator (layout, determinism, skew, known ceiling AUC)."""
 
 from __future__ import annotations
 
+import gc
 import gzip
 import json
 import math
+import os
+import pickle
 import re
+import subprocess
+import sys
 from collections import Counter
 from pathlib import Path
 
@@ -25,7 +30,8 @@ from app.data import (
     preprocess_dense,
     sparse_to_rows,
 )
-from app.errors import ConfigError, DataFormatError
+from app.cache import build_cache
+from app.errors import ConfigError, DataFormatError, InsufficientData
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -443,3 +449,192 @@ def test_corrupt_gzip_is_a_data_format_error(tmp_path):
     with pytest.raises(DataFormatError) as info:
         list(CriteoReader([str(path)]))
     assert info.value.path == str(path) and "unreadable" in info.value.reason
+
+
+# --- unreadable files: one error with file:line, nothing printed on the side -----------------
+
+
+@pytest.fixture
+def unraisable(monkeypatch) -> list:
+    """What would be printed as "Exception ignored in: ..." (e.g. by pyarrow's CSV callbacks
+    or a finalizer) while the test runs."""
+    seen: list = []
+    monkeypatch.setattr(sys, "unraisablehook", lambda u: seen.append(f"{u.object!r}: {u.exc_value!r}"))
+    return seen
+
+
+def not_utf8_files(tmp_path: Path) -> dict[str, tuple[Path, int]]:
+    """name -> (file, line of its first undecodable byte)."""
+    good = [line().encode() for _ in range(3000)]
+    wrong_width = list(good)
+    wrong_width[1233] = b"ab\xff\xfe\tc"
+    full_width = list(good)
+    full_width[1233] = line(cats=["\xe9" * 8] + ["0"] * 25).encode("latin-1")
+    files = {
+        "random_bytes": (np.random.default_rng(3).bytes(200_000), 1),
+        "wrong_width_line": (b"\n".join(wrong_width) + b"\n", 1234),
+        "full_width_line": (b"\n".join(full_width) + b"\n", 1234),
+    }
+    out = {}
+    for name, (data, first_bad) in files.items():
+        path = tmp_path / f"{name}.tsv"
+        path.write_bytes(data)
+        out[name] = (path, first_bad)
+        gz = tmp_path / f"{name}.tsv.gz"
+        gz.write_bytes(gzip.compress(data, mtime=0))
+        out[name + ".gz"] = (gz, first_bad)
+    return out
+
+
+@pytest.mark.parametrize("skip_bad_lines", [False, True])
+def test_binary_or_non_utf8_file_is_one_error_naming_its_line(tmp_path, unraisable, skip_bad_lines):
+    for name, (path, first_bad) in not_utf8_files(tmp_path).items():
+        with pytest.raises(DataFormatError) as info:
+            list(CriteoReader([str(path)], batch_rows=100, skip_bad_lines=skip_bad_lines))
+        err = info.value
+        assert (err.path, err.line) == (str(path), first_bad), name
+        assert str(err).startswith(f"{path}:{first_bad}: not UTF-8 text"), name
+        assert "\ufffd" not in str(err)  # the line's bytes are not quoted
+    gc.collect()  # finalizers of anything left behind run now, under the fixture's hook
+    assert unraisable == []
+
+
+def test_wrong_width_line_before_undecodable_text_is_reported_first(tmp_path, unraisable):
+    lines = [line().encode() for _ in range(50)]
+    lines[9] = b"a\tb"
+    lines[19] = b"\xff\xfe\x00"
+    path = tmp_path / "d.tsv"
+    path.write_bytes(b"\n".join(lines) + b"\n")
+    with pytest.raises(DataFormatError) as info:
+        list(CriteoReader([str(path)]))
+    assert info.value.line == 10 and info.value.reason == "expected 40 columns, got 2"
+    with pytest.raises(DataFormatError) as info:  # a skipped line does not hide the undecodable one
+        list(CriteoReader([str(path)], skip_bad_lines=True))
+    assert info.value.line == 20 and "not UTF-8" in info.value.reason
+    assert unraisable == []
+
+
+def test_file_that_is_not_parquet_is_a_data_format_error(tmp_path):
+    for data in (b"", "\n".join(numbered_lines(10)).encode()):
+        path = tmp_path / "d.parquet"
+        path.write_bytes(data)
+        with pytest.raises(DataFormatError) as info:
+            list(CriteoReader([str(path)]))
+        assert (info.value.path, info.value.line) == (str(path), 1)
+        assert info.value.reason.startswith("not a Parquet file")
+
+
+def test_cache_of_a_binary_file_raises_and_leaves_no_cache(tmp_path, unraisable):
+    path = tmp_path / "train.tsv"
+    path.write_bytes(np.random.default_rng(5).bytes(50_000))
+    with pytest.raises(DataFormatError) as info:
+        build_cache([str(path)], str(tmp_path / "cache"), "train", 64)
+    assert (info.value.path, info.value.line) == (str(path), 1)
+    assert list((tmp_path / "cache").iterdir()) == []
+    gc.collect()
+    assert unraisable == []
+
+
+# --- data without usable rows stops the run before training ----------------------------------
+
+
+def test_empty_training_file_is_insufficient_data(tmp_path):
+    empty = tmp_path / "empty.tsv"
+    empty.write_bytes(b"")
+    good = write_tsv(tmp_path / "good.tsv", numbered_lines(300))
+    for paths in ([empty], [good, empty]):
+        with pytest.raises(InsufficientData) as info:
+            build_cache([str(p) for p in paths], str(tmp_path / "cache"), "train", 64)
+        assert f"{empty}: empty (0 lines)" in str(info.value)
+        assert str(info.value).startswith(f"train data: 1 of {len(paths)} file(s) hold no usable row")
+    assert not list((tmp_path / "cache").glob("*.arrow"))
+
+
+def test_training_file_with_every_line_skipped_is_insufficient_data(tmp_path):
+    path = write_tsv(tmp_path / "bad.tsv", [BAD_LINES["too_few"][0], BAD_LINES["not_hex"][0], ""])
+    with pytest.raises(InsufficientData) as info:
+        build_cache([str(path)], str(tmp_path / "cache"), "train", 64, skip_bad_lines=True)
+    assert f"{path}: 3 lines read, 3 skipped as malformed, 0 usable" in str(info.value)
+    assert str(pickle.loads(pickle.dumps(info.value))) == str(info.value)  # crosses Ray actors intact
+
+
+def test_fewer_rows_than_one_microbatch_is_insufficient_data(tmp_path):
+    a = write_tsv(tmp_path / "a.tsv", numbered_lines(30) + [BAD_LINES["too_few"][0]])
+    b = write_tsv(tmp_path / "b.tsv", numbered_lines(20))
+    with pytest.raises(InsufficientData) as info:
+        build_cache([str(a), str(b)], str(tmp_path / "cache"), "train", 64, skip_bad_lines=True)
+    message = str(info.value)
+    assert message.startswith("train data: 50 usable rows, fewer than one microbatch of 64 rows")
+    assert f"{a}: 31 lines read, 1 skipped as malformed, 30 usable" in message
+    assert f"{b}: 20 lines read, 0 skipped as malformed, 20 usable" in message
+    # evaluation keeps a short tail: the same rows make one microbatch there
+    info_eval = build_cache([str(a), str(b)], str(tmp_path / "cache"), "eval", 64, True, keep_tail=True)
+    assert (info_eval.rows, info_eval.microbatches, info_eval.bad_lines) == (50, 1, 1)
+
+
+def test_eval_file_without_rows_is_insufficient_data(tmp_path):
+    path = write_tsv(tmp_path / "eval.tsv", [BAD_LINES["bad_label"][0]] * 4)
+    with pytest.raises(InsufficientData, match=r"^eval data: 1 of 1 file\(s\) hold no usable row"):
+        build_cache([str(path)], str(tmp_path / "cache"), "eval", 64, skip_bad_lines=True, keep_tail=True)
+
+
+def test_microbatches_span_files_and_count_every_skipped_line(tmp_path):
+    a = write_tsv(tmp_path / "a.tsv", numbered_lines(100) + [BAD_LINES["too_many"][0]])
+    b = write_tsv(tmp_path / "b.tsv.gz", numbered_lines(60) + [BAD_LINES["not_integer"][0]])
+    info = build_cache([str(a), str(b)], str(tmp_path / "cache"), "train", 64, skip_bad_lines=True)
+    assert (info.rows, info.microbatches, info.bad_lines, info.reused) == (128, 2, 2, False)
+    again = build_cache([str(a), str(b)], str(tmp_path / "cache"), "train", 64, skip_bad_lines=True)
+    assert (again.rows, again.microbatches, again.bad_lines, again.reused) == (128, 2, 2, True)
+
+
+# --- end to end: `cpr train` on bad data fails in data preparation, before Ray -------------
+
+
+def run_cpr_train(tmp_path: Path, train: Path, eval_: Path, *args: str) -> subprocess.CompletedProcess:
+    config = tmp_path / "run.yaml"
+    config.write_text(
+        json.dumps(  # JSON is YAML
+            {
+                "run_dir": str(tmp_path / "run"),
+                "data": {"train": [str(train)], "eval": [str(eval_)]},
+                "model": {"table_rows": 1000},
+                "training": {"microbatch_rows": 64},
+            }
+        )
+    )
+    # An address where no Ray listens: a run that got past its data could only fail to
+    # connect, never start a local Ray.
+    env = {**os.environ, "RAY_ADDRESS": "127.0.0.1:9", "PYTHONWARNINGS": "default"}  # shows ResourceWarnings
+    return subprocess.run(
+        [sys.executable, "-m", "app", "train", "--config", str(config), "--no-progress", *args],
+        capture_output=True, text=True, timeout=120, env=env, cwd=Path(__file__).resolve().parents[2],
+    )
+
+
+def assert_one_error_line(result: subprocess.CompletedProcess, expected_start: str) -> None:
+    output = result.stdout + result.stderr
+    assert result.returncode == 2, output
+    errors = [x for x in result.stderr.splitlines() if x.startswith("error:")]
+    assert len(errors) == 1 and errors[0].startswith(expected_start), output
+    noises = ("Exception ignored", "Traceback", "ResourceWarning", "Started a local Ray", "Connecting to existing Ray")
+    for noise in noises:
+        assert noise not in output, output
+
+
+@pytest.mark.timeout(150)
+def test_cpr_train_on_a_binary_file_fails_before_ray_with_one_error(tmp_path):
+    train = tmp_path / "train.tsv"
+    train.write_bytes(np.random.default_rng(11).bytes(100_000))
+    eval_ = write_tsv(tmp_path / "eval.tsv", numbered_lines(100))
+    result = run_cpr_train(tmp_path, train, eval_)
+    assert_one_error_line(result, f"error: {train}:1: not UTF-8 text")
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+@pytest.mark.timeout(150)
+def test_cpr_train_with_every_line_skipped_fails_before_ray(tmp_path):
+    train = write_tsv(tmp_path / "train.tsv", [BAD_LINES["too_few"][0]] * 5)
+    eval_ = write_tsv(tmp_path / "eval.tsv", numbered_lines(100))
+    result = run_cpr_train(tmp_path, train, eval_, "--skip-bad-lines")
+    expected = f"error: train data: 1 of 1 file(s) hold no usable row; {train}: 5 lines read, 5 skipped as malformed"
+    assert_one_error_line(result, expected)
