@@ -37,7 +37,7 @@ class CheckpointCoordinator:
     ):
         self.cfg = cfg
         ck = cfg.checkpoint
-        self.store = CheckpointStore(cfg.checkpoint_uri, keep_last=ck.keep_last) if ck.enabled else None
+        self.store = CheckpointStore(cfg.checkpoint_uri, keep_last=ck.keep_last) if ck.stored else None
         self.costs = costs
         self.controller = IntervalController(cfg.recovery, costs, num_shards, ck.pls_target)
         self.record_event = record_event
@@ -123,15 +123,20 @@ class CheckpointCoordinator:
 
     # ------------------------------------------------------------------ saves
 
-    def save(self, step: int, dense_blob: bytes, shards: list, meta: dict, at_point: Callable[[str], None]) -> dict:
-        """A consistent checkpoint after ``step`` committed steps, if one is due."""
+    def save(
+        self, step: int, dense_blob: bytes, shards: list, meta: dict, at_point: Callable[[str], None], final: bool = False
+    ) -> dict:
+        """A consistent checkpoint after ``step`` committed steps, if one is due; ``final``:
+        the run's last step, saved in full whatever the schedule and the policy say."""
         with self._timeline:
-            return self._save(step, dense_blob, shards, meta, at_point)
+            return self._save(step, dense_blob, shards, meta, at_point, final)
 
-    def _save(self, step: int, dense_blob: bytes, shards: list, meta: dict, at_point: Callable[[str], None]) -> dict:
+    def _save(
+        self, step: int, dense_blob: bytes, shards: list, meta: dict, at_point: Callable[[str], None], final: bool
+    ) -> dict:
         if self.store is None:
-            raise ConfigError("checkpoint: every_steps, every_s or auto_interval must be set to save checkpoints")
-        if self.next_checkpoint_step is None or step < self.next_checkpoint_step:
+            raise ConfigError("checkpoint: every_steps, every_s, auto_interval or final must be set to save checkpoints")
+        if not final and (self.next_checkpoint_step is None or step < self.next_checkpoint_step):
             return {"next_step": self.next_checkpoint_step, "duration_s": 0.0, "saved": False}
         committed = self.store.list_committed()
         if step in committed:
@@ -143,7 +148,7 @@ class CheckpointCoordinator:
         # Phase two of the previous save rides on this call: the shards count the rows they
         # wrote for last_checkpoint_step as saved only if that checkpoint committed.
         confirmed = self.last_checkpoint_step if self.last_checkpoint_step in committed else None
-        refs = [s.save_checkpoint.remote(uri, step, self.save_index, confirmed) for s in shards]
+        refs = [s.save_checkpoint.remote(uri, step, self.save_index, confirmed, final) for s in shards]
         entries = [
             write_blob(uri, step, DENSE_FILE, dense_blob),
             write_blob(uri, step, DATA_POSITION_FILE, json.dumps(meta["position"]).encode()),
@@ -181,9 +186,11 @@ class CheckpointCoordinator:
             "checkpoint_saved",
             step=step,
             checkpoint_kind=info.kind,
+            final=final,
             duration_s=round(duration_s, 4),
             bytes=info.total_bytes,
             rows=sum(r["rows"] for r in results),
+            tracked_rows=[r["tracked_rows"] for r in results],
             shard_write_s=[round(r["duration_s"], 4) for r in results],
             next_step=self.next_checkpoint_step,
         )

@@ -13,12 +13,14 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import ray
 
 from actors.shard import EmbeddingShard
 from app.errors import ShardUnavailable
+from app.logs import LOG_DIR
 
 __all__ = ["ShardFleet", "shard_name", "kill_run_shards"]
 
@@ -53,6 +55,7 @@ class ShardFleet:
         self.plan = plan
         self.run_id = run_id
         self.audit_dir = audit_dir
+        self.log_dir = str(Path(cfg.run_dir).resolve() / LOG_DIR)
         self.on_death = on_death
         self.timeout_s = cfg.embeddings.call_timeout_s
         self._watch: dict[Any, tuple[int, int]] = {}
@@ -86,6 +89,7 @@ class ShardFleet:
             priority={"policy": ck.policy, "r": ck.r, "sample_rate": ck.sample_rate, "full_every": ck.full_every},
             generation=generation,
             audit_dir=self.audit_dir,
+            log_dir=self.log_dir,
         )
 
     def find(self, k: int, generation: int):

@@ -30,6 +30,14 @@ class _Chunk:
     grad: np.ndarray | None = None  # float32 [B, S*D]
 
 
+def _writable(a: np.ndarray) -> np.ndarray:
+    """``a``, or a copy of it where it is read-only. Ray hands arrays to an actor as
+    read-only views of the message that carried them; torch tensors are always writable,
+    so one made over such a view could write into Ray's buffer. An id array of a step is
+    a few hundred KB: the copy costs tens of microseconds."""
+    return a if a.flags.writeable else a.copy()
+
+
 def _offsets(lengths: np.ndarray) -> np.ndarray:
     offsets = np.zeros(lengths.size + 1, dtype=np.int64)
     np.cumsum(lengths.ravel(), out=offsets[1:])
@@ -74,7 +82,11 @@ class EmbeddingShard:
         priority: dict | None = None,
         generation: int = 0,
         audit_dir: str | None = None,
+        log_dir: str | None = None,
     ):
+        from app.logs import configure_process_logging
+
+        configure_process_logging(log_dir, f"shard-{shard_id}")
         import torch
         from fbgemm_gpu.split_embedding_configs import EmbOptimType
         from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocation
@@ -181,7 +193,7 @@ class EmbeddingShard:
 
     def _forward(self, lengths: np.ndarray, indices: np.ndarray, grad: bool):
         torch = self._torch
-        idx = torch.from_numpy(indices).to(self.device)
+        idx = torch.from_numpy(_writable(indices)).to(self.device)
         off = torch.from_numpy(_offsets(lengths)).to(self.device)
         if grad:
             return self.tbe(idx, off)
@@ -247,7 +259,7 @@ class EmbeddingShard:
         self.applied_microbatches.append((step, tuple(m for c in ordered for m in c.microbatches)))
         lengths, indices, grad = _merge_chunks(ordered)
         pooled = self._forward(lengths, indices, grad=True)
-        pooled.backward(torch.from_numpy(grad).to(self.device))
+        pooled.backward(torch.from_numpy(_writable(grad)).to(self.device))
         self.rows_updated_total += int(indices.size)
         if self.first_step_after_load is None:
             self.first_step_after_load = step
@@ -277,9 +289,12 @@ class EmbeddingShard:
         if self._audit is not None:
             self._audit.write(json.dumps({"t": round(time.time(), 6), "gen": self.generation, **record}) + "\n")
 
-    def save_checkpoint(self, uri: str, step: int, save_index: int = 0, confirmed_step: int | None = None) -> dict:
+    def save_checkpoint(
+        self, uri: str, step: int, save_index: int = 0, confirmed_step: int | None = None, full: bool = False
+    ) -> dict:
         """Writes this shard's rows and Adagrad state as of ``step`` committed steps: all of
-        them, or the rows the priority policy (MFU/SSU) selects for save ``save_index``.
+        them (always with ``full``), or the rows the priority policy (MFU/SSU) selects for save
+        ``save_index``.
 
         The rows are written by this actor straight to storage; only the file's entry
         (name, size, checksum) goes back to the supervisor, which commits the manifest.
@@ -296,7 +311,10 @@ class EmbeddingShard:
                 f"{self.applied_step + 1} steps; the checkpoint would be inconsistent"
             )
         t0 = time.perf_counter()
-        selection = self.priority.select(save_index)
+        if full:
+            selection = self.priority.select_full(save_index, "the run's final checkpoint: every row")
+        else:
+            selection = self.priority.select(save_index)
         chosen = np.asarray(selection.rows, dtype=np.int64)
         slice_of = np.searchsorted(self._slice_offsets, chosen, side="right") - 1
         weights_all = self.tbe.split_embedding_weights()
@@ -324,6 +342,8 @@ class EmbeddingShard:
             "rows": len(data.rows),
             "full": selection.full,
             "reason": selection.reason,
+            # Before the save clears the saved rows' counts (at its confirmation).
+            "tracked_rows": self.priority.tracked_rows,
             "duration_s": time.perf_counter() - t0,
         }
 

@@ -23,17 +23,19 @@ from actors.checkpointing import CheckpointCoordinator
 from actors.deadlines import Deadlines
 from actors.faults import sigkill_on_node
 from actors.fleet import ShardFleet, shard_name
-from actors.journal import Journal
+from actors.journal import Journal, RunLog
 from actors.machine import (
     EVERY_TRAINER_DIED, FULL_RECOVERY, RECOVERING, RESUME, TERMINAL, BudgetExceeded, Budgets, RecoveringShards,
     RespawnRetry, RollingBack, Running, ShardDied, WorkDone, state_from_dict, state_to_dict, transition,
 )
+from actors.metrics import RunMetrics
 from actors.plan import make_plan
 from actors.recovery import RecoveryExecutor, ShardsLost
 from actors.supervisor_api import RunApi
 from actors.supervisor_trainers import TrainerBook
 from actors.trainer import StepSchedule
 from app.config import config_from_dict
+from app.logs import LOG_DIR, configure_process_logging
 from policies import OnlineCostModel, RecoveryMode, decide_recovery
 
 __all__ = ["Supervisor", "supervisor_name", "shard_name"]
@@ -52,6 +54,7 @@ class Supervisor(RunApi, TrainerBook):
         self.cfg = cfg = config_from_dict(config)
         self.run_id = run_id
         self.run_dir = Path(cfg.run_dir).resolve()
+        configure_process_logging(self.run_dir / LOG_DIR, "supervisor")
         self.plan = make_plan(cfg.embeddings.sharding, cfg.model.rows_per_table, cfg.embeddings.num_shards)
         tr = cfg.training
         self.samples_per_step = tr.microbatches_per_step * tr.microbatch_rows
@@ -93,7 +96,10 @@ class Supervisor(RunApi, TrainerBook):
         self.fired: list[str] = []
         TrainerBook.__init__(self)
         # Defect fixed: nothing is written before a restarted supervisor has read its journal.
-        if ray.get_runtime_context().was_current_actor_reconstructed and self.journal.exists():
+        restarted = ray.get_runtime_context().was_current_actor_reconstructed and self.journal.exists()
+        self.run_log = RunLog(self.run_dir, fresh=not restarted)
+        self.metrics = RunMetrics(run_id, self.samples_per_step)
+        if restarted:
             self._rebuild()
         threading.Thread(target=self._executor_loop, name="recovery-executor", daemon=True).start()
 
@@ -123,6 +129,7 @@ class Supervisor(RunApi, TrainerBook):
         self.ckpt.load_doc(doc["schedule"])
         vars(self.costs).update(doc["costs"])
         self.load_trainer_doc(doc)
+        self.run_log.rewrite_events(self.events)
         self.supervisor_restarts += 1
         missing = []
         for k, gen in enumerate(self.shard_gens):
@@ -163,12 +170,19 @@ class Supervisor(RunApi, TrainerBook):
             self._persist()
         return event
 
-    def _append_event(self, kind: str, **fields) -> dict:
+    def _append_event(self, kind: str, event_time: float | None = None, **fields) -> dict:
         """Adds an event without writing the journal; the caller persists (under the lock)."""
-        event = {"time": round(time.time(), 3), "kind": kind, **fields}
+        event = {"time": round(time.time() if event_time is None else event_time, 3), "kind": kind, **fields}
         self.events.append(event)
+        self.run_log.event(event)
+        self.metrics.event(event, self._trainer_failure_of(event) if kind == "trainer_healed" else None)
         logger.info("event %s", event)
         return event
+
+    def _trainer_failure_of(self, healed: dict) -> dict | None:
+        """The trainer failure a heal ended (detection and rejoin times), if its kill is known."""
+        mine = [t for t in self.trainer_failures() if t["actor"] == f"trainer:{healed['rank']}" and t["rejoined_s"] is not None]
+        return mine[-1] if mine else None
 
     # ------------------------------------------------------------------ transitions
 
@@ -281,7 +295,7 @@ class Supervisor(RunApi, TrainerBook):
                 "lost_samples": None if partial else 0.0, "lost_steps_recomputed": 0 if partial else None,
             }
             self.failures.append(failure)
-            self.events.append({"time": round(now, 3), "kind": "shard_recovered", **failure})
+            self._append_event("shard_recovered", event_time=now, **failure)
         if isinstance(done, RollingBack):
             self._reopen_after_rollback(done.step, earlier)
             if done.why != FULL_RECOVERY:
@@ -296,15 +310,15 @@ class Supervisor(RunApi, TrainerBook):
             extra = {"fenced": out.fenced, "rows_reloaded": total["rows"], "load_s": round(out.load_s, 3)}
             if done.why == RESUME:
                 self.resume_step = done.step
-                self.events.append({"time": round(now, 3), "kind": "resumed", "step": done.step,
-                                    "chain": list(done.chain), "bytes_loaded": total["bytes"], **extra})
+                self._append_event("resumed", event_time=now, step=done.step, chain=list(done.chain),
+                                   bytes_loaded=total["bytes"], **extra)
             elif done.why == EVERY_TRAINER_DIED:
                 ahead = max((c.get("ahead", done.step) for c in done.causes), default=done.step)
-                self.events.append({"time": round(now, 3), "kind": "all_trainers_failed", "fallback_step": done.step,
-                                    "steps_lost": ahead - done.step, **extra})
+                self._append_event("all_trainers_failed", event_time=now, fallback_step=done.step,
+                                   steps_lost=ahead - done.step, **extra)
             if out.fenced:
-                self.events.append({"time": round(now, 3), "kind": "checkpoints_fenced", "steps": out.fenced,
-                                    "rollback_step": done.step, "why": done.why})
+                self._append_event("checkpoints_fenced", event_time=now, steps=out.fenced,
+                                   rollback_step=done.step, why=done.why)
 
     # ------------------------------------------------------------------ named fault points
 

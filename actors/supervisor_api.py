@@ -231,13 +231,16 @@ class RunApi:
         last = next((e for e in reversed(self.events) if e["kind"] == "all_trainers_failed"), None)
         return last is not None and last["fallback_step"] == step and not any(s >= step for s in self.commits)
 
-    def save_checkpoint(self, step: int, dense_blob: bytes) -> dict:
-        """Called by the first participating trainer right after it committed ``step``."""
+    def save_checkpoint(self, step: int, dense_blob: bytes, final: bool = False) -> dict:
+        """Called by the first participating trainer right after it committed ``step``;
+        ``final``: the last step of the run (a full checkpoint, whatever the schedule)."""
         with self._lock:
             if not isinstance(self.state, Running):
                 return {"next_step": step + 1, "duration_s": 0.0, "saved": False}
             shards = list(self.shards)
-        return self.ckpt.save(step, dense_blob, shards, {"run_id": self.run_id, "position": self._position(step)}, self._at_point)
+        return self.ckpt.save(
+            step, dense_blob, shards, {"run_id": self.run_id, "position": self._position(step)}, self._at_point, final
+        )
 
     def checkpoint_due(self) -> int | None:
         return self.ckpt.next_checkpoint_step

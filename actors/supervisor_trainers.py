@@ -120,7 +120,10 @@ class TrainerBook:
 
     def record_progress(self, progress: dict) -> None:
         with self._lock:
-            self.progress_log.append({"time": round(time.time(), 3), **progress})
+            record = {"time": round(time.time(), 3), **progress}
+            self.progress_log.append(record)
+            self.run_log.progress(record)
+        self.metrics.progress(record)
 
     def _step_time_s(self) -> float | None:
         with self._lock:

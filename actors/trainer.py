@@ -188,6 +188,14 @@ def train_loop(loop_config: dict) -> None:
     """
     import ray
     import ray.train
+
+    from app.logs import configure_process_logging
+
+    rank = ray.train.get_context().get_world_rank()
+    # First, so that library imports' lines land there too. torchft's quorum and commit
+    # lines (a few a step) go to the run's log files, and to the console only with
+    # `cpr train -v` (the driver's log_to_driver).
+    configure_process_logging(loop_config.get("log_dir"), f"trainer-{rank}")
     import torch
     from torch.distributed import ReduceOp
     from torchft import Manager
@@ -203,12 +211,7 @@ def train_loop(loop_config: dict) -> None:
 
     cfg = config_from_dict(loop_config["config"])
     tr = cfg.training
-    # torchft's Python logs follow RUST_LOG, its Rust logs' knob (app.job.worker_env): a
-    # few lines per step at info, warnings only by default.
-    levels = {"trace": "DEBUG", "debug": "DEBUG", "info": "INFO", "warn": "WARNING", "error": "ERROR"}
-    logging.getLogger("torchft").setLevel(levels.get(os.environ.get("RUST_LOG", "warn").lower(), "WARNING"))
     torch.set_num_threads(tr.threads_per_worker)
-    rank = ray.train.get_context().get_world_rank()
     supervisor = ray.get_actor(loop_config["supervisor"], namespace=cfg.ray.namespace)
     # Waits on the supervisor are longer than the longest wait inside it (actors.deadlines).
     wait_s = Deadlines(cfg.embeddings.call_timeout_s).trainer_wait_s
@@ -440,6 +443,14 @@ def train_loop(loop_config: dict) -> None:
             torch.save(state_dict(), buf)
             saved = ray.get(supervisor.save_checkpoint.remote(done, buf.getvalue()), timeout=wait_s)
             next_checkpoint = saved["next_step"]
+            phases.lap("checkpoint")
+        if committed and participant == 0 and done == schedule.total_steps and cfg.checkpoint.final:
+            # The run's last state, in full whatever the policy: what `cpr export` and
+            # `cpr train --resume` of a finished run read.
+            phases.start()
+            buf = io.BytesIO()
+            torch.save(state_dict(), buf)
+            ray.get(supervisor.save_checkpoint.remote(done, buf.getvalue(), True), timeout=wait_s)
             phases.lap("checkpoint")
         if committed and participant == 0 and (done % tr.progress_every_steps == 0 or done == schedule.total_steps):
             now = time.perf_counter()

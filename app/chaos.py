@@ -24,10 +24,11 @@ logger = logging.getLogger(__name__)
 _TARGET_KINDS = {"shards": "shard:", "trainers": "trainer:", "supervisor": "supervisor", "all_trainers": "all_trainers"}
 
 
-def write_run_info(run_dir: Path, run_id: str, namespace: str, address: str) -> None:
-    """What `cpr chaos --run RUN_DIR` needs to find a running job."""
+def write_run_info(run_dir: Path, run_id: str, namespace: str, address: str, metrics_url: str | None = None) -> None:
+    """What `cpr chaos --run RUN_DIR` needs to find a running job (and where its metrics are)."""
     (Path(run_dir) / "run.json").write_text(
-        json.dumps({"run_id": run_id, "namespace": namespace, "address": address, "pid": os.getpid()})
+        json.dumps({"run_id": run_id, "namespace": namespace, "address": address, "pid": os.getpid(),
+                    "metrics_url": metrics_url})
     )
 
 

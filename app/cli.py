@@ -24,7 +24,7 @@ def _parse_set(values: tuple[str, ...]) -> dict:
 
 
 @click.group()
-@click.option("-v", "--verbose", is_flag=True, help="Log at INFO level.")
+@click.option("-v", "--verbose", is_flag=True, help="Log at INFO level; `train` also shows every worker's output.")
 def main(verbose: bool) -> None:
     """Fault-tolerant training of DLRM recommendation models on Ray."""
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
@@ -53,7 +53,13 @@ def datagen(rows: int, eval_rows: int | None, out: str, fmt: str, seed: int, voc
 @click.option("--set", "sets", multiple=True, help="Override a field, e.g. --set training.epochs=2")
 @click.option("--skip-bad-lines", is_flag=True, help="Count and skip malformed data lines.")
 @click.option("--no-progress", is_flag=True, help="Do not show the progress display.")
-def train(config_path: str | None, resume_dir: str | None, sets: tuple[str, ...], skip_bad_lines: bool, no_progress: bool) -> None:
+@click.option("-v", "--verbose", is_flag=True,
+              help="Also show Ray's, Ray Train's, torchft's and the workers' output (always in RUN_DIR/logs/).")
+@click.pass_context
+def train(
+    ctx: click.Context, config_path: str | None, resume_dir: str | None, sets: tuple[str, ...], skip_bad_lines: bool,
+    no_progress: bool, verbose: bool,
+) -> None:
     """Trains a model as the config says and writes report.json and summary.txt."""
     from app.config import load_config
     from app.job import resume_config, run_training
@@ -70,7 +76,10 @@ def train(config_path: str | None, resume_dir: str | None, sets: tuple[str, ...]
             raise click.UsageError("--resume continues a run with its own config; --set is not allowed")
     else:
         cfg = load_config(config_path, overrides)
-    report = run_training(cfg, show_progress=not no_progress, resume=resume_dir is not None)
+    verbose = verbose or ctx.find_root().params.get("verbose", False)
+    if verbose:
+        logging.getLogger().setLevel(logging.INFO)
+    report = run_training(cfg, show_progress=not no_progress, resume=resume_dir is not None, verbose=verbose)
     click.echo(format_summary(report))
     click.echo(f"report: {cfg.run_dir}/report.json")
 
@@ -157,6 +166,34 @@ def soak(config_path: str, seeds: tuple[int, ...], kills: int, mtbf: float) -> N
         for line in r["violations"]:
             click.echo(f"  violation: {line}")
     sys.exit(1 if bad else 0)
+
+
+@main.command()
+@click.argument("run_dir", type=click.Path(file_okay=False))
+@click.option("--out", "out_dir", type=click.Path(file_okay=False), required=True, help="Output directory.")
+@click.option("--step", type=click.IntRange(0), default=None,
+              help="A full checkpoint's step (default: the newest full checkpoint that verifies).")
+def export(run_dir: str, out_dir: str, step: int | None) -> None:
+    """Writes a checkpoint of RUN_DIR as torchrec's DLRM: model.json and model.pt."""
+    from app.export import export_model
+
+    result = export_model(run_dir, out_dir, step)
+    click.echo(f"exported step {result.step} ({result.embedding_rows:,} embedding rows) to {result.model_pt}")
+    if result.skipped_newer:
+        click.echo(f"newer checkpoints not exported (incremental or corrupt): {list(result.skipped_newer)}")
+
+
+@main.command()
+@click.argument("run_dir", type=click.Path())
+def report(run_dir: str) -> None:
+    """Renders summary.txt, timeline.png and overhead.png of RUN_DIR again from its files
+    (rebuilt from its events, progress and journal when the run crashed)."""
+    from app.report import format_summary, load_run, render
+
+    rep = load_run(run_dir)
+    written = render(run_dir, rep)
+    click.echo(format_summary(rep))
+    click.echo("wrote " + ", ".join(str(p) for p in written))
 
 
 def run() -> None:

@@ -62,6 +62,9 @@ class ModelConfig(_Section):
     """Dimension D of every embedding row (DLRM needs one D for the interaction)."""
     table_rows: int | list[int] = 100_000
     """Rows per table (``max_ind_range``): one number for all 26 tables or a list of 26."""
+    max_ind_range: int | None = Field(None, ge=1, le=2**32)
+    """Cap on every table's rows, as DLRM's ``--max-ind-range``: a larger ``table_rows`` entry
+    (e.g. a column's published cardinality) gets this many rows; None: no cap."""
     dense_arch: list[int] = [64, 16]
     """DenseArch layer sizes; the last must equal ``embedding_dim``."""
     over_arch: list[int] = [64, 1]
@@ -91,7 +94,8 @@ class ModelConfig(_Section):
 
     @property
     def rows_per_table(self) -> list[int]:
-        return [self.table_rows] * NUM_SPARSE if isinstance(self.table_rows, int) else list(self.table_rows)
+        rows = [self.table_rows] * NUM_SPARSE if isinstance(self.table_rows, int) else list(self.table_rows)
+        return rows if self.max_ind_range is None else [min(r, self.max_ind_range) for r in rows]
 
 
 class EmbeddingsConfig(_Section):
@@ -173,6 +177,8 @@ class CheckpointConfig(_Section):
     """SSU: probability that an access puts its row into the sampled set."""
     full_every: int = Field(10, ge=1, le=10_000)
     """MFU/SSU: every full_every-th save is full, which bounds the restore chain."""
+    final: bool = True
+    """Save a full checkpoint after the last step (also when periodic saves are off), so a finished run can be exported (``cpr export``) and resumed."""
     auto_interval: bool = False
     """Choose the interval from the CPR cost model (Young/Daly for full recovery, the PLS target for partial), re-chosen as the online estimates change."""
     pls_target: float = Field(0.02, gt=0.0, lt=1.0)
@@ -188,7 +194,13 @@ class CheckpointConfig(_Section):
 
     @property
     def enabled(self) -> bool:
+        """Whether periodic saves are on."""
         return self.every_steps is not None or self.every_s is not None or self.auto_interval
+
+    @property
+    def stored(self) -> bool:
+        """Whether the run writes checkpoints at all (periodic ones or the final one)."""
+        return self.enabled or self.final
 
 
 class FaultPoint(_Section):
@@ -256,6 +268,8 @@ class RayConfig(_Section):
     """Logical CPUs of the embedded Ray (default: enough for shards and trainers)."""
     namespace: str = "cpr"
     """Ray namespace of the named supervisor actor."""
+    metrics_export_port: int | None = Field(None, ge=1024, le=65535)
+    """Port of the embedded Ray's Prometheus endpoint (``/metrics``); default: Ray picks a free one, written to run.json."""
 
 
 class RunConfig(_Section):

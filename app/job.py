@@ -19,6 +19,7 @@ from app.cache import build_cache
 from app.config import RunConfig
 from app.config import load_config
 from app.errors import CheckpointNotFound, ConfigError, RunFailed
+from app.logs import LOG_DIR, configure_driver_logging, link_ray_session_logs
 
 __all__ = [
     "TrainingJob", "run_training", "resume_config", "prepare_data", "connect_ray", "keep_ray_on_loopback",
@@ -103,18 +104,27 @@ def ray_system_config() -> dict:
     return {"max_direct_call_object_size": INLINE_OBJECT_BYTES}
 
 
-def connect_ray(cfg: RunConfig) -> bool:
+def connect_ray(cfg: RunConfig, verbose: bool = False) -> bool:
     """Joins ``ray.address`` / RAY_ADDRESS, or starts an embedded Ray on 127.0.0.1 with
     token authentication. Returns True if this call started Ray (and must shut it down).
+
+    The workers' output reaches the console only when ``verbose`` (Ray's ``log_to_driver``);
+    it is in the run's log files either way (``app.logs``).
     """
     import ray
+    import ray._private.worker
 
     if ray.is_initialized():
         return False
     address = cfg.ray.address or os.environ.get("RAY_ADDRESS")
     runtime_env = {"env_vars": worker_env()}
+    quiet = {"log_to_driver": verbose, "logging_level": logging.INFO if verbose else logging.WARNING}
+    # log_to_driver leaves out the workers' output, not the raylet's "a worker died" lines,
+    # which the driver prints from its own thread: the switch Ray's debugger uses turns those
+    # off too (they stay in the raylet's log, RUN_DIR/logs/ray/raylet.out).
+    ray._private.worker._worker_logs_enabled = verbose
     if address:
-        ray.init(address=address, namespace=cfg.ray.namespace, runtime_env=runtime_env, log_to_driver=True)
+        ray.init(address=address, namespace=cfg.ray.namespace, runtime_env=runtime_env, **quiet)
         return False
     os.environ.setdefault("RAY_AUTH_MODE", "token")
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
@@ -128,8 +138,21 @@ def connect_ray(cfg: RunConfig) -> bool:
         include_dashboard=False,
         runtime_env=runtime_env,
         _system_config=ray_system_config(),
+        **({"_metrics_export_port": cfg.ray.metrics_export_port} if cfg.ray.metrics_export_port else {}),
+        **quiet,
     )
     return True
+
+
+def metrics_url() -> str | None:
+    """This node's Prometheus endpoint, where Ray exports the run's metrics with its own."""
+    import ray
+
+    try:
+        node = ray._private.worker.global_worker.node
+        return f"http://{node.node_ip_address}:{node.metrics_export_port}/metrics"
+    except AttributeError:  # a client connection has no local node
+        return None
 
 
 def format_event(e: dict) -> str | None:
@@ -157,19 +180,33 @@ def format_event(e: dict) -> str | None:
     if kind == "supervisor_restarted":
         return f"[failure] supervisor restarted; rebuilt its state in {e['rebuilt_s']:.2f}s from step {e['last_checkpoint_step']}"
     if kind == "checkpoint_saved":
-        return f"[checkpoint] step {e['step']}: {e['bytes'] / 1e6:,.1f} MB in {e['duration_s']:.2f}s"
-    if kind in ("checkpoint_fallback", "checkpoint_failed"):
-        return f"[checkpoint] {kind.replace('_', ' ')}: {e}"
+        what = "final, full" if e.get("final") else e.get("checkpoint_kind", "full")
+        return f"[checkpoint] step {e['step']} ({what}): {e['bytes'] / 1e6:,.1f} MB in {e['duration_s']:.2f}s"
+    if kind == "checkpoint_failed":
+        return f"[checkpoint] step {e['step']} not saved ({e['error']}); saving again at a later step"
+    if kind == "checkpoint_fallback":
+        return f"[checkpoint] step {e['step']} refused ({e['reason']}); using an older valid checkpoint"
+    if kind == "interval_changed":
+        return (
+            f"[decision] checkpoint every {e['interval_steps']} steps ({e['interval_s']:.1f}s, {e['mode']} recovery "
+            f"expected, MTBF {e['mtbf_s']:.0f}s): {e['reason']}"
+        )
+    if kind == "replacement_joined":
+        return f"[failure] trainer:{e['rank']}'s replacement joined the live trainers at step {e['step']}"
+    if kind == "recovery_error":
+        return f"[failure] recovery attempt {e['attempt']} failed in {e['state']}: {e['error']}; trying again"
     return None
 
 
-def _progress_loop(supervisor, stop: threading.Event, total_steps: int, show_bar: bool) -> None:
+def _progress_loop(supervisor, stop: threading.Event, total_steps: int, show_bar: bool, header: str = "") -> None:
     from rich.console import Console
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     import ray
 
     seen = 0
+    if header:
+        Console(highlight=False).print(header, markup=False, soft_wrap=True)
 
     def new_events(print_line) -> None:
         nonlocal seen
@@ -251,10 +288,11 @@ class TrainingJob:
     to look at live actors; users call ``run_training``.
     """
 
-    def __init__(self, cfg: RunConfig, show_progress: bool = True, resume: bool = False):
+    def __init__(self, cfg: RunConfig, show_progress: bool = True, resume: bool = False, verbose: bool = False):
         self.cfg = cfg
         self.show_progress = show_progress
         self.resume = resume
+        self.verbose = verbose
         self.resumed: dict | None = None
         self.run_dir = Path(cfg.run_dir).resolve()
         self.run_id = uuid.uuid4().hex[:8]
@@ -277,7 +315,7 @@ class TrainingJob:
         from actors.supervisor import Supervisor, supervisor_name
 
         cfg = self.cfg
-        if cfg.checkpoint.enabled and not self.resume:
+        if cfg.checkpoint.stored and not self.resume:
             from actors.checkpoint import CheckpointStore
 
             existing = CheckpointStore(cfg.checkpoint_uri).list_committed()
@@ -287,10 +325,12 @@ class TrainingJob:
                     f"continue that run with `cpr train --resume {cfg.run_dir}` or choose a new run_dir"
                 )
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        configure_driver_logging(self.run_dir, self.verbose)
         (self.run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(), sort_keys=False))
         self.data = prepare_data(cfg)
         self._t["data"] = time.perf_counter()
-        self._started_ray = connect_ray(cfg)
+        self._started_ray = connect_ray(cfg, self.verbose)
+        link_ray_session_logs(self.run_dir)
         if self.resume:
             _kill_leftovers(self.run_dir, cfg.ray.namespace)
         # Pinned to this node (its state file lives in run_dir); restarted by Ray when it
@@ -312,7 +352,10 @@ class TrainingJob:
             )
         )
         self._starting = self.supervisor.start.remote()
-        write_run_info(self.run_dir, self.run_id, cfg.ray.namespace, ray.get_runtime_context().gcs_address)
+        self.metrics_url = metrics_url()
+        write_run_info(
+            self.run_dir, self.run_id, cfg.ray.namespace, ray.get_runtime_context().gcs_address, self.metrics_url
+        )
         if wait or self.resume:
             return self.await_start()
         return None
@@ -353,6 +396,7 @@ class TrainingJob:
                     "config": cfg.model_dump(),
                     "supervisor": supervisor_name(self.run_id),
                     "lighthouse_host": host,
+                    "log_dir": str(self.run_dir / LOG_DIR),
                 },
                 scaling_config=ScalingConfig(num_workers=cfg.training.num_trainers, use_gpu=False),
                 torch_config=TorchftConfig(
@@ -375,7 +419,7 @@ class TrainingJob:
         threads = [
             threading.Thread(
                 target=_progress_loop,
-                args=(self.supervisor, stop, self._total_steps(), self.show_progress),
+                args=(self.supervisor, stop, self._total_steps(), self.show_progress, self._header()),
                 daemon=True,
             )
         ]
@@ -400,6 +444,12 @@ class TrainingJob:
                 t.join(timeout=10)
         self._t["end"] = time.perf_counter()
         self.await_start()  # a shard that never started ended the trainers: say why
+
+    def _header(self) -> str:
+        where = f"[run] {self.run_id} in {self.cfg.run_dir}: logs in {self.cfg.run_dir}/{LOG_DIR}/"
+        if getattr(self, "metrics_url", None):
+            where += f", metrics at {self.metrics_url}"
+        return where
 
     def _fit_with_restarts(self, make_trainer) -> None:
         """Ray Train's ``fit()``, started again when its controller gave up because a second
@@ -544,14 +594,16 @@ def resume_config(run_dir: str) -> RunConfig:
     return load_config(path)
 
 
-def run_training(cfg: RunConfig, show_progress: bool = True, resume: bool = False, stop_grace_s: float = 25.0) -> dict:
+def run_training(
+    cfg: RunConfig, show_progress: bool = True, resume: bool = False, stop_grace_s: float = 25.0, verbose: bool = False
+) -> dict:
     """Runs one training job end to end and returns the report (also written to run_dir).
 
     SIGINT or SIGTERM stops it cleanly: trainers stop at their next step, the report is
     written with ``"interrupted": true``, the shards are killed, and ``--resume`` continues
     from the last valid checkpoint. A second signal stops at once.
     """
-    job = TrainingJob(cfg, show_progress, resume)
+    job = TrainingJob(cfg, show_progress, resume, verbose)
     interrupted = threading.Event()
 
     def on_signal(signum, frame):

@@ -109,9 +109,18 @@ class PriorityPolicy(ABC):
         """Factor on the full-save interval: a policy saving r of the rows saves 1/r as often."""
         return 1.0
 
+    @property
+    def tracked_rows(self) -> int:
+        """Rows the policy holds as candidates for the next prioritized save (0: no tracking)."""
+        return 0
+
     def scale_interval_s(self, full_interval_s: float) -> float:
         """Interval for this policy given the interval a full-save schedule would use."""
         return full_interval_s * self.interval_scale
+
+    def select_full(self, save_index: int, reason: str) -> SaveSelection:
+        """Every row, whatever the policy would pick (the final checkpoint of a run)."""
+        return self._full_selection(_check_save_index(save_index), reason)
 
     def _full_selection(self, save_index: int, reason: str) -> SaveSelection:
         return SaveSelection(
@@ -255,6 +264,10 @@ class MfuPolicy(_BudgetedPolicy):
     def tracking_bytes(self) -> int:
         return int(self._counts.nbytes)
 
+    @property
+    def tracked_rows(self) -> int:
+        return int(np.count_nonzero(self._counts))
+
     def access_count(self, rows: npt.ArrayLike) -> np.ndarray:
         """Counts since last save of ``rows`` (a copy; for tests and diagnostics)."""
         return self._counts[self._rows_arg(rows)].astype(np.int64)
@@ -299,6 +312,10 @@ class SsuPolicy(_BudgetedPolicy):
 
     @property
     def sampled_rows(self) -> int:
+        return self._size
+
+    @property
+    def tracked_rows(self) -> int:
         return self._size
 
     def _contains(self, cand: np.ndarray) -> np.ndarray:
