@@ -107,7 +107,9 @@ def test_killing_a_trainer_then_another_while_the_first_heals(ray_local, small_d
     # kill) used to take that for "every trainer died", clash with the survivor and die too.
     starts = [e["rank"] for e in report["events"] if e["kind"] == "trainer_started"]
     assert sorted(starts) == [0, 1, 1, 2, 2], starts
-    assert report["all_trainers_failed"] == [] and report["checkpoints_saved"] == 0
+    # No periodic save: the one checkpoint is the final one, after the last step.
+    assert report["all_trainers_failed"] == [] and report["checkpoints_saved"] == 1
+    assert [(e["step"], e["final"]) for e in report["events"] if e["kind"] == "checkpoint_saved"] == [(468, True)]
     assert report["failures"] == []
 
 
