@@ -42,16 +42,34 @@ def test_kill_driver_then_resume(ray_local, small_data, tmp_path):
     cfg_path.write_text(yaml.safe_dump(config))
     env = _driver_env(ray_local)
     cmd = [sys.executable, "-m", "app", "train", "--no-progress"]
-    first = subprocess.Popen(cmd + ["--config", str(cfg_path)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    first_out = open(tmp_path / "first.out", "w")
+    # -v: the workers' output is on the console too.
+    first = subprocess.Popen(cmd + ["-v", "--config", str(cfg_path)], env=env, stdout=first_out, stderr=subprocess.STDOUT)
     store = CheckpointStore(str(run_dir / "checkpoints"))
     try:
         wait_for_condition(lambda: any(s >= 60 for s in store.list_committed()), timeout=240, retry_interval_ms=200)
     finally:
         first.send_signal(signal.SIGKILL)
         first.wait(timeout=30)
+        first_out.close()
+    verbose = (tmp_path / "first.out").read_text()
+    assert "(RayTrainWorker pid=" in verbose and "torchft" in verbose, verbose[-3000:]
     assert not (run_dir / "report.json").exists(), "the first run finished before it was killed"
     last = store.latest_valid()
     assert last is not None and last.step % 30 == 0
+
+    # What the dead run left on disk is enough to draw it: cpr report rebuilds its summary
+    # and plots from the events and progress the supervisor appended as it went.
+    drawn = subprocess.run([sys.executable, "-m", "app", "report", str(run_dir)], env=env, capture_output=True,
+                           text=True, timeout=120)
+    assert drawn.returncode == 0, drawn.stderr[-3000:]
+    summary = (run_dir / "summary.txt").read_text()
+    assert "CRASHED" in summary, summary
+    progress = [json.loads(line) for line in (run_dir / "progress.jsonl").read_text().splitlines() if line.strip()]
+    assert max(p["step"] for p in progress) >= last.step
+    for png in ("timeline.png", "overhead.png"):
+        assert (run_dir / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", png
+    assert not (run_dir / "report.json").exists()
 
     # A fresh run into the same run_dir must not silently overwrite its checkpoints.
     refused = subprocess.run(cmd + ["--config", str(cfg_path)], env=env, capture_output=True, text=True, timeout=120)
@@ -59,6 +77,15 @@ def test_kill_driver_then_resume(ray_local, small_data, tmp_path):
 
     resumed = subprocess.run(cmd + ["--resume", str(run_dir)], env=env, capture_output=True, text=True, timeout=400)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
+    # Without -v the console is the product's own lines; everything else is in RUN_DIR/logs.
+    console = [line for line in (resumed.stdout + resumed.stderr).splitlines() if line.strip()]
+    assert len(console) <= 40, console
+    for noise in ("pid=", "Successfully loaded", "Warning", "torchft", "PlacementGroupCleaner", "Traceback"):
+        assert not [line for line in console if noise in line], (noise, console)
+    logs = run_dir / "logs"
+    trainer_logs = "".join(f.read_text() for f in logs.glob("trainer-*.log"))
+    assert "Successfully loaded" in trainer_logs and "torchft.manager" in trainer_logs
+    assert list(logs.glob("shard-*.log")) and list(logs.glob("supervisor-*.log")) and (logs / "driver.log").exists()
     report = json.loads((run_dir / "report.json").read_text())
     events = {e["kind"]: e for e in report["events"]}
     total_steps = report["steps"]
