@@ -1,4 +1,4 @@
-"""The ``cpr`` command line (also ``python -m app``): ``datagen`` and ``train``."""
+"""The ``cpr`` command line (also ``python -m app``): datagen, train, report, export, chaos, soak, config-docs."""
 
 from __future__ import annotations
 
