@@ -445,20 +445,17 @@ def train_loop(loop_config: dict) -> None:
             # Just became the saving trainer (e.g. the previous one died): ask what is due.
             next_checkpoint = ray.get(supervisor.checkpoint_due.remote(), timeout=wait_s)
         last_participant = participant
-        if participant == 0 and next_checkpoint is not None and done >= next_checkpoint and done < schedule.total_steps:
+        due = next_checkpoint is not None and next_checkpoint <= done < schedule.total_steps
+        # The run's last state is saved in full whatever the policy: what `cpr export` and
+        # `cpr train --resume` of a finished run read.
+        final = committed and done == schedule.total_steps and cfg.checkpoint.final
+        if participant == 0 and (due or final):
             phases.start()
             buf = io.BytesIO()
             torch.save(state_dict(), buf)
-            saved = ray.get(supervisor.save_checkpoint.remote(done, buf.getvalue()), timeout=wait_s)
-            next_checkpoint = saved["next_step"]
-            phases.lap("checkpoint")
-        if committed and participant == 0 and done == schedule.total_steps and cfg.checkpoint.final:
-            # The run's last state, in full whatever the policy: what `cpr export` and
-            # `cpr train --resume` of a finished run read.
-            phases.start()
-            buf = io.BytesIO()
-            torch.save(state_dict(), buf)
-            ray.get(supervisor.save_checkpoint.remote(done, buf.getvalue(), True), timeout=wait_s)
+            saved = ray.get(supervisor.save_checkpoint.remote(done, buf.getvalue(), final), timeout=wait_s)
+            if due:
+                next_checkpoint = saved["next_step"]
             phases.lap("checkpoint")
         if committed and participant == 0 and (done % tr.progress_every_steps == 0 or done == schedule.total_steps):
             now = time.perf_counter()
