@@ -219,8 +219,8 @@ def write_report(run_dir: Path, report: dict) -> None:
     """Writes report.json, events.jsonl, summary.txt and the plots. A plot that cannot be
     drawn is logged, never fails the run: the report files are written first."""
     run_dir = Path(run_dir)
-    (run_dir / "report.json").write_text(json.dumps(report, indent=2, default=str))
-    with open(run_dir / "events.jsonl", "w") as f:
+    (run_dir / REPORT_FILE).write_text(json.dumps(report, indent=2, default=str))
+    with open(run_dir / EVENTS_FILE, "w") as f:
         for e in report["events"]:
             f.write(json.dumps(e, default=str) + "\n")
     render(run_dir, report)
