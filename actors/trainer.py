@@ -410,15 +410,7 @@ def train_loop(loop_config: dict) -> None:
                                         "quorum": manager._quorum_id, "microbatches": list(chunk) if mine else [],
                                         "total": step_microbatches}) + "\n")
         else:
-            failure = manager.errored()
-            if failure is not None and not isinstance(failure, (ShardCallFailed, StaleStep, TrainerConflict)):
-                # The all-reduce itself failed: a peer died. Close this trainer's gloo group
-                # now, so that a peer still blocked receiving from it fails at once and joins
-                # the next quorum; otherwise that peer waits out collective_timeout_s, and the
-                # lighthouse holds the quorum (every survivor) for it. The next quorum, which
-                # drops the dead peer, builds a new group.
-                pg.abort(errored=False)
-            supervisor.record_step_failed.remote(step, rank, time.time(), str(step_error or failure))
+            supervisor.record_step_failed.remote(step, rank, time.time(), str(step_error or manager.errored()))
             # A failed step: pick up respawned shards (and, after a full recovery, the
             # checkpoint's dense state and step) before redoing it.
             info = ray.get(supervisor.await_shards.remote(generation, step), timeout=wait_s)
