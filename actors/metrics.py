@@ -97,8 +97,10 @@ class RunMetrics:
         elif kind == "all_trainers_failed":
             self.failures.inc(1, tags=self._tags(kind="all_trainers", recovery="checkpoint"))
         elif kind == "lost_samples_counted":
-            self._lost_total += float(e["lost_samples"] or 0.0)
-            self.lost_samples.inc(float(e["lost_samples"] or 0.0), tags=self.tags)
+            lost = float(e["lost_samples"] or 0.0)
+            self._lost_total += lost
+            if lost > 0:  # Ray's Counter.inc refuses 0; a recovery that lost nothing adds nothing
+                self.lost_samples.inc(lost, tags=self.tags)
             self._set_pls()
         elif kind == "checkpoint_saved":
             tags = self._tags(kind=e["checkpoint_kind"])

@@ -67,8 +67,11 @@ def test_metrics_exported_with_run_id(ray_local, small_data, tmp_path):
         def exported() -> list | None:
             samples = _scrape(url, report["run_id"])
             # Ray's agent exports every few seconds: wait until the last values are in.
+            # A kill fired at a step lands a moment later, sometimes right after a save: then the
+            # recovery loses nothing and the counter, which Ray exports from its first increment, is absent.
+            lost = _total(samples, "ray_cpr_lost_samples_total")
             done = _total(samples, "ray_cpr_step") == report["steps"] and _total(
-                samples, "ray_cpr_checkpoints_total") == len(saves) and _total(samples, "ray_cpr_lost_samples_total") is not None
+                samples, "ray_cpr_checkpoints_total") == len(saves) and (lost is not None or report["lost_samples"] == 0)
             return samples if done else None
 
         deadline = time.monotonic() + 90
@@ -95,9 +98,8 @@ def test_metrics_exported_with_run_id(ray_local, small_data, tmp_path):
         if n == "ray_cpr_recovery_seconds_bucket" and labels.get("kind") == "shard"
     )
     assert [v for le, v in buckets] == [float(le >= shard["recovery_s"]) for le, _ in buckets], (buckets, shard["recovery_s"])
-    assert _total(samples, "ray_cpr_lost_samples_total") == pytest.approx(report["lost_samples"])
+    assert (_total(samples, "ray_cpr_lost_samples_total") or 0.0) == pytest.approx(report["lost_samples"])
     assert _total(samples, "ray_cpr_pls") == pytest.approx(report["pls"], rel=1e-6)
-    assert report["lost_samples"] > 0
     assert _total(samples, "ray_cpr_checkpoint_bytes_total") == sum(e["bytes"] for e in saves)
     assert _total(samples, "ray_cpr_checkpoint_seconds_count") == len(saves)
     incremental = [e for e in saves if e["checkpoint_kind"] == "incremental"]
