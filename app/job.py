@@ -293,6 +293,7 @@ class TrainingJob:
         self.show_progress = show_progress
         self.resume = resume
         self.verbose = verbose
+        self.metrics_url: str | None = None  # this node's Prometheus endpoint, known once Ray is up
         self.resumed: dict | None = None
         self.run_dir = Path(cfg.run_dir).resolve()
         self.run_id = uuid.uuid4().hex[:8]
@@ -447,7 +448,7 @@ class TrainingJob:
 
     def _header(self) -> str:
         where = f"[run] {self.run_id} in {self.cfg.run_dir}: logs in {self.cfg.run_dir}/{LOG_DIR}/"
-        if getattr(self, "metrics_url", None):
+        if self.metrics_url:
             where += f", metrics at {self.metrics_url}"
         return where
 
