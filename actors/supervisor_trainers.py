@@ -38,6 +38,8 @@ class TrainerBook:
         self.progress_log: list[dict] = []
         self.training_started = False
         self._redos: dict[int, dict[int, int]] = {}
+        # (quorum id, step) whose all-reduce failed on some trainer: its group cannot finish.
+        self._broken_groups: set[tuple[int, int]] = set()
 
     def trainer_doc(self) -> dict:
         return {
@@ -105,9 +107,15 @@ class TrainerBook:
                 me["committed_step"] = max(step, me.get("committed_step", -1))
         self._faults_at_step(step)
 
-    def record_step_failed(self, step: int, rank: int, wall_time: float, cause: str) -> None:
+    def record_step_failed(
+        self, step: int, rank: int, wall_time: float, cause: str, broken_quorum: int | None = None
+    ) -> None:
+        """Trainer ``rank`` did not commit ``step``. ``broken_quorum``: the quorum whose
+        all-reduce failed on that trainer (a member died), if that is why."""
         with self._lock:
             self.failed_steps.append({"step": step, "rank": rank, "time": wall_time, "cause": cause})
+            if broken_quorum is not None:
+                self._broken_groups.add((broken_quorum, step))
             per_rank = self._redos.setdefault(step, {})
             per_rank[rank] = per_rank.get(rank, 0) + 1
             redos = max(per_rank.values())
@@ -117,6 +125,12 @@ class TrainerBook:
                 f"budget budgets.max_step_redos={budget} exceeded: step {step} failed {redos} times "
                 f"(last on trainer {rank}: {cause[:200]})"
             ))
+
+    def group_broken(self, quorum: int, step: int) -> bool:
+        """Whether some trainer's all-reduce of ``step`` in ``quorum`` failed: asked by a
+        trainer whose own all-reduce of it is taking long (see ``sum_over_trainers``)."""
+        with self._lock:
+            return (quorum, step) in self._broken_groups
 
     def record_progress(self, progress: dict) -> None:
         with self._lock:

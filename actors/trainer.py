@@ -13,6 +13,7 @@ import json
 import logging
 import math
 import os
+import threading
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -20,7 +21,7 @@ from urllib.parse import urlsplit
 
 import numpy as np
 
-__all__ = ["train_loop", "StepSchedule", "ShardCallFailed", "StaleStep"]
+__all__ = ["train_loop", "StepSchedule", "ShardCallFailed", "StaleStep", "GroupBroken", "sum_over_trainers"]
 
 
 @dataclass(frozen=True)
@@ -92,6 +93,49 @@ class ShardCallFailed(Exception):
 
     def __str__(self) -> str:
         return f"shard {self.shard}: {self.reason}"
+
+
+class GroupBroken(Exception):
+    """Another trainer's all-reduce of this step failed in the same quorum: a trainer of it
+    died. This trainer stopped waiting for its own all-reduce, which cannot complete."""
+
+
+# How often a trainer still waiting for its all-reduce asks whether the group broke.
+_GROUP_CHECK_S = 0.1
+
+
+def sum_over_trainers(pg, flat, group_broken) -> Exception | None:
+    """Sums ``flat`` in place over the quorum's trainers. Returns None, or why the sum failed.
+
+    A trainer killed in the middle of a gloo ring all-reduce makes its neighbours' calls fail
+    at once, but a survivor that was waiting for data from one of those neighbours (not from
+    the dead one) waits out the whole collective timeout: gloo cannot cancel a pending
+    receive (``abort``, ``shutdown`` and dropping the group leave it blocked; measured), and
+    the failed neighbour never sends. Meanwhile it heartbeats, so the lighthouse holds the
+    next quorum for it. So the wait here is in slices: while the sum is pending,
+    ``group_broken()`` is asked every ``_GROUP_CHECK_S`` (a failed all-reduce elsewhere in
+    the same quorum and step); if so the trainer walks away. The abandoned receive ends in
+    gloo's worker thread at its timeout; nothing reads its result, and the next quorum
+    builds a new group. A healthy step never pays for a check: the sum is done first.
+    """
+    from torch.distributed import AllreduceOptions, ReduceOp
+
+    opts = AllreduceOptions()
+    opts.reduceOp = ReduceOp.SUM
+    try:
+        fut = pg.allreduce([flat], opts).get_future()
+    except Exception as err:  # the group is already known broken (a peer died before the call)
+        return err
+    finished = threading.Event()
+    fut.add_done_callback(lambda _: finished.set())
+    while not finished.wait(_GROUP_CHECK_S):
+        if group_broken():
+            return GroupBroken("another trainer's all-reduce of this step failed; stopped waiting for this one")
+    try:
+        fut.value()
+    except Exception as err:
+        return err
+    return None
 
 
 class StaleStep(Exception):
@@ -197,7 +241,6 @@ def train_loop(loop_config: dict) -> None:
     # `cpr train -v` (the driver's log_to_driver).
     configure_process_logging(loop_config.get("log_dir"), f"trainer-{rank}")
     import torch
-    from torch.distributed import ReduceOp
     from torchft import Manager
     from torchft.checkpointing.pg_transport import PGTransport
 
@@ -385,12 +428,24 @@ def train_loop(loop_config: dict) -> None:
         # count is the step's microbatch total as every trainer sees it.
         extra = torch.tensor([float(step_error is not None), float(len(mine))])
         flat = torch.cat([p.grad.reshape(-1) for p in params] + [extra])
-        manager.allreduce(flat, reduce_op=ReduceOp.SUM).wait()
+        # The group's collective is called directly, not through manager.allreduce: a wait
+        # this trainer walks away from must not report its late error into a later step.
+        broken_quorum = None
+        if manager.errored() is None:
+            if not manager.is_participating():
+                flat.zero_()
+            quorum_id = manager._quorum_id  # torchft 0.2 keeps the quorum id only privately
+            failure = sum_over_trainers(
+                pg, flat, lambda: ray.get(supervisor.group_broken.remote(quorum_id, step), timeout=wait_s)
+            )
+            if failure is not None:
+                manager.report_error(failure)
+                broken_quorum = quorum_id
         phases.lap("allreduce")
         step_microbatches = int(round(flat[-1].item()))
         if step_error is not None:
             manager.report_error(step_error)
-        elif flat[-2].item() > 0:
+        elif manager.errored() is None and flat[-2].item() > 0:
             step_error = ShardCallFailed(-1, "a peer trainer's step failed")
             manager.report_error(step_error)
         if manager.should_commit():
@@ -410,7 +465,9 @@ def train_loop(loop_config: dict) -> None:
                                         "quorum": manager._quorum_id, "microbatches": list(chunk) if mine else [],
                                         "total": step_microbatches}) + "\n")
         else:
-            supervisor.record_step_failed.remote(step, rank, time.time(), str(step_error or manager.errored()))
+            supervisor.record_step_failed.remote(
+                step, rank, time.time(), str(step_error or manager.errored()), broken_quorum
+            )
             # A failed step: pick up respawned shards (and, after a full recovery, the
             # checkpoint's dense state and step) before redoing it.
             info = ray.get(supervisor.await_shards.remote(generation, step), timeout=wait_s)

@@ -98,7 +98,12 @@ def test_killing_a_trainer_then_another_while_the_first_heals(ray_local, small_d
     _assert_every_microbatch_once(report, logs, 468)
     first, second = report["trainer_failures"]
     assert (first["actor"], second["actor"]) == ("trainer:1", "trainer:2")
-    # The survivors went on without the dead trainer until its replacement healed from them.
+    # The survivors went on without the dead trainer until its replacement healed from them:
+    # a survivor left waiting inside the broken all-reduce walks away (sum_over_trainers)
+    # instead of holding the next quorum until the replacement arrives (1 run in 5 before).
+    # Not asserted for the second kill: it lands as the first replacement's quorum forms,
+    # sometimes while the new group connects, and that costs every trainer gloo's connect
+    # retries (about 5 x connect_timeout_s), longer than the next replacement takes to start.
     assert first["detection_s"] is not None and first["detection_s"] < 30
     assert first["steps_with_fewer_trainers"] >= 1
     assert first["heal_s"] is not None and first["replacement_joined_at_step"] > 20

@@ -1,6 +1,7 @@
 """The trainers' reconfigurable gloo process group, with real gloo processes on 127.0.0.1:
 a peer that dies after a quorum formed costs the survivors a few connect timeouts, not five
-collective timeouts, while collectives still wait the full collective timeout."""
+collective timeouts, while collectives still wait the full collective timeout; a trainer
+waiting for an all-reduce that a peer left walks away once told the group broke."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import torch
 from torch.distributed import ReduceOp, TCPStore
 
 from actors.gloo import ReconfigurableGloo
+from actors.trainer import GroupBroken, sum_over_trainers
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -32,6 +34,9 @@ addr, delay = sys.argv[1], float(sys.argv[2])
 pg = ReconfigurableGloo(timedelta(seconds=60), timedelta(seconds=1))
 print("connecting", flush=True)
 pg.configure(addr, "peer", 1, 2)
+if delay < 0:  # never joins: a peer whose own all-reduce failed and that left the collective
+    time.sleep(60)
+    os._exit(0)
 time.sleep(delay)
 x = torch.ones(2)
 pg.allreduce([x], ReduceOp.SUM).wait()
@@ -76,3 +81,60 @@ def test_collectives_keep_the_collective_timeout(store):
     assert x.tolist() == [2.0, 2.0]
     out, _ = peer.communicate(timeout=30)
     assert "sum [2.0, 2.0]" in out and peer.returncode == 0
+
+
+def test_a_wait_for_a_peer_that_left_ends_when_the_group_is_known_broken(store):
+    # The peer connected but never joins the all-reduce, as a trainer whose own all-reduce
+    # failed (its other neighbour died) never sends. Without the check this trainer would
+    # wait out the 60 s collective timeout.
+    peer = _peer(f"127.0.0.1:{store.port}/q3", delay=-1)
+    try:
+        pg = ReconfigurableGloo(COLLECTIVE, CONNECT)
+        pg.configure(f"127.0.0.1:{store.port}/q3", "me", 0, 2)
+        t0 = time.monotonic()
+        asked = []
+
+        def group_broken():
+            asked.append(time.monotonic() - t0)
+            return asked[-1] > 0.5
+
+        failure = sum_over_trainers(pg, torch.ones(2), group_broken)
+        assert isinstance(failure, GroupBroken)
+        assert time.monotonic() - t0 < 5 and len(asked) >= 2
+    finally:
+        peer.kill()
+        peer.wait()
+    # The abandoned receive is still pending in the old group's thread; the next quorum's
+    # group works regardless.
+    late = _peer(f"127.0.0.1:{store.port}/q4", delay=0)
+    pg.configure(f"127.0.0.1:{store.port}/q4", "me", 0, 2)
+    x = torch.ones(2)
+    assert sum_over_trainers(pg, x, lambda: False) is None
+    assert x.tolist() == [2.0, 2.0]
+    late.communicate(timeout=30)
+
+
+def test_a_slow_peer_is_waited_for_while_the_group_is_whole(store):
+    # A peer 1.5 s late (slow compute, a shard recovery) is no reason to walk away: the
+    # check says the group is whole, and the sum completes.
+    peer = _peer(f"127.0.0.1:{store.port}/q5", delay=1.5)
+    pg = ReconfigurableGloo(COLLECTIVE, CONNECT)
+    pg.configure(f"127.0.0.1:{store.port}/q5", "me", 0, 2)
+    asked = []
+    x = torch.ones(2)
+    assert sum_over_trainers(pg, x, lambda: asked.append(1) or False) is None
+    assert x.tolist() == [2.0, 2.0] and len(asked) >= 5
+    out, _ = peer.communicate(timeout=30)
+    assert "sum [2.0, 2.0]" in out
+
+
+def test_a_dead_peer_fails_the_sum_at_once(store):
+    peer = _peer(f"127.0.0.1:{store.port}/q6", delay=-1)
+    pg = ReconfigurableGloo(COLLECTIVE, CONNECT)
+    pg.configure(f"127.0.0.1:{store.port}/q6", "me", 0, 2)
+    peer.kill()
+    peer.wait()
+    t0 = time.monotonic()
+    failure = sum_over_trainers(pg, torch.ones(2), lambda: False)
+    assert failure is not None and not isinstance(failure, GroupBroken)
+    assert time.monotonic() - t0 < 5
