@@ -116,7 +116,8 @@ def sum_over_trainers(pg, flat, group_broken) -> Exception | None:
     ``group_broken()`` is asked every ``_GROUP_CHECK_S`` (a failed all-reduce elsewhere in
     the same quorum and step); if so the trainer walks away. The abandoned receive ends in
     gloo's worker thread at its timeout; nothing reads its result, and the next quorum
-    builds a new group. A healthy step never pays for a check: the sum is done first.
+    builds a new group. A sum done within ``_GROUP_CHECK_S`` asks nothing; a slower one (a
+    peer still computing) costs one small supervisor call per slice.
     """
     from torch.distributed import AllreduceOptions, ReduceOp
 
