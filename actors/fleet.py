@@ -85,7 +85,7 @@ class ShardFleet:
             eps=emb.eps,
             seed=self.cfg.seed,
             microbatches_per_step=self.cfg.training.microbatches_per_step,
-            threads=self.cfg.training.threads_per_worker,
+            threads=self.cfg.embeddings.threads,
             priority={"policy": ck.policy, "r": ck.r, "sample_rate": ck.sample_rate, "full_every": ck.full_every},
             generation=generation,
             audit_dir=self.audit_dir,

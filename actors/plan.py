@@ -77,9 +77,9 @@ class ShardingPlan:
     def scatter_pooled(self, pooled: np.ndarray, shard: int, out: np.ndarray) -> None:
         """Adds a shard's pooled output float32 [B, S*D] into ``out`` float32 [B, F, D]."""
         batch, _, dim = out.shape
-        parts = pooled.reshape(batch, -1, dim)
-        for i, s in enumerate(self.shards[shard]):
-            out[:, s.table, :] += parts[:, i, :]
+        # One fancy-indexed add: a shard holds at most one slice of a table (make_plan), so
+        # no table repeats within the index and the result equals slice-by-slice adds.
+        out[:, self.slice_tables(shard), :] += pooled.reshape(batch, -1, dim)
 
     def gather_grad(self, grad: np.ndarray, shard: int) -> np.ndarray:
         """The gradient a shard needs, float32 [B, S*D], from the pooled gradient [B, F, D]."""

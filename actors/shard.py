@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from actors.plan import TableSlice, shard_row_ids, slice_offsets
+from actors.shm import ShmArray, ShmReader
 
 __all__ = ["EmbeddingShard"]
 
@@ -143,6 +144,8 @@ class EmbeddingShard:
         self.applied_step = -1
         self.rows_updated_total = 0
         self.compute_s = 0.0
+        # Arrays of trainers on this node come through shared memory (actors.shm).
+        self._shm = ShmReader()
 
     def _init_weights(self, seed: int) -> None:
         # DLRM's init, uniform(+-sqrt(1/rows)), seeded per (table, row_start) so a slice
@@ -201,14 +204,21 @@ class EmbeddingShard:
             return self.tbe(idx, off)
 
     def lookup(
-        self, step: int, microbatches: tuple[int, ...], lengths: np.ndarray, indices: np.ndarray
-    ) -> np.ndarray:
-        """Pooled embeddings float32 [B, S*D] of a trainer's microbatches of ``step``.
+        self,
+        step: int,
+        microbatches: tuple[int, ...],
+        lengths: np.ndarray | ShmArray,
+        indices: np.ndarray | ShmArray,
+        out: ShmArray | None = None,
+    ) -> np.ndarray | ShmArray:
+        """Pooled embeddings float32 [B, S*D] of a trainer's microbatches of ``step``
+        (written to ``out`` when given: a trainer on this node, see actors.shm).
 
         The ids are kept until the step's gradients arrive, so the trainer does not send
         them twice.
         """
         t0 = time.perf_counter()
+        lengths, indices = self._shm.get(lengths), self._shm.get(indices)
         if step > self.applied_step:
             chunks = self._pending.setdefault(step, {})
             # A redo may split the step differently (fewer trainers): the new chunk replaces
@@ -223,15 +233,18 @@ class EmbeddingShard:
                 if self._unconfirmed_save is not None:
                     self._since_save.append(ids)
                 self.tracking_s += time.perf_counter() - t_track
-        out = self._forward(lengths, indices, grad=False).cpu().numpy()
+        pooled = self._shm.put(out, self._forward(lengths, indices, grad=False).cpu().numpy())
         self.compute_s += time.perf_counter() - t0
-        return out
+        return pooled
 
-    def lookup_eval(self, lengths: np.ndarray, indices: np.ndarray) -> np.ndarray:
+    def lookup_eval(
+        self, lengths: np.ndarray | ShmArray, indices: np.ndarray | ShmArray, out: ShmArray | None = None
+    ) -> np.ndarray | ShmArray:
         """Pooled embeddings for evaluation; nothing is kept."""
-        return self._forward(lengths, indices, grad=False).cpu().numpy()
+        lengths, indices = self._shm.get(lengths), self._shm.get(indices)
+        return self._shm.put(out, self._forward(lengths, indices, grad=False).cpu().numpy())
 
-    def push_grads(self, step: int, microbatches: tuple[int, ...], grad: np.ndarray) -> dict:
+    def push_grads(self, step: int, microbatches: tuple[int, ...], grad: np.ndarray | ShmArray) -> dict:
         """Stores the pooled-embedding gradient of a chunk; applies the step when complete.
 
         Returns whether the step is applied, so the caller knows the update happened once.
@@ -245,7 +258,7 @@ class EmbeddingShard:
             # load dropped it): this gradient belongs to an abandoned attempt. The caller's
             # step fails and is redone; nothing here changes.
             return {"applied": False, "duplicate": False, "stale": True}
-        chunk.grad = grad
+        chunk.grad = self._shm.get(grad)
         have = sum(len(c.microbatches) for c in chunks.values() if c.grad is not None)
         if have < self.microbatches_per_step:
             return {"applied": False, "duplicate": False}

@@ -73,6 +73,11 @@ class TrainerBook:
                 self._persist()
             return self.training_started or len(self.trainers) >= self.cfg.training.num_trainers
 
+    def trainers_on_node(self, node_id: str) -> int:
+        """How many trainers registered from node ``node_id`` (each rank's latest process)."""
+        with self._lock:
+            return sum(1 for t in self.trainers.values() if t.get("node_id") == node_id)
+
     def record_training_started(self, step: int, trainers: int, wall_time: float) -> None:
         with self._lock:
             if self.training_started:

@@ -145,48 +145,115 @@ class StaleStep(Exception):
 
 
 class _ShardClient:
-    """Routes ids to the shards and gathers their pooled outputs, with timeouts."""
+    """Routes ids to the shards and gathers their pooled outputs, with timeouts.
 
-    def __init__(self, shards, plan, dim: int, timeout_s: float):
-        self.shards = shards
+    With ``shared_memory``, the arrays for a shard on this trainer's node go through a
+    shared-memory slab (actors.shm) and the Ray call carries only where they lie; a shard
+    on another node (or without /dev/shm) gets them in the call, as Ray objects.
+    """
+
+    def __init__(self, shards, plan, dim: int, timeout_s: float, run_id: str = "", node_id: str | None = None,
+                 shared_memory: bool = False):
+        from actors.shm import shm_available
+
         self.plan = plan
         self.dim = dim
         self.timeout_s = timeout_s
+        self.run_id = run_id
+        self.node_id = node_id
+        self.shared_memory = shared_memory and node_id is not None and shm_available()
+        self._slabs: dict = {}
+        self._shards = list(shards)
 
-    def _gather(self, refs: list) -> list:
-        """Results of one call per shard; raises ShardCallFailed naming the first bad shard."""
+    @property
+    def shards(self) -> list:
+        return self._shards
+
+    @shards.setter
+    def shards(self, handles) -> None:
+        """New shard handles (a recovery): their slabs start afresh."""
+        self.close()
+        self._shards = list(handles)
+
+    def close(self) -> None:
+        for slab in self._slabs.values():
+            if slab is not None:
+                slab.close()
+        self._slabs = {}
+
+    def _slab(self, k: int):
+        """Shard ``k``'s slab, or None when its arrays travel in the call."""
+        if not self.shared_memory:
+            return None
+        if k not in self._slabs:
+            from actors.shm import ShmSlab
+
+            info = self._gather([self._shards[k].ready.remote()], first=k)[0]
+            self._slabs[k] = ShmSlab(self.run_id, f"s{k}") if info["node_id"] == self.node_id else None
+        return self._slabs[k]
+
+    def _gather(self, refs: list, first: int = 0) -> list:
+        """Results of one call per shard (shard ``first + i`` for ref i); raises
+        ShardCallFailed naming the first bad shard, and drops its slab (a call that did not
+        answer may still write there)."""
         import ray
 
         _, not_ready = ray.wait(refs, num_returns=len(refs), timeout=self.timeout_s)
         out = []
-        for k, ref in enumerate(refs):
-            if ref in not_ready:
-                raise ShardCallFailed(k, f"no answer within {self.timeout_s}s")
+        for i, ref in enumerate(refs):
+            k = first + i
             try:
-                out.append(ray.get(ref))
-            except ray.exceptions.RayActorError as err:
-                raise ShardCallFailed(k, type(err).__name__) from None
+                if ref in not_ready:
+                    raise ShardCallFailed(k, f"no answer within {self.timeout_s}s")
+                try:
+                    out.append(ray.get(ref))
+                except ray.exceptions.RayActorError as err:
+                    raise ShardCallFailed(k, type(err).__name__) from None
+            except ShardCallFailed:
+                slab = self._slabs.pop(k, None)
+                if slab is not None:
+                    slab.close()
+                raise
         return out
 
     def lookup(self, rows: np.ndarray, step: int | None = None, chunk: tuple[int, ...] = ()) -> np.ndarray:
         batch = rows.shape[0]
         refs = []
-        for k, shard in enumerate(self.shards):
+        for k, shard in enumerate(self._shards):
             sb = self.plan.route(rows, k)
+            slab = self._slab(k)
+            out = None
+            args = (sb.lengths, sb.indices)
+            if slab is not None:
+                width = sb.lengths.shape[0] * self.dim
+                d_len, d_idx, out = slab.layout(
+                    [(sb.lengths.shape, np.int64), (sb.indices.shape, np.int64), ((batch, width), np.float32)]
+                )
+                slab.view(d_len)[...] = sb.lengths
+                slab.view(d_idx)[...] = sb.indices
+                args = (d_len, d_idx)
             if step is None:
-                refs.append(shard.lookup_eval.remote(sb.lengths, sb.indices))
+                refs.append(shard.lookup_eval.remote(*args, out=out))
             else:
-                refs.append(shard.lookup.remote(step, chunk, sb.lengths, sb.indices))
+                refs.append(shard.lookup.remote(step, chunk, *args, out=out))
         pooled = np.zeros((batch, rows.shape[1], self.dim), dtype=np.float32)
         for k, part in enumerate(self._gather(refs)):
+            if not isinstance(part, np.ndarray):
+                part = self._slabs[k].view(part)
             self.plan.scatter_pooled(part, k, pooled)
         return pooled
 
     def push_grads(self, step: int, chunk: tuple[int, ...], grad: np.ndarray) -> list[dict]:
-        refs = [
-            shard.push_grads.remote(step, chunk, self.plan.gather_grad(grad, k))
-            for k, shard in enumerate(self.shards)
-        ]
+        refs = []
+        for k, shard in enumerate(self._shards):
+            slab = self._slab(k)
+            if slab is None:
+                refs.append(shard.push_grads.remote(step, chunk, self.plan.gather_grad(grad, k)))
+                continue
+            tables = self.plan.slice_tables(k)
+            (d_grad,) = slab.layout([((grad.shape[0], len(tables) * self.dim), np.float32)])
+            slab.view(d_grad).reshape(grad.shape[0], len(tables), self.dim)[...] = grad[:, tables, :]
+            refs.append(shard.push_grads.remote(step, chunk, d_grad))
         results = self._gather(refs)
         if any(r.get("stale") for r in results):
             raise StaleStep(f"step {step} microbatches {chunk}: replaced by a newer attempt")
@@ -227,6 +294,17 @@ def _evaluate(model, client: _ShardClient, eval_file, table_rows) -> dict:
     }
 
 
+def _idle_cores(supervisor, node_id: str, wait_s: float) -> int:
+    """torch threads for this trainer: the cores it may use (its CPU affinity) divided among
+    the trainers registered on its node. The shards on the node are idle while trainers run
+    the dense model, so their cores count too."""
+    import ray
+
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    trainers = ray.get(supervisor.trainers_on_node.remote(node_id), timeout=wait_s)
+    return max(1, cores // max(1, trainers))
+
+
 def train_loop(loop_config: dict) -> None:
     """Ray Train ``train_loop_per_worker``: trains until the schedule's last step, then
     (on the first participant) evaluates on the held-out split and reports to the supervisor.
@@ -255,7 +333,6 @@ def train_loop(loop_config: dict) -> None:
 
     cfg = config_from_dict(loop_config["config"])
     tr = cfg.training
-    torch.set_num_threads(tr.threads_per_worker)
     supervisor = ray.get_actor(loop_config["supervisor"], namespace=cfg.ray.namespace)
     # Waits on the supervisor are longer than the longest wait inside it (actors.deadlines).
     wait_s = Deadlines(cfg.embeddings.call_timeout_s).trainer_wait_s
@@ -265,7 +342,11 @@ def train_loop(loop_config: dict) -> None:
         return
     schedule: StepSchedule = setup["schedule"]
     table_rows = cfg.model.rows_per_table
-    client = _ShardClient(setup["shards"], setup["plan"], cfg.model.embedding_dim, cfg.embeddings.call_timeout_s)
+    client = _ShardClient(
+        setup["shards"], setup["plan"], cfg.model.embedding_dim, cfg.embeddings.call_timeout_s,
+        run_id=loop_config.get("run_id", ""), node_id=ray.get_runtime_context().get_node_id(),
+        shared_memory=cfg.embeddings.transport == "auto",
+    )
     train_file = MicrobatchFile(setup["train_cache"])
 
     torch.manual_seed(cfg.seed)  # identical dense init on every trainer
@@ -320,6 +401,8 @@ def train_loop(loop_config: dict) -> None:
         if time.monotonic() > deadline:
             break
         time.sleep(0.05)
+
+    torch.set_num_threads(tr.threads_per_worker or _idle_cores(supervisor, me[2], wait_s))
 
     # A resumed run, or a trainer Ray Train started to replace a dead one: begin at the
     # last checkpoint. A live peer further ahead heals this trainer in its first quorum.
@@ -540,4 +623,5 @@ def train_loop(loop_config: dict) -> None:
         ray.get(supervisor.record_eval.remote(metrics), timeout=wait_s)
     if audit is not None:
         audit.close()
+    client.close()
     manager.shutdown()

@@ -115,6 +115,12 @@ class EmbeddingsConfig(_Section):
     """Ray GPUs per shard; with a GPU the tables live in CUDA memory."""
     call_timeout_s: float = Field(60.0, gt=0.0, le=3600.0)
     """A shard that does not answer within this is treated as unavailable."""
+    threads: int = Field(1, ge=1, le=256)
+    """torch intra-op threads in each shard process."""
+    transport: Literal["auto", "ray"] = "auto"
+    """How a step's ids, pooled rows and gradients reach a shard: ``auto`` through shared
+    memory (/dev/shm) when trainer and shard share a node, in the Ray call otherwise;
+    ``ray`` always in the Ray call."""
 
 
 class TrainingConfig(_Section):
@@ -132,8 +138,10 @@ class TrainingConfig(_Section):
     """Stop after this many steps even if epochs are not done."""
     dense_learning_rate: float = Field(0.1, gt=0.0, le=10.0)
     """Learning rate of the dense Adagrad optimizer."""
-    threads_per_worker: int = Field(1, ge=1, le=256)
-    """torch intra-op threads in each trainer and shard process."""
+    threads_per_worker: int | None = Field(None, ge=1, le=256)
+    """torch intra-op threads of each trainer's dense compute. Unset: the cores of the
+    trainer's node divided among the trainers there (the shards sit idle while the trainers
+    compute)."""
     progress_every_steps: int = Field(10, ge=1)
     """How often trainers report step, loss and samples/s."""
     collective_timeout_s: float = Field(60.0, gt=0.0, le=3600.0)

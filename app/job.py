@@ -82,9 +82,13 @@ def worker_env() -> dict[str, str]:
     torchft's Rust logs (a few lines per quorum, every step) at warnings unless RUST_LOG
     asks for more; Ray Train's controller polling its workers every 0.5 s instead of 2 s, so
     that it starts a dead trainer's replacement (and notices the end of training) sooner. A
-    poll that is late is not a failure: Ray Train waits 10 minutes before it gives up on one."""
+    poll that is late is not a failure: Ray Train waits 10 minutes before it gives up on one.
+    OpenMP threads that sleep when idle instead of spinning: a trainer's compute threads would
+    otherwise spin on the cores while the shards serve its lookups (measured on 2 cores: 38k
+    against 49k samples/s with 1 trainer)."""
     return {
         "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo"),
+        "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE"),
         "RUST_LOG": os.environ.get("RUST_LOG", "warn"),
         "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": os.environ.get("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5"),
     }
@@ -396,6 +400,7 @@ class TrainingJob:
                 train_loop_config={
                     "config": cfg.model_dump(),
                     "supervisor": supervisor_name(self.run_id),
+                    "run_id": self.run_id,
                     "lighthouse_host": host,
                     "log_dir": str(self.run_dir / LOG_DIR),
                 },
@@ -567,6 +572,11 @@ class TrainingJob:
             _kill_leftovers(self.run_dir, self.cfg.ray.namespace, self.run_id)
             ray.kill(self.supervisor, no_restart=True)
             self.supervisor = None
+            # Shared-memory slabs of trainers that were killed (on this node; a trainer that
+            # ends normally removes its own).
+            from actors.shm import remove_run_files
+
+            remove_run_files(self.run_id)
         if self._started_ray:
             ray.shutdown()
             self._started_ray = False
