@@ -63,6 +63,7 @@ class ShardingPlan:
     def slice_tables(self, shard: int) -> np.ndarray:
         return np.array([s.table for s in self.shards[shard]], dtype=np.int64)
 
+
     def route(self, rows: np.ndarray, shard: int) -> ShardBatch:
         """Selects the ids of ``rows`` (int64 [B, F], table rows) that ``shard`` owns."""
         slices = self.shards[shard]
@@ -74,17 +75,41 @@ class ShardingPlan:
             return ShardBatch(np.ones(cols.shape, dtype=np.int64), (cols - start).ravel())
         return ShardBatch(owned.astype(np.int64), (cols - start)[owned])
 
-    def scatter_pooled(self, pooled: np.ndarray, shard: int, out: np.ndarray) -> None:
-        """Adds a shard's pooled output float32 [B, S*D] into ``out`` float32 [B, F, D]."""
-        batch, _, dim = out.shape
-        # One fancy-indexed add: a shard holds at most one slice of a table (make_plan), so
-        # no table repeats within the index and the result equals slice-by-slice adds.
-        out[:, self.slice_tables(shard), :] += pooled.reshape(batch, -1, dim)
+    def assemble_pooled(self, parts: list[np.ndarray], out: np.ndarray | None = None) -> np.ndarray:
+        """The pooled embeddings float32 [B, F, D] from each shard's pooled output [B, S*D]
+        (``parts[k]`` from shard k): a table's first part is copied in, the others (row-wise
+        partial pools) added. ``out`` float32 [B, F, D] is overwritten when given."""
+        batch = parts[0].shape[0]
+        num_tables = len(self.table_rows)
+        dim = next(p.shape[1] // len(self.shards[k]) for k, p in enumerate(parts) if self.shards[k])
+        if out is None:
+            out = np.empty((batch, num_tables, dim), dtype=np.float32)
+        written = np.zeros(num_tables, dtype=bool)
+        for k, part in enumerate(parts):
+            tables = self.slice_tables(k)  # a shard holds at most one slice of a table
+            p = part.reshape(batch, len(tables), dim)
+            fresh = ~written[tables]
+            if fresh.all():
+                out[:, tables, :] = p
+            elif not fresh.any():
+                out[:, tables, :] += p
+            else:
+                out[:, tables[fresh], :] = p[:, fresh]
+                out[:, tables[~fresh], :] += p[:, ~fresh]
+            written[tables] = True
+        if not written.all():
+            out[:, ~written, :] = 0.0
+        return out
 
-    def gather_grad(self, grad: np.ndarray, shard: int) -> np.ndarray:
-        """The gradient a shard needs, float32 [B, S*D], from the pooled gradient [B, F, D]."""
-        batch = grad.shape[0]
-        return np.ascontiguousarray(grad[:, self.slice_tables(shard), :]).reshape(batch, -1)
+    def gather_grad(self, grad: np.ndarray, shard: int, out: np.ndarray | None = None) -> np.ndarray:
+        """The gradient a shard needs, float32 [B, S*D], from the pooled gradient [B, F, D]
+        (written into ``out`` float32 [B, S*D] when given)."""
+        batch, _, dim = grad.shape
+        tables = self.slice_tables(shard)
+        if out is None:
+            out = np.empty((batch, len(tables) * dim), dtype=np.float32)
+        np.take(grad, tables, axis=1, out=out.reshape(batch, len(tables), dim))
+        return out
 
 
 def slice_offsets(slices) -> np.ndarray:

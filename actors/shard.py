@@ -296,6 +296,7 @@ class EmbeddingShard:
             "first_step_after_load": self.first_step_after_load,
             "tracking_s": self.tracking_s,
             "tracking_bytes": self.priority.tracking_bytes,
+            "shm_reads": self._shm.reads,
         }
 
     def _log(self, record: dict) -> None:

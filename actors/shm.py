@@ -129,6 +129,7 @@ class ShmReader:
     def __init__(self, max_maps: int = 64):
         self._maps: dict[str, tuple[str, mmap.mmap]] = {}
         self.max_maps = max_maps
+        self.reads = 0  # arrays that came through shared memory (the report and tests read it)
 
     def _map(self, path: str) -> mmap.mmap:
         stem = path.rsplit("-", 1)[0]
@@ -161,6 +162,7 @@ class ShmReader:
         mm = self._map(x.path)
         if x.offset + x.nbytes > len(mm):
             raise ValueError(f"{x.path}: {x.nbytes} bytes at {x.offset} lie beyond its {len(mm)} bytes")
+        self.reads += 1
         return np.ndarray(x.shape, np.dtype(x.dtype), buffer=mm, offset=x.offset).copy()
 
     def put(self, out: ShmArray | None, value: np.ndarray):

@@ -164,6 +164,7 @@ class _ShardClient:
         self.shared_memory = shared_memory and node_id is not None and shm_available()
         self._slabs: dict = {}
         self._shards = list(shards)
+        self._pooled: np.ndarray | None = None
 
     @property
     def shards(self) -> list:
@@ -216,11 +217,13 @@ class _ShardClient:
                 raise
         return out
 
-    def lookup(self, rows: np.ndarray, step: int | None = None, chunk: tuple[int, ...] = ()) -> np.ndarray:
+    def lookup(self, rows: np.ndarray, step: int | None = None, chunk: tuple[int, ...] = (), routed=None) -> np.ndarray:
+        """Pooled embeddings float32 [B, F, D] of ``rows`` (int64 [B, F]); ``routed``: the
+        rows already split per shard (ShardingPlan.route), when a prefetch did it."""
         batch = rows.shape[0]
         refs = []
         for k, shard in enumerate(self._shards):
-            sb = self.plan.route(rows, k)
+            sb = routed[k] if routed is not None else self.plan.route(rows, k)
             slab = self._slab(k)
             out = None
             args = (sb.lengths, sb.indices)
@@ -236,12 +239,16 @@ class _ShardClient:
                 refs.append(shard.lookup_eval.remote(*args, out=out))
             else:
                 refs.append(shard.lookup.remote(step, chunk, *args, out=out))
-        pooled = np.zeros((batch, rows.shape[1], self.dim), dtype=np.float32)
-        for k, part in enumerate(self._gather(refs)):
-            if not isinstance(part, np.ndarray):
-                part = self._slabs[k].view(part)
-            self.plan.scatter_pooled(part, k, pooled)
-        return pooled
+        parts = [p if isinstance(p, np.ndarray) else self._slabs[k].view(p) for k, p in enumerate(self._gather(refs))]
+        if step is None:
+            return self.plan.assemble_pooled(parts)
+        # A training step's pooled rows go into the same buffer every step (no fresh pages to
+        # fault in): the previous step's tensor over it is no longer used once its
+        # gradients were pushed.
+        shape = (batch, rows.shape[1], self.dim)
+        if self._pooled is None or self._pooled.shape != shape:
+            self._pooled = np.empty(shape, dtype=np.float32)
+        return self.plan.assemble_pooled(parts, out=self._pooled)
 
     def push_grads(self, step: int, chunk: tuple[int, ...], grad: np.ndarray) -> list[dict]:
         refs = []
@@ -250,14 +257,43 @@ class _ShardClient:
             if slab is None:
                 refs.append(shard.push_grads.remote(step, chunk, self.plan.gather_grad(grad, k)))
                 continue
-            tables = self.plan.slice_tables(k)
-            (d_grad,) = slab.layout([((grad.shape[0], len(tables) * self.dim), np.float32)])
-            slab.view(d_grad).reshape(grad.shape[0], len(tables), self.dim)[...] = grad[:, tables, :]
+            (d_grad,) = slab.layout([((grad.shape[0], len(self.plan.shards[k]) * self.dim), np.float32)])
+            self.plan.gather_grad(grad, k, out=slab.view(d_grad))
             refs.append(shard.push_grads.remote(step, chunk, d_grad))
         results = self._gather(refs)
         if any(r.get("stale") for r in results):
             raise StaleStep(f"step {step} microbatches {chunk}: replaced by a newer attempt")
         return results
+
+
+class _Prefetcher:
+    """Reads and routes the microbatches of the step expected next on a background thread,
+    while this step computes. ``get`` returns them if the guess (step and microbatches) was
+    right, and loads them on the spot otherwise (a failed step, a new quorum)."""
+
+    def __init__(self, load):
+        from concurrent.futures import ThreadPoolExecutor
+
+        self._load = load
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="cpr-prefetch")
+        self._key = None
+        self._future = None
+
+    def ahead(self, step: int, mine: list[int]) -> None:
+        if mine:
+            self._key, self._future = (step, tuple(mine)), self._pool.submit(self._load, step, mine)
+
+    def get(self, step: int, mine: list[int]):
+        key, future = self._key, self._future
+        self._key = self._future = None
+        if key == (step, tuple(mine)):
+            return future.result()
+        if future is not None and not future.cancel():
+            future.exception()  # a wrong guess still loading: one reader of the file at a time
+        return self._load(step, mine)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
 
 
 EVAL_ROWS_PER_LOOKUP = 8192
@@ -418,6 +454,13 @@ def train_loop(loop_config: dict) -> None:
     generation = setup["generation"]
     last_participant = None
 
+    def load_step(step: int, mine: list[int]):
+        parts = [train_file.get(schedule.microbatch(step, m)) for m in mine]
+        rows = sparse_to_rows(np.concatenate([p[2] for p in parts]), table_rows)
+        routed = [client.plan.route(rows, k) for k in range(client.plan.num_shards)]
+        return np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts]), rows, routed
+
+    prefetch = _Prefetcher(load_step)
     samples_per_step = tr.microbatches_per_step * tr.microbatch_rows
     audit = None
     if setup["audit_dir"] is not None:
@@ -478,16 +521,15 @@ def train_loop(loop_config: dict) -> None:
             else []
         )
         if mine:
-            ids = [schedule.microbatch(step, m) for m in mine]
-            parts = [train_file.get(i) for i in ids]
-            labels = np.concatenate([p[0] for p in parts])
-            dense = np.concatenate([p[1] for p in parts])
-            rows = sparse_to_rows(np.concatenate([p[2] for p in parts]), table_rows)
+            labels, dense, rows, routed = prefetch.get(step, mine)
             chunk = tuple(step * tr.microbatches_per_step + m for m in mine)
             phases.lap("data")
             try:
-                pooled = torch.from_numpy(client.lookup(rows, step, chunk)).requires_grad_(True)
+                pooled = torch.from_numpy(client.lookup(rows, step, chunk, routed)).requires_grad_(True)
                 phases.lap("lookup")
+                if step + 1 < schedule.total_steps:
+                    # The next step's data while this one computes (same quorum expected).
+                    prefetch.ahead(step + 1, schedule.assignment(step + 1, participant, manager.num_participants()))
                 logits = model(torch.from_numpy(dense), pooled)
                 # Scaled so that the SUM all-reduce gives the gradient of the step's mean loss
                 # over all M microbatches, whoever computed them.
@@ -624,4 +666,5 @@ def train_loop(loop_config: dict) -> None:
     if audit is not None:
         audit.close()
     client.close()
+    prefetch.close()
     manager.shutdown()

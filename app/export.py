@@ -223,8 +223,8 @@ def build_dlrm(doc: dict, device: str = "cpu"):
 
 
 def _dlrm_state(cfg: RunConfig, tables: list[np.ndarray], dense: dict, step: int) -> dict:
-    """DLRM's state_dict: our DenseModel reuses DLRM's DenseArch and OverArch under the same
-    attribute names, so its keys are DLRM's as they are. SparseArch stacks the pooled tables
+    """DLRM's state_dict: our DenseModel has DLRM's DenseArch and OverArch parameters under
+    the same attribute names (app.model), so its keys are DLRM's as they are. SparseArch stacks the pooled tables
     in the order of the EBC's feature names, C1..C26, the order the shards' pooled output
     has for DenseModel (a shard slice's table index is the Criteo column)."""
     import torch

@@ -307,6 +307,14 @@ class TrainingJob:
         self.data: dict = {}
         self._started_ray = False
         self._t: dict[str, float] = {"start": time.perf_counter()}
+        self._lighthouse = None  # prestarted by start() (app.lighthouse), used by fit()'s first attempt
+        self._lighthouse_name = f"cpr-lighthouse-{self.run_id}"
+
+    def _lighthouse_kwargs(self) -> dict:
+        return {
+            "bind": f"{_bind_host()}:0", "min_replicas": 1, "join_timeout_ms": 10_000,
+            "heartbeat_timeout_ms": int(self.cfg.training.heartbeat_timeout_s * 1000),
+        }
 
     def start(self, wait: bool = True) -> dict | None:
         """Data, Ray, the supervisor and its shards. ``wait=False`` returns while the shards
@@ -316,6 +324,7 @@ class TrainingJob:
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
         from app.chaos import write_run_info
+        from app.lighthouse import start_lighthouse
 
         from actors.supervisor import Supervisor, supervisor_name
 
@@ -332,10 +341,17 @@ class TrainingJob:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         configure_driver_logging(self.run_dir, self.verbose)
         (self.run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(), sort_keys=False))
-        self.data = prepare_data(cfg)
-        self._t["data"] = time.perf_counter()
+        # Three things at once, each mostly waiting on something else: Ray Train's modules
+        # (torch, 1.7 s) imported for fit(), the data cache built, and Ray started.
+        if not (cfg.ray.address or os.environ.get("RAY_ADDRESS")):
+            os.environ.setdefault("RAY_AUTH_MODE", "token")  # read by Ray's modules as they load
+        threading.Thread(target=_import_ray_train, name="import-ray-train", daemon=True).start()
+        data = _InBackground(prepare_data, cfg)
         self._started_ray = connect_ray(cfg, self.verbose)
         link_ray_session_logs(self.run_dir)
+        self._lighthouse = start_lighthouse(self._lighthouse_name, cfg.ray.namespace, self._lighthouse_kwargs())
+        self.data = data.result()
+        self._t["data"] = time.perf_counter()
         if self.resume:
             _kill_leftovers(self.run_dir, cfg.ray.namespace)
         # Pinned to this node (its state file lives in run_dir); restarted by Ray when it
@@ -385,9 +401,8 @@ class TrainingJob:
         from ray.train import RunConfig as TrainRunConfig
         from ray.train import ScalingConfig
         from ray.train.torch import TorchTrainer
-        from ray.train.v2.torch.torchft_config import TorchftConfig
-
         from actors.supervisor import supervisor_name
+        from app.raytrain import PrestartedLighthouseConfig
         from actors.trainer import train_loop
 
         cfg = self.cfg
@@ -405,11 +420,12 @@ class TrainingJob:
                     "log_dir": str(self.run_dir / LOG_DIR),
                 },
                 scaling_config=ScalingConfig(num_workers=cfg.training.num_trainers, use_gpu=False),
-                torch_config=TorchftConfig(
-                    lighthouse_kwargs={
-                        "bind": f"{host}:0", "min_replicas": 1, "join_timeout_ms": 10_000,
-                        "heartbeat_timeout_ms": int(cfg.training.heartbeat_timeout_s * 1000),
-                    },
+                torch_config=PrestartedLighthouseConfig(
+                    # The driver's lighthouse serves the first worker group; a group Ray Train
+                    # starts again after its controller failed gets a new one.
+                    lighthouse_name=self._lighthouse_name if attempt == 0 and self._lighthouse is not None else None,
+                    lighthouse_namespace=cfg.ray.namespace,
+                    lighthouse_kwargs=self._lighthouse_kwargs(),
                     backend="gloo",
                 ),
                 # A failure replaces only the dead trainer's replica group (TorchftConfig); the
@@ -572,6 +588,9 @@ class TrainingJob:
             _kill_leftovers(self.run_dir, self.cfg.ray.namespace, self.run_id)
             ray.kill(self.supervisor, no_restart=True)
             self.supervisor = None
+        if self._lighthouse is not None:
+            ray.kill(self._lighthouse, no_restart=True)
+            self._lighthouse = None
             # Shared-memory slabs of trainers that were killed (on this node; a trainer that
             # ends normally removes its own).
             from actors.shm import remove_run_files
@@ -595,6 +614,36 @@ def _kill_leftovers(run_dir: Path, namespace: str, run_id: str | None = None) ->
         run_id = json.loads(info.read_text())["run_id"]
     for name in kill_run_shards(run_id, namespace):
         logger.warning("removed %s left behind", name)
+
+
+def _import_ray_train() -> None:
+    """Imports what ``fit()`` needs from Ray Train (and with it torch), ahead of time."""
+    try:
+        import ray.train.torch  # noqa: F401
+        import ray.train.v2.torch.torchft_config  # noqa: F401
+    except Exception:  # fit() imports them again and raises there
+        pass
+
+
+class _InBackground:
+    """``fn(*args)`` on a thread; ``result()`` waits and returns it or raises its error."""
+
+    def __init__(self, fn, *args):
+        self._result = self._error = None
+        self._thread = threading.Thread(target=self._run, args=(fn, args), name=f"bg-{fn.__name__}", daemon=True)
+        self._thread.start()
+
+    def _run(self, fn, args) -> None:
+        try:
+            self._result = fn(*args)
+        except BaseException as err:
+            self._error = err
+
+    def result(self):
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self._result
 
 
 def resume_config(run_dir: str) -> RunConfig:

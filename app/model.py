@@ -1,15 +1,89 @@
-"""The dense half of DLRM, built from torchrec's own arches (DenseArch, InteractionArch,
-OverArch). The sparse half lives in EmbeddingShard actors, so the model takes pooled
-embeddings as an input tensor instead of owning an EmbeddingBagCollection.
+"""The dense half of DLRM: the bottom MLP (DenseArch), the pairwise dot-product interaction
+(InteractionArch) and the top MLP (OverArch). The sparse half lives in EmbeddingShard
+actors, so the model takes pooled embeddings as an input tensor instead of owning an
+EmbeddingBagCollection.
+
+The three arches compute what torchrec's ``torchrec.models.dlrm`` arches compute, with the
+same parameters in the same order (so the same seed gives the same initial model) and the
+same state-dict keys (so checkpoints load into torchrec's DLRM, see ``app.export``). They
+are written here so that a trainer does not import torchrec, which loads fbgemm's kernels:
+about 1.5 s of CPU in every trainer's start, on the critical path of the run's first step.
+``tests/unit/test_model.py`` checks them against torchrec's.
 """
 
 from __future__ import annotations
 
 import torch
 from torch import nn
-from torchrec.models.dlrm import DenseArch, InteractionArch, OverArch
 
-__all__ = ["DenseModel"]
+__all__ = ["DenseModel", "DenseArch", "InteractionArch", "OverArch"]
+
+
+class _Perceptron(nn.Module):
+    """Linear layer then activation; attribute names as torchrec's Perceptron."""
+
+    def __init__(self, in_size: int, out_size: int):
+        super().__init__()
+        self._linear = nn.Linear(in_size, out_size, bias=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self._linear(x))
+
+
+class _MLP(nn.Module):
+    """Perceptrons with ReLU after every layer; attribute names as torchrec's MLP."""
+
+    def __init__(self, in_size: int, layer_sizes: list[int]):
+        super().__init__()
+        sizes = [in_size, *layer_sizes]
+        self._mlp = nn.Sequential(*[_Perceptron(sizes[i], sizes[i + 1]) for i in range(len(layer_sizes))])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._mlp(x)
+
+
+class DenseArch(nn.Module):
+    """Bottom MLP: dense features B X F_d -> B X D (ReLU after every layer)."""
+
+    def __init__(self, in_features: int, layer_sizes: list[int]):
+        super().__init__()
+        self.model = _MLP(in_features, list(layer_sizes))
+
+    def forward(self, features: torch.Tensor) -> torch.Tensor:
+        return self.model(features)
+
+
+class InteractionArch(nn.Module):
+    """Dot products of every pair among the dense vector and the F pooled embeddings, after
+    the dense vector: B X D, B X F X D -> B X (D + (F+1)F/2)."""
+
+    def __init__(self, num_sparse_features: int):
+        super().__init__()
+        self.F = num_sparse_features
+        self.register_buffer("triu_indices", torch.triu_indices(self.F + 1, self.F + 1, offset=1), persistent=False)
+
+    def forward(self, dense_features: torch.Tensor, sparse_features: torch.Tensor) -> torch.Tensor:
+        if self.F <= 0:
+            return dense_features
+        combined = torch.cat((dense_features.unsqueeze(1), sparse_features), dim=1)
+        interactions = torch.bmm(combined, torch.transpose(combined, 1, 2))
+        flat = interactions[:, self.triu_indices[0], self.triu_indices[1]]
+        return torch.cat((dense_features, flat), dim=1)
+
+
+class OverArch(nn.Module):
+    """Top MLP: ReLU after every layer but the last, which gives the logit."""
+
+    def __init__(self, in_features: int, layer_sizes: list[int]):
+        super().__init__()
+        if len(layer_sizes) <= 1:
+            raise ValueError("OverArch must have multiple layers.")
+        self.model = nn.Sequential(
+            _MLP(in_features, list(layer_sizes[:-1])), nn.Linear(layer_sizes[-2], layer_sizes[-1], bias=True)
+        )
+
+    def forward(self, features: torch.Tensor) -> torch.Tensor:
+        return self.model(features)
 
 
 class DenseModel(nn.Module):

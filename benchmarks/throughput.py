@@ -59,8 +59,19 @@ def single_process(cfg: RunConfig, train_cache: str, steps: int) -> dict:
     from torchrec.optim import RowWiseAdagrad
     from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+    from torchrec.models.dlrm import DenseArch, InteractionArch, OverArch
+
     from actors.trainer import StepSchedule
-    from app.model import DenseModel
+
+    class DenseModel(torch.nn.Module):  # torchrec's own arches, as DLRM combines them
+        def __init__(self, num_dense, num_sparse, dense_arch, over_arch):
+            super().__init__()
+            self.dense_arch = DenseArch(num_dense, list(dense_arch))
+            self.inter_arch = InteractionArch(num_sparse)
+            self.over_arch = OverArch(dense_arch[-1] + (num_sparse + 1) * num_sparse // 2, list(over_arch))
+
+        def forward(self, dense, sparse):
+            return self.over_arch(self.inter_arch(self.dense_arch(dense), sparse)).squeeze(-1)
 
     torch.set_num_threads(os.cpu_count() or 1)
     torch.manual_seed(cfg.seed)
@@ -136,13 +147,13 @@ def startup_times(config: str, reps: int, runs_root: Path) -> list[float]:
     """Seconds from launching ``cpr train`` (a fresh process, embedded Ray) to the first
     committed step, read from the run's training_started event."""
     out = []
-    cpr = Path(sys.executable).with_name("cpr")
     for rep in range(reps):
         run_dir = runs_root / f"startup{rep}"
-        env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", RAY_AUTH_MODE="token")
+        # This checkout's code, whatever the virtual environment's editable install points at.
+        env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", RAY_AUTH_MODE="token", PYTHONPATH=str(ROOT))
         t0 = time.time()
         subprocess.run(
-            [str(cpr), "train", "--config", config, "--set", f"run_dir={run_dir}", "--set", "faults=null",
+            [sys.executable, "-m", "app", "train", "--config", config, "--set", f"run_dir={run_dir}", "--set", "faults=null",
              "--set", "training.max_steps=5", "--set", "checkpoint.every_steps=null", "--set", "checkpoint.final=false"],
             cwd=ROOT, env=env, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         )
@@ -326,7 +337,7 @@ def render(result: dict) -> list[str]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
+    parser.add_argument("--workloads", nargs="*", default=list(WORKLOADS), choices=list(WORKLOADS))
     parser.add_argument("--pairs", type=int, default=5)
     parser.add_argument("--steps", type=int, default=None, help="steps per run (default: 90 demo, 40 ref)")
     parser.add_argument("--trainers", type=int, nargs="+", default=[1, 2])
@@ -354,22 +365,29 @@ def main() -> None:
         "pairs": args.pairs,
         "workloads": {},
     }
-    connect_ray(load_config(ROOT / WORKLOADS["demo"][0]))
-    for name in args.workloads:
-        result["workloads"][name] = run_workload(name, args, runs_root)
-    ray.shutdown()
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+
+    def write() -> list[str]:  # after every part, so that a later failure loses nothing
+        lines = render(result)
+        out.write_text("\n".join(lines))
+        out.with_suffix(".json").write_text(json.dumps(result, indent=2))
+        return lines
+
+    if args.workloads:
+        connect_ray(load_config(ROOT / WORKLOADS["demo"][0]))
+        for name in args.workloads:
+            result["workloads"][name] = run_workload(name, args, runs_root)
+            write()
+        ray.shutdown()
     if args.startup_reps:
         result["startup_s"] = startup_times(str(ROOT / WORKLOADS["demo"][0]), args.startup_reps, runs_root)
+        write()
     if args.checkpoint_reps:
         base = load_config(ROOT / WORKLOADS["demo"][0])
         shard_rows = sum(base.model.rows_per_table) // base.embeddings.num_shards
         result["checkpoint_write"] = checkpoint_write_rate(shard_rows, base.model.embedding_dim, args.checkpoint_reps)
-    lines = render(result)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text("\n".join(lines))
-    out.with_suffix(".json").write_text(json.dumps(result, indent=2))
-    print("\n".join(lines))
+    print("\n".join(write()))
 
 
 if __name__ == "__main__":

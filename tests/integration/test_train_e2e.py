@@ -16,7 +16,7 @@ from ray._common.test_utils import wait_for_condition
 
 from actors.shard import EmbeddingShard
 
-from .test_shard_recovery import _local, _looked_up
+from .test_shard_recovery import _local, _looked_up, _run
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 
@@ -58,3 +58,42 @@ def test_two_shards_two_trainers(ray_local, clean_run):
             expected = _local(looked_up[s.table], s)
             assert np.array_equal(changed, expected), (k, s, len(changed), len(expected))
             assert (m1[expected] > 0).all()
+
+
+def test_shared_memory_transport_trains_exactly_as_ray_calls(ray_local, clean_run, tmp_path):
+    """The default transport (shared memory between a trainer and the shards on its node)
+    changes how arrays travel, not what is computed: the same run with every array in the
+    Ray calls (the path before shared memory) ends with the same embedding rows, Adagrad
+    state and dense parameters."""
+    import io
+
+    import torch
+
+    from actors.checkpoint import DENSE_FILE, CheckpointStore
+
+    cfg, (report, final_rows, states, _, _, _, _) = clean_run
+    assert all(s["shm_reads"] > 0 for s in states), states  # the default run did use shared memory
+    via_ray = cfg.model_copy(
+        update={
+            "run_dir": str(tmp_path / "via-ray"),
+            "embeddings": cfg.embeddings.model_copy(update={"transport": "ray"}),
+        }
+    )
+    report_ray, rows_ray, states_ray, _, _, _, _ = _run(ray_local, via_ray)
+    assert all(s["shm_reads"] == 0 for s in states_ray), states_ray
+    assert report_ray["steps"] == report["steps"]
+    for k, (ours, theirs) in enumerate(zip(final_rows, rows_ray)):
+        for (w0, m0), (w1, m1) in zip(ours, theirs):
+            np.testing.assert_allclose(w0, w1, rtol=1e-5, atol=1e-6, err_msg=f"shard {k} weights")
+            np.testing.assert_allclose(m0, m1, rtol=1e-5, atol=1e-6, err_msg=f"shard {k} momentum")
+
+    def dense(c):
+        store = CheckpointStore(c.checkpoint_uri)
+        step = max(store.list_committed())
+        assert step == report["steps"]
+        return torch.load(io.BytesIO(store.read_blob(step, DENSE_FILE)), weights_only=True)["model"]
+
+    a, b = dense(cfg), dense(via_ray)
+    assert list(a) == list(b)
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")

@@ -51,7 +51,7 @@ def test_route_and_scatter_equal_unsharded_sum_pooling(kind):
     expected = np.stack([tables[t][rows[:, t]] for t in range(26)], axis=1)
 
     plan = make_plan(kind, table_rows, 3)
-    out = np.zeros((batch, 26, dim), dtype=np.float32)
+    parts = []
     for k in range(3):
         sb = plan.route(rows, k)
         # What the shard's sum-pooling kernel computes from lengths/indices.
@@ -63,8 +63,13 @@ def test_route_and_scatter_equal_unsharded_sum_pooling(kind):
                     pooled[b, i] += tables[s.table][s.row_start + sb.indices[pos]]
                     pos += 1
         assert pos == sb.indices.size
-        plan.scatter_pooled(pooled.reshape(batch, -1), k, out)
+        parts.append(pooled.reshape(batch, -1))
+    out = plan.assemble_pooled(parts)
     np.testing.assert_allclose(out, expected, rtol=1e-6)
+    # Into a given array, whatever it held.
+    again = np.full_like(out, np.nan)
+    assert plan.assemble_pooled(parts, out=again) is again
+    np.testing.assert_array_equal(again, out)
 
 
 def test_gather_grad_picks_the_shards_tables():
@@ -72,3 +77,6 @@ def test_gather_grad_picks_the_shards_tables():
     grad = np.arange(2 * 26 * 3, dtype=np.float32).reshape(2, 26, 3)
     g = plan.gather_grad(grad, 1).reshape(2, -1, 3)
     np.testing.assert_array_equal(g, grad[:, plan.slice_tables(1), :])
+    out = np.zeros((2, len(plan.shards[1]) * 3), dtype=np.float32)
+    assert plan.gather_grad(grad, 1, out=out) is out
+    np.testing.assert_array_equal(out.reshape(2, -1, 3), grad[:, plan.slice_tables(1), :])
