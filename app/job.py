@@ -341,17 +341,16 @@ class TrainingJob:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         configure_driver_logging(self.run_dir, self.verbose)
         (self.run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(), sort_keys=False))
-        # Three things at once, each mostly waiting on something else: Ray Train's modules
-        # (torch, 1.7 s) imported for fit(), the data cache built, and Ray started.
+        # Ray Train's modules (and torch, 1.7 s) load for fit() while the data cache is built.
+        # Bad data still fails before Ray starts.
         if not (cfg.ray.address or os.environ.get("RAY_ADDRESS")):
             os.environ.setdefault("RAY_AUTH_MODE", "token")  # read by Ray's modules as they load
         threading.Thread(target=_import_ray_train, name="import-ray-train", daemon=True).start()
-        data = _InBackground(prepare_data, cfg)
+        self.data = prepare_data(cfg)
+        self._t["data"] = time.perf_counter()
         self._started_ray = connect_ray(cfg, self.verbose)
         link_ray_session_logs(self.run_dir)
         self._lighthouse = start_lighthouse(self._lighthouse_name, cfg.ray.namespace, self._lighthouse_kwargs())
-        self.data = data.result()
-        self._t["data"] = time.perf_counter()
         if self.resume:
             _kill_leftovers(self.run_dir, cfg.ray.namespace)
         # Pinned to this node (its state file lives in run_dir); restarted by Ray when it
@@ -623,27 +622,6 @@ def _import_ray_train() -> None:
         import ray.train.v2.torch.torchft_config  # noqa: F401
     except Exception:  # fit() imports them again and raises there
         pass
-
-
-class _InBackground:
-    """``fn(*args)`` on a thread; ``result()`` waits and returns it or raises its error."""
-
-    def __init__(self, fn, *args):
-        self._result = self._error = None
-        self._thread = threading.Thread(target=self._run, args=(fn, args), name=f"bg-{fn.__name__}", daemon=True)
-        self._thread.start()
-
-    def _run(self, fn, args) -> None:
-        try:
-            self._result = fn(*args)
-        except BaseException as err:
-            self._error = err
-
-    def result(self):
-        self._thread.join()
-        if self._error is not None:
-            raise self._error
-        return self._result
 
 
 def resume_config(run_dir: str) -> RunConfig:
