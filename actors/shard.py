@@ -258,10 +258,13 @@ class EmbeddingShard:
             # load dropped it): this gradient belongs to an abandoned attempt. The caller's
             # step fails and is redone; nothing here changes.
             return {"applied": False, "duplicate": False, "stale": True}
-        chunk.grad = self._shm.get(grad)
-        have = sum(len(c.microbatches) for c in chunks.values() if c.grad is not None)
+        have = len(microbatches) + sum(len(c.microbatches) for c in chunks.values() if c.grad is not None and c is not chunk)
         if have < self.microbatches_per_step:
+            chunk.grad = self._shm.get(grad)  # kept until the step's other chunks arrive: a copy
             return {"applied": False, "duplicate": False}
+        # This chunk completes the step, which applies now: a gradient in shared memory is
+        # read in place (the trainer does not touch its slab before this call returns).
+        chunk.grad = self._shm.view(grad)
         self._apply(step, chunks)
         return {"applied": True, "duplicate": False}
 

@@ -112,3 +112,29 @@ def test_shard_through_shared_memory_equals_shard_through_the_call(kind, run_id)
         assert np.array_equal(w0, w1) and np.array_equal(m0, m1)
     assert shared.state()["shm_reads"] == 4 * 3 and direct.state()["shm_reads"] == 0
     slab.close()
+
+
+def test_a_gradient_waiting_for_the_rest_of_its_step_is_a_copy(run_id):
+    """With two chunks a step, the first chunk's gradient waits in the shard while the
+    trainer reuses its slab: the update must use the gradient as it was pushed."""
+    plan = make_plan("table_wise", [60] * 26, 2)
+
+    def shard():
+        return EmbeddingShard(0, list(plan.shards[0]), 4, learning_rate=0.1, eps=1e-8, seed=5, microbatches_per_step=2)
+
+    direct, shared = shard(), shard()
+    slab = ShmSlab(run_id, "s0")
+    rng = np.random.default_rng(1)
+    batches = [plan.route(rng.integers(0, 60, size=(8, 26)), 0) for _ in range(2)]
+    grads = [rng.standard_normal((8, len(plan.shards[0]) * 4)).astype(np.float32) for _ in range(2)]
+    for m, sb in enumerate(batches):
+        direct.lookup(0, (m,), sb.lengths, sb.indices)
+        shared.lookup(0, (m,), sb.lengths, sb.indices)
+    for m, g in enumerate(grads):
+        (d,) = slab.layout([(g.shape, np.float32)])
+        slab.view(d)[...] = g
+        assert direct.push_grads(0, (m,), g) == shared.push_grads(0, (m,), d)
+        slab.view(d)[...] = np.nan  # the trainer's next use of its slab
+    for (w0, m0), (w1, m1) in zip(direct.get_rows(), shared.get_rows()):
+        assert np.array_equal(w0, w1) and np.array_equal(m0, m1)
+    slab.close()
