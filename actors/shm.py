@@ -155,27 +155,22 @@ class ShmReader:
         except BufferError:
             pass
 
-    def get(self, x):
-        """``x`` itself, or a private copy of the array a ShmArray describes."""
-        if not isinstance(x, ShmArray):
-            return x
-        mm = self._map(x.path)
-        if x.offset + x.nbytes > len(mm):
-            raise ValueError(f"{x.path}: {x.nbytes} bytes at {x.offset} lie beyond its {len(mm)} bytes")
-        self.reads += 1
-        return np.ndarray(x.shape, np.dtype(x.dtype), buffer=mm, offset=x.offset).copy()
-
-    def view(self, x):
-        """``x`` itself, or a view (no copy) of the array a ShmArray describes; valid only
-        while the current call runs (the trainer writes the slab again after it). Writable,
-        so that torch takes it as it is; the shard only reads it."""
-        if not isinstance(x, ShmArray):
-            return x
+    def _array(self, x: ShmArray) -> np.ndarray:
         mm = self._map(x.path)
         if x.offset + x.nbytes > len(mm):
             raise ValueError(f"{x.path}: {x.nbytes} bytes at {x.offset} lie beyond its {len(mm)} bytes")
         self.reads += 1
         return np.ndarray(x.shape, np.dtype(x.dtype), buffer=mm, offset=x.offset)
+
+    def get(self, x):
+        """``x`` itself, or a private copy of the array a ShmArray describes."""
+        return self._array(x).copy() if isinstance(x, ShmArray) else x
+
+    def view(self, x):
+        """``x`` itself, or a view (no copy) of the array a ShmArray describes; valid only
+        while the current call runs (the trainer writes the slab again after it). Writable,
+        so that torch takes it as it is; the shard only reads it."""
+        return self._array(x) if isinstance(x, ShmArray) else x
 
     def put(self, out: ShmArray | None, value: np.ndarray):
         """Writes ``value`` where ``out`` says and returns ``out``; without ``out``, returns

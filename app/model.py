@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-__all__ = ["DenseModel", "DenseArch", "InteractionArch", "OverArch"]
+__all__ = ["DenseModel", "DenseArch", "InteractionArch", "OverArch", "torchrec_dense_model"]
 
 
 class _Perceptron(nn.Module):
@@ -109,3 +109,23 @@ class DenseModel(nn.Module):
     def forward(self, dense: torch.Tensor, sparse: torch.Tensor) -> torch.Tensor:
         embedded_dense = self.dense_arch(dense)
         return self.over_arch(self.inter_arch(embedded_dense, sparse)).squeeze(-1)
+
+
+def torchrec_dense_model(num_dense: int, num_sparse: int, dense_arch: list[int], over_arch: list[int]) -> nn.Module:
+    """The same model built from torchrec's own arches (imports torchrec): the reference
+    that the benchmark's single-process baseline and the tests use."""
+    from torchrec.models.dlrm import DenseArch as TDenseArch
+    from torchrec.models.dlrm import InteractionArch as TInteractionArch
+    from torchrec.models.dlrm import OverArch as TOverArch
+
+    class TorchrecDense(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.dense_arch = TDenseArch(num_dense, list(dense_arch))
+            self.inter_arch = TInteractionArch(num_sparse)
+            self.over_arch = TOverArch(dense_arch[-1] + (num_sparse + 1) * num_sparse // 2, list(over_arch))
+
+        def forward(self, dense: torch.Tensor, sparse: torch.Tensor) -> torch.Tensor:
+            return self.over_arch(self.inter_arch(self.dense_arch(dense), sparse)).squeeze(-1)
+
+    return TorchrecDense()

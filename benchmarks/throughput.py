@@ -59,19 +59,8 @@ def single_process(cfg: RunConfig, train_cache: str, steps: int) -> dict:
     from torchrec.optim import RowWiseAdagrad
     from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-    from torchrec.models.dlrm import DenseArch, InteractionArch, OverArch
-
     from actors.trainer import StepSchedule
-
-    class DenseModel(torch.nn.Module):  # torchrec's own arches, as DLRM combines them
-        def __init__(self, num_dense, num_sparse, dense_arch, over_arch):
-            super().__init__()
-            self.dense_arch = DenseArch(num_dense, list(dense_arch))
-            self.inter_arch = InteractionArch(num_sparse)
-            self.over_arch = OverArch(dense_arch[-1] + (num_sparse + 1) * num_sparse // 2, list(over_arch))
-
-        def forward(self, dense, sparse):
-            return self.over_arch(self.inter_arch(self.dense_arch(dense), sparse)).squeeze(-1)
+    from app.model import torchrec_dense_model
 
     torch.set_num_threads(os.cpu_count() or 1)
     torch.manual_seed(cfg.seed)
@@ -87,7 +76,7 @@ def single_process(cfg: RunConfig, train_cache: str, steps: int) -> dict:
         optimizer_kwargs={"lr": cfg.embeddings.learning_rate, "eps": cfg.embeddings.eps},
         device=torch.device("cpu"),
     )
-    model = DenseModel(NUM_DENSE, NUM_SPARSE, cfg.model.dense_arch, cfg.model.over_arch)
+    model = torchrec_dense_model(NUM_DENSE, NUM_SPARSE, cfg.model.dense_arch, cfg.model.over_arch)
     opt = torch.optim.Adagrad(model.parameters(), lr=cfg.training.dense_learning_rate)
     data = MicrobatchFile(train_cache)
     tr = cfg.training

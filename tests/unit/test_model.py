@@ -2,20 +2,8 @@
 state-dict keys, same outputs and gradients."""
 
 import torch
-from torchrec.models.dlrm import DenseArch, InteractionArch, OverArch
 
-from app.model import DenseModel
-
-
-class _TorchrecDense(torch.nn.Module):
-    def __init__(self, num_dense, num_sparse, dense_arch, over_arch):
-        super().__init__()
-        self.dense_arch = DenseArch(num_dense, list(dense_arch))
-        self.inter_arch = InteractionArch(num_sparse)
-        self.over_arch = OverArch(dense_arch[-1] + (num_sparse + 1) * num_sparse // 2, list(over_arch))
-
-    def forward(self, dense, sparse):
-        return self.over_arch(self.inter_arch(self.dense_arch(dense), sparse)).squeeze(-1)
+from app.model import DenseModel, torchrec_dense_model
 
 
 def test_dense_model_matches_torchrecs_arches():
@@ -23,7 +11,7 @@ def test_dense_model_matches_torchrecs_arches():
     torch.manual_seed(3)
     ours = DenseModel(*sizes)
     torch.manual_seed(3)
-    theirs = _TorchrecDense(*sizes)
+    theirs = torchrec_dense_model(*sizes)
     a, b = ours.state_dict(), theirs.state_dict()
     assert list(a) == list(b)
     for k in a:
