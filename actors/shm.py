@@ -16,6 +16,7 @@ driver removes the run's leftovers (a killed trainer's) when the run ends.
 
 from __future__ import annotations
 
+import itertools
 import mmap
 import os
 from dataclasses import dataclass
@@ -27,6 +28,7 @@ __all__ = ["SHM_DIR", "ShmArray", "ShmSlab", "ShmReader", "shm_available", "remo
 
 SHM_DIR = "/dev/shm"
 _ALIGN = 64
+_SLAB_IDS = itertools.count()
 
 
 @dataclass(frozen=True)
@@ -68,7 +70,8 @@ class ShmSlab:
     """A growable shared-memory file that one trainer process uses for one shard."""
 
     def __init__(self, run_id: str, name: str):
-        self._stem = f"{SHM_DIR}/{_prefix(run_id)}{name}-{os.getpid()}"
+        # Unique per slab: a slab made after a recovery never reuses an earlier one's name.
+        self._stem = f"{SHM_DIR}/{_prefix(run_id)}{name}-{os.getpid()}-{next(_SLAB_IDS)}"
         self._files = 0
         self.path: str | None = None
         self._mm: mmap.mmap | None = None
@@ -127,29 +130,36 @@ class ShmReader:
     ``max_maps`` in all, dropping the oldest (a trainer that died)."""
 
     def __init__(self, max_maps: int = 64):
-        self._maps: dict[str, tuple[str, mmap.mmap]] = {}
+        self._maps: dict[str, tuple[str, int, mmap.mmap]] = {}  # stem -> (path, inode, mapping)
         self.max_maps = max_maps
         self.reads = 0  # arrays that came through shared memory (the report and tests read it)
 
     def _map(self, path: str) -> mmap.mmap:
         stem = path.rsplit("-", 1)[0]
         known = self._maps.get(stem)
-        if known is not None and known[0] == path:
-            return known[1]
+        # The inode too: a mapping must never serve a file that replaced the one it maps.
+        inode = os.stat(path).st_ino
+        if known is not None and known[0] == path and known[1] == inode:
+            return known[2]
         if known is not None:
             self._drop(stem)
+        # A new file: forget those that are gone (a recovery's old slabs, a dead trainer's),
+        # so their memory is freed, then map it.
+        for old in [k for k, (p, _, _) in self._maps.items() if not os.path.exists(p)]:
+            self._drop(old)
         fd = os.open(path, os.O_RDWR)
         try:
-            mm = mmap.mmap(fd, os.fstat(fd).st_size)
+            st = os.fstat(fd)
+            mm = mmap.mmap(fd, st.st_size)
         finally:
             os.close(fd)
         while len(self._maps) >= self.max_maps:
             self._drop(next(iter(self._maps)))
-        self._maps[stem] = (path, mm)
+        self._maps[stem] = (path, st.st_ino, mm)
         return mm
 
     def _drop(self, stem: str) -> None:
-        _, mm = self._maps.pop(stem)
+        _, _, mm = self._maps.pop(stem)
         try:
             mm.close()
         except BufferError:

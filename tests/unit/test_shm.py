@@ -138,3 +138,22 @@ def test_a_gradient_waiting_for_the_rest_of_its_step_is_a_copy(run_id):
     for (w0, m0), (w1, m1) in zip(direct.get_rows(), shared.get_rows()):
         assert np.array_equal(w0, w1) and np.array_equal(m0, m1)
     slab.close()
+
+
+def test_a_new_slab_after_a_recovery_is_never_served_from_the_old_mapping(run_id):
+    """After a failed call or new shard handles the trainer drops its slabs and makes new
+    ones; a surviving shard must read the new file, not the one it had mapped (a bug once:
+    the new slab reused the old file name, and the shard kept reading the unlinked file)."""
+    reader = ShmReader()
+    old = ShmSlab(run_id, "s0")
+    (d_old,) = old.layout([((4,), np.int64)])
+    old.view(d_old)[...] = 1
+    assert reader.get(d_old).tolist() == [1] * 4
+    old.close()
+    new = ShmSlab(run_id, "s0")
+    (d_new,) = new.layout([((4,), np.int64)])
+    new.view(d_new)[...] = 2
+    assert d_new.path != d_old.path
+    assert reader.get(d_new).tolist() == [2] * 4
+    assert len(reader._maps) == 1  # the old, unlinked file's mapping is gone
+    new.close()
