@@ -84,7 +84,9 @@ def test_kill_driver_then_resume(ray_local, small_data, tmp_path):
         assert not [line for line in console if noise in line], (noise, console)
     logs = run_dir / "logs"
     trainer_logs = "".join(f.read_text() for f in logs.glob("trainer-*.log"))
-    assert "Successfully loaded" in trainer_logs and "torchft.manager" in trainer_logs
+    assert "torchft.manager" in trainer_logs
+    # fbgemm's import lines: in the shards' logs (trainers no longer import fbgemm).
+    assert "Successfully loaded" in "".join(f.read_text() for f in logs.glob("shard-*.log"))
     assert list(logs.glob("shard-*.log")) and list(logs.glob("supervisor-*.log")) and (logs / "driver.log").exists()
     report = json.loads((run_dir / "report.json").read_text())
     events = {e["kind"]: e for e in report["events"]}
