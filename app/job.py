@@ -590,18 +590,14 @@ class TrainingJob:
         if self._lighthouse is not None:
             ray.kill(self._lighthouse, no_restart=True)
             self._lighthouse = None
-            # Shared-memory slabs of trainers that were killed (on this node; a trainer that
-            # ends normally removes its own).
-            from actors.shm import remove_run_files
-
-            remove_run_files(self.run_id)
         if self._started_ray:
             ray.shutdown()
             self._started_ray = False
 
 
 def _kill_leftovers(run_dir: Path, namespace: str, run_id: str | None = None) -> None:
-    """Kills the detached shards of a run whose driver died (read from its run.json)."""
+    """Kills the detached shards of a run whose driver died (read from its run.json), or of
+    this run at its end, and removes its trainers' shared-memory slabs on this node."""
     import json
 
     from actors.fleet import kill_run_shards
@@ -613,6 +609,11 @@ def _kill_leftovers(run_dir: Path, namespace: str, run_id: str | None = None) ->
         run_id = json.loads(info.read_text())["run_id"]
     for name in kill_run_shards(run_id, namespace):
         logger.warning("removed %s left behind", name)
+    # Shared-memory slabs of its trainers that were killed (this node's; a trainer that ends
+    # normally removes its own).
+    from actors.shm import remove_run_files
+
+    remove_run_files(run_id)
 
 
 def _import_ray_train() -> None:

@@ -52,6 +52,8 @@ def test_kill_driver_then_resume(ray_local, small_data, tmp_path):
         first.send_signal(signal.SIGKILL)
         first.wait(timeout=30)
         first_out.close()
+    first_run = json.loads((run_dir / "run.json").read_text())["run_id"]
+    assert list(Path("/dev/shm").glob(f"cpr-{first_run}-*"))  # its trainers' slabs, left by the kill
     verbose = (tmp_path / "first.out").read_text()
     assert "(RayTrainWorker pid=" in verbose and "torchft" in verbose, verbose[-3000:]
     assert not (run_dir / "report.json").exists(), "the first run finished before it was killed"
@@ -82,6 +84,8 @@ def test_kill_driver_then_resume(ray_local, small_data, tmp_path):
     assert len(console) <= 40, console
     for noise in ("pid=", "Successfully loaded", "Warning", "torchft", "PlacementGroupCleaner", "Traceback"):
         assert not [line for line in console if noise in line], (noise, console)
+    # The killed run's trainers left shared-memory slabs; the resumed run removed them.
+    assert not list(Path("/dev/shm").glob(f"cpr-{first_run}-*"))
     logs = run_dir / "logs"
     trainer_logs = "".join(f.read_text() for f in logs.glob("trainer-*.log"))
     assert "torchft.manager" in trainer_logs
