@@ -42,7 +42,11 @@ class ShmArray:
 
     @property
     def nbytes(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64)) * np.dtype(self.dtype).itemsize
+        return _nbytes(self.shape, self.dtype)
+
+
+def _nbytes(shape, dtype) -> int:
+    return int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
 
 
 def shm_available() -> bool:
@@ -83,7 +87,7 @@ class ShmSlab:
         offsets, end = [], 0
         for shape, dtype in specs:
             offsets.append(end)
-            end += -(-int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize // _ALIGN) * _ALIGN
+            end += -(-_nbytes(shape, dtype) // _ALIGN) * _ALIGN
         if end > self._size:
             self._grow(max(end, 2 * self._size, 1 << 20))
         return [ShmArray(self.path, off, np.dtype(dt).str, tuple(int(x) for x in shape))
@@ -166,21 +170,24 @@ class ShmReader:
             pass
 
     def _array(self, x: ShmArray) -> np.ndarray:
+        """The array ``x`` describes, in its slab (bounds checked)."""
         mm = self._map(x.path)
         if x.offset + x.nbytes > len(mm):
             raise ValueError(f"{x.path}: {x.nbytes} bytes at {x.offset} lie beyond its {len(mm)} bytes")
-        self.reads += 1
         return np.ndarray(x.shape, np.dtype(x.dtype), buffer=mm, offset=x.offset)
-
-    def get(self, x):
-        """``x`` itself, or a private copy of the array a ShmArray describes."""
-        return self._array(x).copy() if isinstance(x, ShmArray) else x
 
     def view(self, x):
         """``x`` itself, or a view (no copy) of the array a ShmArray describes; valid only
         while the current call runs (the trainer writes the slab again after it). Writable,
         so that torch takes it as it is; the shard only reads it."""
-        return self._array(x) if isinstance(x, ShmArray) else x
+        if not isinstance(x, ShmArray):
+            return x
+        self.reads += 1
+        return self._array(x)
+
+    def get(self, x):
+        """``x`` itself, or a private copy of the array a ShmArray describes."""
+        return self.view(x).copy() if isinstance(x, ShmArray) else x
 
     def put(self, out: ShmArray | None, value: np.ndarray):
         """Writes ``value`` where ``out`` says and returns ``out``; without ``out``, returns
@@ -189,6 +196,5 @@ class ShmReader:
             return value
         if tuple(value.shape) != out.shape or np.dtype(out.dtype) != value.dtype:
             raise ValueError(f"reply of shape {value.shape} {value.dtype} does not fit {out.shape} {out.dtype}")
-        mm = self._map(out.path)
-        np.ndarray(out.shape, np.dtype(out.dtype), buffer=mm, offset=out.offset)[...] = value
+        self._array(out)[...] = value
         return out

@@ -343,8 +343,6 @@ class TrainingJob:
         (self.run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(), sort_keys=False))
         # Ray Train's modules (and torch, 1.7 s) load for fit() while the data cache is built.
         # Bad data still fails before Ray starts.
-        if not (cfg.ray.address or os.environ.get("RAY_ADDRESS")):
-            os.environ.setdefault("RAY_AUTH_MODE", "token")  # read by Ray's modules as they load
         threading.Thread(target=_import_ray_train, name="import-ray-train", daemon=True).start()
         self.data = prepare_data(cfg)
         self._t["data"] = time.perf_counter()
