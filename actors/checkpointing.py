@@ -1,15 +1,20 @@
-"""The checkpoint coordinator: when the next save is due, the two-phase save itself, and
-the timeline after a rollback (newer checkpoints fenced, the schedule restarted).
+"""The checkpoint coordinator: when the next save is due, the two-phase asynchronous save
+itself, and the timeline after a rollback (newer checkpoints fenced, the schedule restarted).
 
-A save: every shard writes its own file (phase one), the coordinator commits the manifest;
-the rows a shard's MFU/SSU policy selected count as saved only once the shard hears that the
-manifest committed (phase two, on its next save call), so a save that never commits loses
-no row from later incrementals.
+A save (after CheckFreq, FAST'21): at the step boundary every shard copies the rows it is
+to save into memory and training goes on (the only part on the training path); in the
+background each shard writes and hashes its file, the coordinator writes the dense state
+and, once every part is durable, commits the manifest (phase one). The rows a shard's
+MFU/SSU policy selected count as saved only once the shard hears that the manifest
+committed (phase two), so a save that never commits (a shard or the supervisor died
+mid-write, a rollback came first) loses no row from later incrementals and leaves no
+manifest: it never looks like a checkpoint.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -21,6 +26,25 @@ from app.errors import ConfigError
 from policies import IntervalController, OnlineCostModel, interval_steps
 
 __all__ = ["CheckpointCoordinator"]
+
+logger = logging.getLogger(__name__)
+
+
+class _Abandoned(Exception):
+    pass
+
+
+class _SaveJob:
+    """One save between its snapshot and its commit."""
+
+    def __init__(self, step, dense_blob, shards, snapshots, meta, final, hold_s, epoch, at_point):
+        self.step, self.dense_blob, self.shards, self.snapshots = step, dense_blob, shards, snapshots
+        self.meta, self.final, self.hold_s, self.epoch, self.at_point = meta, final, hold_s, epoch, at_point
+        self.thread: threading.Thread | None = None
+
+    def join(self, timeout_s: float) -> None:
+        if self.thread is not None:
+            self.thread.join(timeout_s)
 
 _SCHEDULE_FIELDS = ("save_index", "last_full_step", "last_checkpoint_step", "next_checkpoint_step", "interval_steps_in_use")
 
@@ -51,6 +75,8 @@ class CheckpointCoordinator:
         # A save and a rollback's fencing exclude each other: a save that began before the
         # rollback must not commit a checkpoint of the abandoned timeline after the fence.
         self._timeline = threading.Lock()
+        self._epoch = 0  # bumped by every rollback: a save snapshotted before it never commits
+        self._in_flight: _SaveJob | None = None
 
     # ------------------------------------------------------------------ persisted schedule
 
@@ -110,6 +136,11 @@ class CheckpointCoordinator:
         """The newest restorable state of one shard: a full checkpoint, then its incrementals."""
         return self.store.chain_steps() if self.store is not None else []
 
+    def chain_candidates(self) -> list[int]:
+        """``chain()`` from the manifests alone: a partial recovery's shard reads and verifies
+        its own files of it (and falls back past a corrupt one), nobody else's."""
+        return self.store.chain_candidates() if self.store is not None else []
+
     def consistent_chain(self, upto_step: int | None = None) -> list[int]:
         """The newest state every shard and the dense model share: the newest valid full
         checkpoint, alone. An MFU/SSU incremental saves only its prioritized rows, so a chain
@@ -126,12 +157,27 @@ class CheckpointCoordinator:
     def save(
         self, step: int, dense_blob: bytes, shards: list, meta: dict, at_point: Callable[[str], None], final: bool = False
     ) -> dict:
-        """A consistent checkpoint after ``step`` committed steps, if one is due; ``final``:
-        the run's last step, saved in full whatever the schedule and the policy say."""
+        """Phase one of a consistent checkpoint after ``step`` committed steps, if one is due
+        (``final``: the run's last step, saved in full whatever the schedule and the policy):
+        every shard copies the rows to save into memory and the call returns; a background
+        thread writes the dense state, waits for every shard's file and commits the manifest
+        (``_write_and_commit``). Only the copies hold the training path (``hold_s``)."""
+        waited_s = self.drain()  # one save at a time: the previous one commits (or not) first
         with self._timeline:
-            return self._save(step, dense_blob, shards, meta, at_point, final)
+            out = self._snapshot(step, dense_blob, shards, meta, at_point, final)
+        out["duration_s"] += waited_s
+        return out
 
-    def _save(
+    def drain(self, timeout_s: float | None = None) -> float:
+        """Waits for the save in flight, if any, to commit or be abandoned; returns the wait."""
+        job = self._in_flight
+        if job is None or job.thread is None or not job.thread.is_alive():
+            return 0.0
+        t0 = time.perf_counter()
+        job.join(timeout_s if timeout_s is not None else 2 * self.cfg.embeddings.call_timeout_s)
+        return time.perf_counter() - t0
+
+    def _snapshot(
         self, step: int, dense_blob: bytes, shards: list, meta: dict, at_point: Callable[[str], None], final: bool
     ) -> dict:
         if self.store is None:
@@ -144,57 +190,92 @@ class CheckpointCoordinator:
             return {"next_step": self.next_checkpoint_step, "duration_s": 0.0, "saved": False}
         t0 = time.perf_counter()
         uri = self.cfg.checkpoint_uri
-        timeout = self.cfg.embeddings.call_timeout_s
-        # Phase two of the previous save rides on this call: the shards count the rows they
-        # wrote for last_checkpoint_step as saved only if that checkpoint committed.
+        # After a supervisor restart a shard may still hold the rows of a save whose commit
+        # it never heard of: it counts them as saved only if that checkpoint committed.
         confirmed = self.last_checkpoint_step if self.last_checkpoint_step in committed else None
         refs = [s.save_checkpoint.remote(uri, step, self.save_index, confirmed, final) for s in shards]
-        entries = [
-            write_blob(uri, step, DENSE_FILE, dense_blob),
-            write_blob(uri, step, DATA_POSITION_FILE, json.dumps(meta["position"]).encode()),
-        ]
         try:
-            results = ray.get(refs, timeout=timeout)
+            snapshots = ray.get(refs, timeout=self.cfg.embeddings.call_timeout_s)
         except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError) as err:
-            # A shard died or lags behind (just recovered): no manifest, so this checkpoint
-            # does not exist; the trainer asks again at a later step.
-            self.record_event("checkpoint_failed", step=step, error=str(err).splitlines()[0][:200])
+            # A shard died or lags behind (just recovered): this checkpoint will not exist;
+            # the trainer asks again at a later step.
+            self.record_event("checkpoint_failed", step=step, phase="snapshot", error=str(err).splitlines()[0][:200])
             return {"next_step": step + 1, "duration_s": time.perf_counter() - t0, "saved": False}
-        at_point("save.files_written")
-        entries += [r["entry"] for r in results]
-        full = all(r["full"] for r in results)
-        if not full and self.last_full_step is None:
+        hold_s = time.perf_counter() - t0
+        if not all(r["full"] for r in snapshots) and self.last_full_step is None:
             raise RuntimeError(f"incremental save at step {step} without a full checkpoint before it")
-        info = self.store.commit(
-            step,
-            entries,
-            kind=FULL if full else INCREMENTAL,
-            base_step=None if full else self.last_full_step,
-            meta={"run_id": meta["run_id"], "save_index": self.save_index, "policy": self.cfg.checkpoint.policy},
-        )
-        # Phase two: the shards may now count the rows they wrote as saved. A shard that died
-        # meanwhile is being recovered anyway; one that misses this hears it on the next save.
-        ready, _ = ray.wait([s.confirm_save.remote(step) for s in shards], num_returns=len(shards), timeout=timeout)
-        duration_s = time.perf_counter() - t0
-        self.costs.observe_save(duration_s)
-        self.save_index += 1
-        if full:
-            self.last_full_step = step
-        self.last_checkpoint_step = step
         self.next_checkpoint_step = self.after(step)
-        self.record_event(
-            "checkpoint_saved",
-            step=step,
-            checkpoint_kind=info.kind,
-            final=final,
-            duration_s=round(duration_s, 4),
-            bytes=info.total_bytes,
-            rows=sum(r["rows"] for r in results),
-            tracked_rows=[r["tracked_rows"] for r in results],
-            shard_write_s=[round(r["duration_s"], 4) for r in results],
-            next_step=self.next_checkpoint_step,
-        )
-        return {"next_step": self.next_checkpoint_step, "duration_s": duration_s, "saved": True}
+        job = _SaveJob(step, dense_blob, list(shards), snapshots, meta, final, hold_s, self._epoch, at_point)
+        self._in_flight = job
+        job.thread = threading.Thread(target=self._write_and_commit, args=(job,), name=f"checkpoint-{step}", daemon=True)
+        job.thread.start()
+        return {"next_step": self.next_checkpoint_step, "duration_s": hold_s, "saved": True}
+
+    def _write_and_commit(self, job: "_SaveJob") -> None:
+        """Phase one, in the background: the dense state and the data position are written,
+        every shard's file is waited for; then phase two commits the manifest (only if every
+        part is durable and no rollback moved the timeline meanwhile) and tells the shards,
+        which clear the MFU/SSU counts of the rows saved. Anything else abandons the save: no
+        manifest, so it never looks like a checkpoint."""
+        step, uri, timeout = job.step, self.cfg.checkpoint_uri, self.cfg.embeddings.call_timeout_s
+        t0 = time.perf_counter()
+        try:
+            job.at_point("save.snapshotted")
+            refs = [s.save_written.options(concurrency_group="save").remote(step) for s in job.shards]
+            entries = [
+                write_blob(uri, step, DENSE_FILE, job.dense_blob),
+                write_blob(uri, step, DATA_POSITION_FILE, json.dumps(job.meta["position"]).encode()),
+            ]
+            written = ray.get(refs, timeout=timeout)
+            job.at_point("save.files_written")
+            entries += [w["entry"] for w in written]
+            with self._timeline:
+                if job.epoch != self._epoch:
+                    raise _Abandoned("a rollback moved the timeline after its snapshot")
+                full = all(r["full"] for r in job.snapshots)
+                info = self.store.commit(
+                    step,
+                    entries,
+                    kind=FULL if full else INCREMENTAL,
+                    base_step=None if full else self.last_full_step,
+                    meta={"run_id": job.meta["run_id"], "save_index": self.save_index, "policy": self.cfg.checkpoint.policy},
+                )
+                # Phase two: the shards may now count the rows they wrote as saved. A shard that
+                # died meanwhile is being recovered anyway.
+                ray.wait([s.confirm_save.remote(step) for s in job.shards], num_returns=len(job.shards), timeout=timeout)
+                background_s = time.perf_counter() - t0
+                self.costs.observe_save(job.hold_s)
+                self.save_index += 1
+                if full:
+                    self.last_full_step = step
+                self.last_checkpoint_step = step
+                self.record_event(
+                    "checkpoint_saved",
+                    step=step,
+                    checkpoint_kind=info.kind,
+                    final=job.final,
+                    duration_s=round(job.hold_s, 4),
+                    hold_s=round(job.hold_s, 4),
+                    background_s=round(background_s, 4),
+                    bytes=info.total_bytes,
+                    rows=sum(r["rows"] for r in job.snapshots),
+                    tracked_rows=[r["tracked_rows"] for r in job.snapshots],
+                    shard_snapshot_s=[round(r["snapshot_s"], 4) for r in job.snapshots],
+                    shard_write_s=[round(w["write_s"], 4) for w in written],
+                    next_step=self.next_checkpoint_step,
+                )
+        except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError, OSError, _Abandoned) as err:
+            with self._timeline:
+                if job.epoch == self._epoch and self.next_checkpoint_step is not None:
+                    # Saved again as soon as the trainers commit their next step.
+                    self.next_checkpoint_step = min(self.next_checkpoint_step, step + 1)
+            self.record_event("checkpoint_failed", step=step, phase="write", error=str(err).splitlines()[0][:200],
+                              background_s=round(time.perf_counter() - t0, 4))
+        except Exception:  # never silent: the save is abandoned and the reason logged
+            logger.exception("checkpoint step %d failed in the background", step)
+            self.record_event("checkpoint_failed", step=step, phase="write", error="unexpected error, see supervisor log")
+        finally:
+            job.dense_blob = None
 
     # ------------------------------------------------------------------ after a rollback
 
@@ -205,8 +286,11 @@ class CheckpointCoordinator:
     def restart_timeline(self, step: int, chain: list[int]) -> list[int]:
         """Everything was rolled back to ``step``: checkpoints newer than it belong to an
         abandoned timeline and are fenced (deleted, manifest first, so never loaded), and the
-        save schedule starts again from ``step``. Idempotent. Returns the fenced steps."""
+        save schedule starts again from ``step``. A save in flight finishes first (if it
+        commits, it is fenced with the rest). Idempotent. Returns the fenced steps."""
+        self.drain()
         with self._timeline:
+            self._epoch += 1
             return self._restart_timeline(step, chain)
 
     def _restart_timeline(self, step: int, chain: list[int]) -> list[int]:

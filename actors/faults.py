@@ -15,6 +15,7 @@ __all__ = ["POINTS", "sigkill_on_node", "kill_process"]
 
 # The named points where the supervisor can inject a kill (faults.at_points).
 POINTS = (
+    "save.snapshotted",  # every shard copied its rows to save; their files are being written
     "save.files_written",  # every shard file of a checkpoint is written, the manifest is not
     "recovery.spawned",  # a recovery's new shard actors answer, nothing is loaded yet
     "recovery.loaded",  # a recovery's shards are loaded, the fleet is not committed yet

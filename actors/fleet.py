@@ -1,5 +1,6 @@
 """The embedding-shard fleet: named, detached shard actors, adopted or spawned by generation,
-and the watchers that see a shard's death from Ray's own signal.
+warm spares that a recovery adopts instead of starting a process, and the watchers that see
+a shard's (or a spare's) death from Ray's own signal.
 
 A shard's name carries its generation (``cpr-shard-<run>-<k>-g<gen>``). The supervisor
 reserves a generation in its journal before it spawns, so a restarted supervisor adopts the
@@ -22,13 +23,20 @@ from actors.shard import EmbeddingShard
 from app.errors import ShardUnavailable
 from app.logs import LOG_DIR
 
-__all__ = ["ShardFleet", "shard_name", "kill_run_shards"]
+__all__ = ["ShardFleet", "shard_name", "spare_name", "kill_run_shards"]
 
 logger = logging.getLogger(__name__)
 
 
 def shard_name(run_id: str, shard: int, generation: int) -> str:
     return f"cpr-shard-{run_id}-{shard}-g{generation}"
+
+
+def spare_name(run_id: str, n: int) -> str:
+    """A warm spare's name; it keeps it when adopted (Ray cannot rename an actor), so the
+    supervisor journals which name serves each shard. Same prefix as the shards, so that
+    ``kill_run_shards`` removes spares too."""
+    return f"cpr-shard-{run_id}-spare{n}"
 
 
 def kill_run_shards(run_id: str, namespace: str) -> list[str]:
@@ -50,13 +58,22 @@ class ShardFleet:
     """Creates, finds and watches the shards of one run. ``on_death(k, gen, cause, t)`` is
     called from the watcher thread when a watched shard's process is gone."""
 
-    def __init__(self, cfg, plan, run_id: str, audit_dir: str | None, on_death: Callable[[int, int, str, float], None]):
+    def __init__(
+        self,
+        cfg,
+        plan,
+        run_id: str,
+        audit_dir: str | None,
+        on_death: Callable[[int, int, str, float], None],
+        on_spare_death: Callable[[str, str, float], None] | None = None,
+    ):
         self.cfg = cfg
         self.plan = plan
         self.run_id = run_id
         self.audit_dir = audit_dir
         self.log_dir = str(Path(cfg.run_dir).resolve() / LOG_DIR)
         self.on_death = on_death
+        self.on_spare_death = on_spare_death
         self.timeout_s = cfg.embeddings.call_timeout_s
         self._watch: dict[Any, tuple[int, int]] = {}
         self._lock = threading.Lock()
@@ -65,32 +82,58 @@ class ShardFleet:
 
     # ------------------------------------------------------------------ actors
 
-    def spawn(self, k: int, generation: int):
-        emb, ck = self.cfg.embeddings, self.cfg.checkpoint
+    def _options(self, name: str, **extra) -> dict:
+        emb = self.cfg.embeddings
         # Detached: the shards outlive a supervisor restart; shutdown() and the driver's
-        # cleanup remove them. The extra concurrency group runs watch() beside the compute.
-        actor_cls = ray.remote(concurrency_groups={"watch": 1})(EmbeddingShard)
-        return actor_cls.options(
-            name=shard_name(self.run_id, k, generation),
-            namespace=self.cfg.ray.namespace,
-            lifetime="detached",
-            num_cpus=emb.num_cpus,
-            num_gpus=emb.num_gpus,
-            max_restarts=0,
-        ).remote(
-            shard_id=k,
-            slices=list(self.plan.shards[k]),
+        # cleanup remove them.
+        return dict(name=name, namespace=self.cfg.ray.namespace, lifetime="detached", num_cpus=emb.num_cpus,
+                    num_gpus=emb.num_gpus, max_restarts=0, **extra)
+
+    def _args(self) -> dict:
+        emb, ck = self.cfg.embeddings, self.cfg.checkpoint
+        return dict(
             dim=self.cfg.model.embedding_dim,
             learning_rate=emb.learning_rate,
             eps=emb.eps,
             seed=self.cfg.seed,
             microbatches_per_step=self.cfg.training.microbatches_per_step,
-            threads=self.cfg.embeddings.threads,
+            threads=emb.threads,
             priority={"policy": ck.policy, "r": ck.r, "sample_rate": ck.sample_rate, "full_every": ck.full_every},
-            generation=generation,
             audit_dir=self.audit_dir,
             log_dir=self.log_dir,
         )
+
+    @staticmethod
+    def _actor_class():
+        # The extra concurrency groups run watch() and save_written() beside the compute.
+        return ray.remote(concurrency_groups={"watch": 1, "save": 1})(EmbeddingShard)
+
+    def spawn(self, k: int, generation: int):
+        return self._actor_class().options(**self._options(shard_name(self.run_id, k, generation))).remote(
+            shard_id=k, slices=list(self.plan.shards[k]), generation=generation, **self._args()
+        )
+
+    def spawn_spare(self, n: int, shard_nodes: list[str | None]):
+        """Starts warm spare ``n``: a shard process with its imports done and no tables. It is
+        placed (softly) on the alive node holding the fewest shards, so that a node's loss
+        does not take a shard and the spare that would replace it."""
+        extra = {}
+        nodes = [x["NodeID"] for x in ray.nodes() if x.get("Alive") and x.get("Resources", {}).get("CPU", 0) > 0]
+        if len(nodes) > 1:
+            from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+            least = min(nodes, key=lambda node: (shard_nodes.count(node), node))
+            extra["scheduling_strategy"] = NodeAffinitySchedulingStrategy(least, soft=True)
+        name = spare_name(self.run_id, n)
+        return self._actor_class().options(**self._options(name, **extra)).remote(
+            shard_id=None, slices=None, spare=name, **self._args()
+        )
+
+    def find_name(self, name: str):
+        try:
+            return ray.get_actor(name, namespace=self.cfg.ray.namespace)
+        except ValueError:
+            return None
 
     def find(self, k: int, generation: int):
         try:
@@ -98,16 +141,25 @@ class ShardFleet:
         except ValueError:
             return None
 
-    def adopt_or_spawn(self, targets: dict[int, int]) -> tuple[dict, list[int]]:
-        """The live actor of each shard ``k`` under generation ``targets[k]``: adopted if a
-        half-finished recovery already created it and it answers, else spawned (all at once,
+    def adopt_or_spawn(self, targets: dict[int, int], spares: dict[int, str] | None = None) -> tuple[dict, list[int]]:
+        """The live actor of each shard ``k`` under generation ``targets[k]``: the warm spare
+        ``spares[k]`` made shard ``k`` (``adopt``, which allocates its tables), or the actor a
+        half-finished recovery already created if it answers, else a new one (all at once,
         so several respawns cost one). Returns ``({k: (handle, ready info)}, lost)``: a shard
-        in ``lost`` has an actor under that name that does not answer; it is killed, and the
-        caller must reserve a new generation (the name stays taken until Ray removes it)."""
-        handles = {k: self.find(k, g) or self.spawn(k, g) for k, g in targets.items()}
-        refs = {k: h.ready.remote() for k, h in handles.items()}
+        in ``lost`` has an actor that does not answer (or a spare gone or taken); it is
+        killed, and the caller must reserve a new generation (without the spare)."""
+        spares = spares or {}
+        handles, refs = {}, {}
+        for k, g in targets.items():
+            if k in spares:
+                handles[k] = self.find_name(spares[k])
+                if handles[k] is not None:
+                    refs[k] = handles[k].adopt.remote(k, list(self.plan.shards[k]), g)
+            else:
+                handles[k] = self.find(k, g) or self.spawn(k, g)
+                refs[k] = handles[k].ready.remote()
         ray.wait(list(refs.values()), num_returns=len(refs), timeout=self.timeout_s)
-        out, lost = {}, []
+        out, lost = {}, [k for k in targets if k not in refs]
         for k, ref in refs.items():
             try:
                 out[k] = (handles[k], ray.get(ref, timeout=0.01))
@@ -136,8 +188,9 @@ class ShardFleet:
 
     # ------------------------------------------------------------------ watching
 
-    def watch(self, k: int, generation: int, handle) -> None:
-        """Keeps a ``watch()`` call pending on the shard: it fails the moment the process dies."""
+    def watch(self, k: int | str, generation: int | None, handle) -> None:
+        """Keeps a ``watch()`` call pending on the shard (``k`` an int) or on the spare named
+        ``k``: it fails the moment the process dies."""
         ref = handle.watch.options(concurrency_group="watch").remote()
         with self._lock:
             self._watch[ref] = (k, generation)
@@ -166,5 +219,10 @@ class ShardFleet:
                     cause = type(err).__name__
                 except Exception as err:  # an unexpected error still means the shard is gone
                     cause = repr(err)
-                if not self._stop.is_set():
+                if self._stop.is_set():
+                    continue
+                if isinstance(k, str):
+                    if self.on_spare_death is not None:
+                        self.on_spare_death(k, cause, time.time())
+                else:
                     self.on_death(k, gen, cause, time.time())

@@ -69,6 +69,7 @@ class RecoveringShards:
     chain: tuple[int, ...]
     causes: tuple[dict, ...]
     decision: dict
+    spares: dict[int, str] = field(default_factory=dict)  # shard -> warm spare adopted as its new actor
     name = "recovering_shards"
 
 
@@ -84,6 +85,7 @@ class RollingBack:
     targets: dict[int, int] = field(default_factory=dict)
     causes: tuple[dict, ...] = ()
     decision: dict = field(default_factory=dict)
+    spares: dict[int, str] = field(default_factory=dict)
     name = "rolling_back"
 
 
@@ -111,8 +113,9 @@ _STATES = {c.name: c for c in (Running, RecoveringShards, RollingBack, Finished,
 
 def state_to_dict(state: State) -> dict:
     d = asdict(state)
-    if "targets" in d:
-        d["targets"] = {str(k): v for k, v in d["targets"].items()}
+    for key in ("targets", "spares"):
+        if key in d:
+            d[key] = {str(k): v for k, v in d[key].items()}
     return {"state": state.name, **d}
 
 
@@ -121,6 +124,8 @@ def state_from_dict(d: dict) -> State:
     cls = _STATES[d.pop("state")]
     if "targets" in d:
         d["targets"] = {int(k): int(v) for k, v in d["targets"].items()}
+    if "spares" in d:
+        d["spares"] = {int(k): str(v) for k, v in d["spares"].items()}
     for key in ("chain", "causes"):
         if key in d:
             d[key] = tuple(d[key])
@@ -144,11 +149,13 @@ class ShardDied:
     decision: dict
     chain: tuple[int, ...]  # newest restorable chain (full + incrementals), for partial recovery
     consistent_chain: tuple[int, ...]  # the newest full checkpoint alone, for a rollback
+    spare: str | None = None  # a warm spare to adopt as the shard's new actor (None: start one)
 
 
 @dataclass(frozen=True)
 class RespawnRetry:
-    """The actor under ``targets[shard]`` could not be adopted: use ``next_generation``."""
+    """The actor under ``targets[shard]`` (or its spare) could not be adopted: start a new
+    process under ``next_generation``."""
 
     shard: int
     next_generation: int
@@ -219,8 +226,9 @@ def transition(state: State, event, budgets: Budgets = Budgets()) -> Transition 
     if isinstance(event, RespawnRetry):
         if isinstance(state, (RecoveringShards, RollingBack)) and event.shard in state.targets:
             targets = {**state.targets, event.shard: event.next_generation}
+            spares = {k: v for k, v in state.spares.items() if k != event.shard}
             return Transition(
-                replace(state, targets=targets),
+                replace(state, targets=targets, spares=spares),
                 f"shard {event.shard}: its half-started actor did not answer; respawning as generation "
                 f"{event.next_generation}",
             )
@@ -232,8 +240,10 @@ def transition(state: State, event, budgets: Budgets = Budgets()) -> Transition 
     if isinstance(event, TrainersAllDied):
         pending = state.targets if isinstance(state, (RecoveringShards, RollingBack)) else {}
         causes = state.causes if isinstance(state, (RecoveringShards, RollingBack)) else ()
+        spares = state.spares if isinstance(state, (RecoveringShards, RollingBack)) else {}
         return Transition(
-            RollingBack(event.step, EVERY_TRAINER_DIED, tuple(event.chain), dict(pending), causes + (event.cause,)),
+            RollingBack(event.step, EVERY_TRAINER_DIED, tuple(event.chain), dict(pending), causes + (event.cause,),
+                        spares=dict(spares)),
             f"every trainer died: roll back to checkpoint step {event.step}"
             + (f", respawning shards {sorted(pending)} on the way" if pending else ""),
         )
@@ -255,32 +265,37 @@ def _on_shard_died(state: State, e: ShardDied, budgets: Budgets) -> Transition |
     if over is not None:
         return Transition(Failed(over), over)
     targets = {**pending, e.shard: e.next_generation}
+    spares = {**(state.spares if isinstance(state, (RecoveringShards, RollingBack)) else {})}
+    if e.spare is not None:
+        spares[e.shard] = e.spare
     who = f"shard {e.shard} (generation {e.generation}) died: {e.cause.get('cause', '?')}"
+    onto = f" onto spare {e.spare}" if e.spare else ""
     if isinstance(state, RollingBack):
         return Transition(
-            replace(state, targets=targets, causes=state.causes + (e.cause,)),
-            f"{who}; respawned as part of the rollback to step {state.step}",
+            replace(state, targets=targets, causes=state.causes + (e.cause,), spares=spares),
+            f"{who}; replaced{onto} as part of the rollback to step {state.step}",
         )
     if isinstance(state, RecoveringShards):
         if e.partial:
             return Transition(
-                replace(state, targets=targets, causes=state.causes + (e.cause,)),
-                f"{who} during the recovery of shards {sorted(state.targets)}; recovering them together",
+                replace(state, targets=targets, causes=state.causes + (e.cause,), spares=spares),
+                f"{who} during the recovery of shards {sorted(state.targets)}; recovering them together{onto}",
             )
         step = e.consistent_chain[-1] if e.consistent_chain else 0
         return Transition(
-            RollingBack(step, FULL_RECOVERY, tuple(e.consistent_chain), targets, state.causes + (e.cause,), e.decision),
-            f"{who}; {e.decision.get('reason', 'full recovery')}: roll back to step {step}",
+            RollingBack(step, FULL_RECOVERY, tuple(e.consistent_chain), targets, state.causes + (e.cause,), e.decision,
+                        spares),
+            f"{who}; {e.decision.get('reason', 'full recovery')}: roll back to step {step}{onto}",
         )
     if e.partial:
         return Transition(
-            RecoveringShards(targets, tuple(e.chain), (e.cause,), e.decision),
-            f"{who}; partial recovery from chain {list(e.chain)}: {e.decision.get('reason', '')}",
+            RecoveringShards(targets, tuple(e.chain), (e.cause,), e.decision, spares),
+            f"{who}; partial recovery{onto} from chain {list(e.chain)}: {e.decision.get('reason', '')}",
         )
     step = e.consistent_chain[-1] if e.consistent_chain else 0
     return Transition(
-        RollingBack(step, FULL_RECOVERY, tuple(e.consistent_chain), targets, (e.cause,), e.decision),
-        f"{who}; full recovery to step {step}: {e.decision.get('reason', '')}",
+        RollingBack(step, FULL_RECOVERY, tuple(e.consistent_chain), targets, (e.cause,), e.decision, spares),
+        f"{who}; full recovery{onto} to step {step}: {e.decision.get('reason', '')}",
     )
 
 

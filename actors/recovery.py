@@ -29,7 +29,7 @@ class ShardsLost(Exception):
 
 @dataclass
 class Outcome:
-    handles: dict = field(default_factory=dict)  # shard -> (actor handle, ready info), respawned ones
+    handles: dict = field(default_factory=dict)  # shard -> (actor handle, ready info), replaced ones
     loaded: dict = field(default_factory=dict)  # shard -> load result
     reschedule_s: float = 0.0
     load_s: float = 0.0
@@ -51,9 +51,9 @@ class RecoveryExecutor:
             return self.rollback(state, committed)
         raise TypeError(f"nothing to execute in state {state!r}")
 
-    def _respawn(self, targets: dict[int, int]) -> tuple[dict, float]:
+    def _respawn(self, targets: dict[int, int], spares: dict[int, str]) -> tuple[dict, float]:
         t0 = time.time()
-        handles, lost = self.fleet.adopt_or_spawn(targets) if targets else ({}, [])
+        handles, lost = self.fleet.adopt_or_spawn(targets, spares) if targets else ({}, [])
         if lost:
             raise ShardsLost(lost)
         return handles, time.time() - t0
@@ -80,8 +80,9 @@ class RecoveryExecutor:
         return loaded, time.time() - t0
 
     def recover_shards(self, state: RecoveringShards) -> Outcome:
-        """Partial recovery: only the dead shards are respawned and loaded."""
-        handles, reschedule_s = self._respawn(state.targets)
+        """Partial recovery: only the dead shards are replaced (by warm spares where the state
+        names one) and loaded, each from its own files of the chain."""
+        handles, reschedule_s = self._respawn(state.targets, state.spares)
         self.at_point("recovery.spawned")
         loaded, load_s = self._load({k: h for k, (h, _) in handles.items()}, state.chain, "recovery")
         self.at_point("recovery.loaded")
@@ -90,7 +91,7 @@ class RecoveryExecutor:
     def rollback(self, state: RollingBack, committed: list) -> Outcome:
         """Every shard goes back to ``state.step`` (dead ones respawned first), and the
         checkpoints of the abandoned timeline are fenced."""
-        handles, reschedule_s = self._respawn(state.targets)
+        handles, reschedule_s = self._respawn(state.targets, state.spares)
         missing = [k for k, h in enumerate(committed) if h is None and k not in handles]
         if missing:
             raise ShardsLost(missing)

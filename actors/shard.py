@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from actors.checkpoint import ShardRows
 from actors.plan import TableSlice, shard_row_ids, slice_offsets
 from actors.shm import ShmArray, ShmReader
 
@@ -29,6 +30,29 @@ class _Chunk:
     lengths: np.ndarray  # int64 [S, B]
     indices: np.ndarray  # int64 [nnz]
     grad: np.ndarray | None = None  # float32 [B, S*D]
+
+
+class _Write:
+    """The background write of one save's snapshot."""
+
+    def __init__(self, step: int):
+        self.step = step
+        self.done = threading.Event()
+        self.entry = None
+        self.error: str | None = None
+        self.write_s = 0.0
+
+    def run(self, uri: str, step: int, shard_id: int, data) -> None:
+        from actors.checkpoint import write_shard_file
+
+        t0 = time.perf_counter()
+        try:
+            self.entry = write_shard_file(uri, step, shard_id, data)
+        except BaseException as err:  # reported to the coordinator by save_written
+            self.error = repr(err)[:300]
+        finally:
+            self.write_s = time.perf_counter() - t0
+            self.done.set()
 
 
 def _writable(a: np.ndarray) -> np.ndarray:
@@ -72,8 +96,8 @@ class EmbeddingShard:
 
     def __init__(
         self,
-        shard_id: int,
-        slices: list[TableSlice],
+        shard_id: int | None,
+        slices: list[TableSlice] | None,
         dim: int,
         learning_rate: float,
         eps: float,
@@ -84,10 +108,17 @@ class EmbeddingShard:
         generation: int = 0,
         audit_dir: str | None = None,
         log_dir: str | None = None,
+        spare: str | None = None,
     ):
+        """``shard_id`` None: a warm spare (``spare`` names it). It imports torch and fbgemm
+        and then waits, holding no table memory, until ``adopt`` makes it a shard."""
         from app.logs import configure_process_logging
 
-        configure_process_logging(log_dir, f"shard-{shard_id}")
+        configure_process_logging(log_dir, spare or f"shard-{shard_id}")
+        # torch's CPU allocator backs large tensors with transparent huge pages when this is
+        # set before its first allocation: a recovery's fresh 100 MB of tables is then
+        # faulted in 2 MB pages, not 4 KB ones (cold load of a 104 MB shard 0.63 -> 0.27 s).
+        os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
         import torch
         from fbgemm_gpu.split_embedding_configs import EmbOptimType
         from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocation
@@ -98,29 +129,61 @@ class EmbeddingShard:
 
         torch.set_num_threads(threads)
         self._torch = torch
-        self.shard_id = shard_id
-        self.slices = list(slices)
-        self.dim = dim
-        self.microbatches_per_step = microbatches_per_step
+        self._tbe_cls, self._optim = SplitTableBatchedEmbeddingBagsCodegen, EmbOptimType.EXACT_ROWWISE_ADAGRAD
         on_gpu = torch.cuda.is_available()
         self.device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
-        location = EmbeddingLocation.DEVICE if on_gpu else EmbeddingLocation.HOST
-        compute = ComputeDevice.CUDA if on_gpu else ComputeDevice.CPU
-        self.tbe = SplitTableBatchedEmbeddingBagsCodegen(
-            embedding_specs=[(s.num_rows, dim, location, compute) for s in self.slices],
-            optimizer=EmbOptimType.EXACT_ROWWISE_ADAGRAD,
-            learning_rate=learning_rate,
-            eps=eps,
+        self._location = EmbeddingLocation.DEVICE if on_gpu else EmbeddingLocation.HOST
+        self._compute = ComputeDevice.CUDA if on_gpu else ComputeDevice.CPU
+        self.dim = dim
+        self.learning_rate, self.eps = learning_rate, eps
+        self.seed = seed
+        self.microbatches_per_step = microbatches_per_step
+        self._priority_args = {"policy": "full", "r": 1.0, "sample_rate": 1.0, "full_every": 1, **(priority or {})}
+        self._audit_dir = audit_dir
+        self.spare = spare
+        self.shard_id: int | None = None
+        self.generation = generation
+        self._released = threading.Event()
+        # Arrays of trainers on this node come through shared memory (actors.shm).
+        self._shm = ShmReader()
+        # The background write of the last save's snapshot (two-phase asynchronous saves),
+        # and the buffer a full snapshot is copied into.
+        self._write: _Write | None = None
+        self._snapshot_buf: ShardRows | None = None
+        self._buf_thread: threading.Thread | None = None
+        if shard_id is not None:
+            self._become(shard_id, list(slices or []), generation, init=True)
+        else:
+            # A spare does now what a recovery would otherwise wait for: every import of
+            # adoption, load and save (its tables are not allocated until adopt).
+            import policies  # noqa: F401
+            from actors.checkpoint import warm_up
+
+            warm_up()
+
+    def _become(self, shard_id: int, slices: list[TableSlice], generation: int, init: bool) -> None:
+        """Allocates the tables of ``slices`` and every per-shard structure. ``init`` False
+        (a spare adopted for a recovery) leaves the rows zero: the load that follows writes
+        every row from the checkpoint, or ``reset_to_init`` initializes them."""
+        self.shard_id = shard_id
+        self.slices = list(slices)
+        self.generation = generation
+        self.tbe = self._tbe_cls(
+            embedding_specs=[(s.num_rows, self.dim, self._location, self._compute) for s in self.slices],
+            optimizer=self._optim,
+            learning_rate=self.learning_rate,
+            eps=self.eps,
             device=self.device,
         )
-        self.seed = seed
-        self._init_weights(seed)
+        self._initialized = False
+        if init:
+            self._init_weights(self.seed)
         from policies import make_policy
 
         self._slice_offsets = slice_offsets(self.slices)
-        p = {"policy": "full", "r": 1.0, "sample_rate": 1.0, "full_every": 1, **(priority or {})}
+        p = self._priority_args
         self._new_policy = lambda: make_policy(
-            p["policy"], int(self._slice_offsets[-1]), p["r"], p["sample_rate"], seed + shard_id, p["full_every"]
+            p["policy"], int(self._slice_offsets[-1]), p["r"], p["sample_rate"], self.seed + shard_id, p["full_every"]
         )
         self.priority = self._new_policy()
         self._tracking = p["policy"] != "full"
@@ -128,15 +191,14 @@ class EmbeddingShard:
         # (step, rows). They count as saved only once it is (two-phase save).
         self._unconfirmed_save: tuple[int, np.ndarray] | None = None
         self._since_save: list[np.ndarray] = []  # shard rows looked up after that save's snapshot
-        self.generation = generation
         self._audit = None
-        if audit_dir is not None:
+        if self._audit_dir is not None:
             # Append-only record of every update applied and every load, for the soak's
             # exactly-once checks; written by this process, independent of the supervisor.
-            os.makedirs(audit_dir, exist_ok=True)
-            self._audit = open(os.path.join(audit_dir, f"shard-{shard_id}-g{generation}.jsonl"), "a", buffering=1)
+            os.makedirs(self._audit_dir, exist_ok=True)
+            path = os.path.join(self._audit_dir, f"shard-{shard_id}-g{generation}.jsonl")
+            self._audit = open(path, "a", buffering=1)
         self.tracking_s = 0.0
-        self._released = threading.Event()
         self.steps_dropped = 0
         self.first_step_after_load: int | None = None
         self.applied_microbatches: list[tuple[int, tuple[int, ...]]] = []
@@ -144,8 +206,29 @@ class EmbeddingShard:
         self.applied_step = -1
         self.rows_updated_total = 0
         self.compute_s = 0.0
-        # Arrays of trainers on this node come through shared memory (actors.shm).
-        self._shm = ShmReader()
+        self._snapshot_buf = None
+        self._buf_thread = threading.Thread(target=self._make_snapshot_buf, name="snapshot-buffer", daemon=True)
+        self._buf_thread.start()
+
+    def adopt(self, shard_id: int, slices: list[TableSlice], generation: int) -> dict:
+        """A warm spare becomes shard ``shard_id`` of ``generation``: its tables are allocated
+        now (a spare holds no table memory). Idempotent for the same shard and generation (a
+        restarted supervisor adopts again); a spare already adopted as another refuses."""
+        if self.shard_id is not None:
+            if (self.shard_id, self.generation) != (shard_id, generation):
+                raise RuntimeError(
+                    f"{self.spare} is already shard {self.shard_id} generation {self.generation}; "
+                    f"cannot become shard {shard_id} generation {generation}"
+                )
+            return self.ready()
+        t0 = time.perf_counter()
+        self._become(shard_id, list(slices), generation, init=False)
+        import logging
+
+        logging.getLogger(__name__).warning(
+            "%s adopted as shard %d generation %d in %.3fs", self.spare, shard_id, generation, time.perf_counter() - t0
+        )
+        return {**self.ready(), "adopt_s": time.perf_counter() - t0}
 
     def _init_weights(self, seed: int) -> None:
         # DLRM's init, uniform(+-sqrt(1/rows)), seeded per (table, row_start) so a slice
@@ -158,6 +241,7 @@ class EmbeddingShard:
                 bound = float(np.sqrt(1.0 / table_rows))
                 init = torch.empty(w.shape).uniform_(-bound, bound, generator=gen)
                 w.copy_(init.to(w.device))
+        self._initialized = True
 
     def watch(self) -> None:
         """Never returns while the shard lives. The supervisor keeps one call of it pending
@@ -188,9 +272,11 @@ class EmbeddingShard:
 
         return {
             "shard_id": self.shard_id,
+            "spare": self.spare,
+            "generation": self.generation,
             "pid": os.getpid(),
             "node_id": ray.get_runtime_context().get_node_id(),
-            "rows": sum(s.num_rows for s in self.slices),
+            "rows": sum(s.num_rows for s in self.slices) if self.shard_id is not None else 0,
             "device": str(self.device),
         }
 
@@ -309,18 +395,19 @@ class EmbeddingShard:
     def save_checkpoint(
         self, uri: str, step: int, save_index: int = 0, confirmed_step: int | None = None, full: bool = False
     ) -> dict:
-        """Writes this shard's rows and Adagrad state as of ``step`` committed steps: all of
-        them (always with ``full``), or the rows the priority policy (MFU/SSU) selects for save
-        ``save_index``.
+        """Phase one of a save, at the step boundary: copies the rows to save as of ``step``
+        committed steps (all of them with ``full``, else the rows the MFU/SSU policy selects
+        for save ``save_index``) into memory, starts writing them in the background and
+        returns. Only the copy holds the caller; ``save_written`` waits for the file.
 
         The rows are written by this actor straight to storage; only the file's entry
-        (name, size, checksum) goes back to the supervisor, which commits the manifest.
-        Two-phase: the rows written count as saved (their MFU/SSU counts cleared) only when
-        a later call names this step as ``confirmed_step``, i.e. its manifest committed.
+        (name, size, checksum) goes back to the supervisor, which commits the manifest once
+        every part is durable. The rows count as saved (their MFU/SSU counts cleared) only
+        when ``confirm_save`` names this step, i.e. its manifest committed.
         """
-        from actors.checkpoint import ShardRows, write_shard_file
-
         self.confirm_save(confirmed_step)
+        if self._write is not None:
+            self._write.done.wait()  # the previous save's write (long done, normally)
 
         if self.applied_step != step - 1:
             raise RuntimeError(
@@ -333,36 +420,74 @@ class EmbeddingShard:
         else:
             selection = self.priority.select(save_index)
         chosen = np.asarray(selection.rows, dtype=np.int64)
-        slice_of = np.searchsorted(self._slice_offsets, chosen, side="right") - 1
-        weights_all = self.tbe.split_embedding_weights()
-        states_all = self.tbe.split_optimizer_states()
-        tables, rows, weights, momentum = [], [], [], []
-        for i, s in enumerate(self.slices):
-            local = chosen[slice_of == i] - self._slice_offsets[i]
-            if selection.full:
-                w, m = weights_all[i].detach().cpu().numpy(), states_all[i][0].detach().cpu().numpy()
-            else:
-                idx = self._torch.from_numpy(local)
-                w = weights_all[i][idx].detach().cpu().numpy()
-                m = states_all[i][0][idx].detach().cpu().numpy()
-            tables.append(np.full(len(local), s.table, dtype=np.int32))
-            rows.append(local + s.row_start)
-            weights.append(w)
-            momentum.append(m)
-        data = ShardRows(
-            np.concatenate(tables), np.concatenate(rows), np.concatenate(weights), np.concatenate(momentum)
-        )
-        entry = write_shard_file(uri, step, self.shard_id, data)
+        data = self._snapshot_full() if selection.full else self._snapshot_rows(chosen)
         self._unconfirmed_save = (step, chosen)
+        self._write = _Write(step)
+        threading.Thread(
+            target=self._write.run, args=(uri, step, self.shard_id, data), name=f"save-{step}", daemon=True
+        ).start()
         return {
-            "entry": entry,
             "rows": len(data.rows),
+            "bytes": int(data.weights.nbytes + data.momentum.nbytes + data.rows.nbytes + data.tables.nbytes),
             "full": selection.full,
             "reason": selection.reason,
             # Before the save clears the saved rows' counts (at its confirmation).
             "tracked_rows": self.priority.tracked_rows,
-            "duration_s": time.perf_counter() - t0,
+            "snapshot_s": time.perf_counter() - t0,
         }
+
+    def _snapshot_full(self) -> ShardRows:
+        """Every row, copied once into a buffer kept between saves (a fresh 100 MB allocation
+        costs more in page faults than the copy; the previous write is done with it)."""
+        if self._buf_thread is not None:
+            self._buf_thread.join()
+        buf = self._snapshot_buf if self._snapshot_buf is not None else self._make_snapshot_buf()
+        torch = self._torch
+        weights_all, states_all = self.tbe.split_embedding_weights(), self.tbe.split_optimizer_states()
+        for i in range(len(self.slices)):
+            a, b = int(self._slice_offsets[i]), int(self._slice_offsets[i + 1])
+            torch.from_numpy(buf.weights[a:b]).copy_(weights_all[i].detach())
+            torch.from_numpy(buf.momentum[a:b]).copy_(states_all[i][0].detach())
+        return buf
+
+    def _make_snapshot_buf(self) -> ShardRows:
+        """The full snapshot's buffer in this shard's layout, its pages touched (through torch's
+        allocator: huge pages). Made on a thread after the tables are allocated, so the first
+        save does not pay for it."""
+        torch = self._torch
+        n = int(self._slice_offsets[-1])
+        tables = np.concatenate([np.full(s.num_rows, s.table, dtype=np.int32) for s in self.slices])
+        rows = np.concatenate([np.arange(s.row_start, s.row_end, dtype=np.int64) for s in self.slices])
+        buf = ShardRows(tables, rows, torch.zeros((n, self.dim)).numpy(), torch.zeros(n).numpy())
+        self._snapshot_buf = buf
+        return buf
+
+    def _snapshot_rows(self, chosen: np.ndarray) -> ShardRows:
+        """The ``chosen`` shard rows (an MFU/SSU selection), gathered into new arrays."""
+        slice_of = np.searchsorted(self._slice_offsets, chosen, side="right") - 1
+        weights_all, states_all = self.tbe.split_embedding_weights(), self.tbe.split_optimizer_states()
+        tables, rows, weights, momentum = [], [], [], []
+        for i, s in enumerate(self.slices):
+            local = chosen[slice_of == i] - self._slice_offsets[i]
+            idx = self._torch.from_numpy(local)
+            weights.append(weights_all[i][idx].detach().cpu().numpy())  # indexing copies
+            momentum.append(states_all[i][0][idx].detach().cpu().numpy())
+            tables.append(np.full(len(local), s.table, dtype=np.int32))
+            rows.append(local + s.row_start)
+        return ShardRows(np.concatenate(tables), np.concatenate(rows), np.concatenate(weights), np.concatenate(momentum))
+
+    def save_written(self, step: int) -> dict:
+        """Phase one, part two (runs in its own concurrency group, beside training): waits
+        until this shard's file of ``step`` is written and synced; returns its entry (name,
+        size, checksum) and the background write time. Raises if that write failed or no
+        save of ``step`` is in flight (this process did not take its snapshot)."""
+        w = self._write
+        if w is None or w.step != step:
+            raise RuntimeError(f"shard {self.shard_id}: no save of step {step} in flight here")
+        w.done.wait()
+        if w.error is not None:
+            raise RuntimeError(f"shard {self.shard_id}: writing checkpoint step {step} failed: {w.error}")
+        return {"entry": w.entry, "write_s": w.write_s}
 
     def confirm_save(self, step: int | None) -> None:
         """Phase two of a save: the manifest of ``step`` committed, so the rows this shard wrote
@@ -379,10 +504,15 @@ class EmbeddingShard:
         self._since_save = []
 
     def load_checkpoint(self, uri: str, steps: list[int], why: str = "recovery") -> dict:
-        """Restores the rows saved in ``steps`` (a full checkpoint, then incrementals, each
-        applied in order over the last) and forgets any step in flight: the shard is then
-        exactly at ``steps[-1]`` committed steps. Returns which shard rows each incremental
-        held, for per-row lost-sample accounting.
+        """Restores this shard from the chain ``steps`` (a full checkpoint, then incrementals,
+        each applied over the last) and forgets any step in flight.
+
+        It reads and verifies only its own file of each step (``CheckpointStore.shard_chain``
+        up to ``steps[-1]``), each once: a corrupt one is refused and the chain falls back
+        (an older full, or a shorter run of incrementals); with no valid full the shard goes
+        back to its initial rows. The shard is then exactly at ``chain[-1]`` committed steps.
+        Returns the chain used and which shard rows each incremental held, for per-row
+        lost-sample accounting.
         """
         import torch
 
@@ -390,16 +520,31 @@ class EmbeddingShard:
 
         t0 = time.perf_counter()
         store = CheckpointStore(uri)
+        used, parts = store.shard_chain(self.shard_id, steps[-1]) if steps else ([], [])
+        fallbacks = [{"step": s, "reason": r} for s, r in store.fallbacks]
+        if not used:
+            self.reset_to_init(why)
+            return {"rows": 0, "bytes": 0, "incremental_rows": [], "chain": [], "fallbacks": fallbacks,
+                    "duration_s": time.perf_counter() - t0}
         weights = self.tbe.split_embedding_weights()
         states = self.tbe.split_optimizer_states()
         rows_loaded = bytes_loaded = 0
         incremental_rows = []
-        for n, step in enumerate(steps):
-            data = store.read_shard(step, self.shard_id)
+        for n, data in enumerate(parts):
             rows_loaded += len(data.rows)
             bytes_loaded += data.weights.nbytes + data.momentum.nbytes + data.rows.nbytes + data.tables.nbytes
-            shard_rows = []
             with torch.no_grad():
+                if n == 0 and self._whole_layout(data):
+                    # A full file of this very layout: one contiguous copy per slice.
+                    for i in range(len(self.slices)):
+                        a, b = self._slice_offsets[i], self._slice_offsets[i + 1]
+                        weights[i].copy_(torch.from_numpy(data.weights[a:b]))
+                        states[i][0].copy_(torch.from_numpy(data.momentum[a:b]))
+                    self._initialized = True
+                    continue
+                if not self._initialized:
+                    self._init_weights(self.seed)  # rows the file does not hold keep their initial value
+                shard_rows = []
                 for i, s in enumerate(self.slices):
                     mask = (data.tables == s.table) & (data.rows >= s.row_start) & (data.rows < s.row_end)
                     local = data.rows[mask] - s.row_start
@@ -408,21 +553,34 @@ class EmbeddingShard:
                     states[i][0][idx] = torch.from_numpy(data.momentum[mask]).to(states[i][0].device)
                     shard_rows.append(local + self._slice_offsets[i])
             if n > 0:
-                incremental_rows.append((step, np.concatenate(shard_rows)))
+                incremental_rows.append((used[n], np.concatenate(shard_rows)))
         self._pending.clear()
-        self.applied_step = steps[-1] - 1
+        self.applied_step = used[-1] - 1
         self.first_step_after_load = None
         # Every row now equals its saved copy: nothing is unsaved, so access counts restart.
         self.priority = self._new_policy()
         self.confirm_save(None)
-        self._log({"event": "load", "chain": list(steps), "why": why})
-        self.applied_microbatches = [x for x in self.applied_microbatches if x[0] < steps[-1]]
+        self._log({"event": "load", "chain": list(used), "why": why})
+        self.applied_microbatches = [x for x in self.applied_microbatches if x[0] < used[-1]]
         return {
             "rows": int(rows_loaded),
             "bytes": int(bytes_loaded),
             "incremental_rows": incremental_rows,
+            "chain": list(used),
+            "fallbacks": fallbacks,
             "duration_s": time.perf_counter() - t0,
         }
+
+    def _whole_layout(self, data) -> bool:
+        """Whether ``data`` holds exactly this shard's rows, slice by slice in row order (what
+        a full save of this plan writes)."""
+        if len(data.rows) != int(self._slice_offsets[-1]):
+            return False
+        for i, s in enumerate(self.slices):
+            a, b = int(self._slice_offsets[i]), int(self._slice_offsets[i + 1])
+            if not ((data.tables[a:b] == s.table).all() and np.array_equal(data.rows[a:b], np.arange(s.row_start, s.row_end))):
+                return False
+        return True
 
     def applied_log(self) -> list[tuple[int, tuple[int, ...]]]:
         """(step, microbatch ids) of every embedding update this shard applied, in order."""

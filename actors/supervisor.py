@@ -22,7 +22,7 @@ from actors.accounting import chain_rows, count_lost_samples
 from actors.checkpointing import CheckpointCoordinator
 from actors.deadlines import Deadlines
 from actors.faults import sigkill_on_node
-from actors.fleet import ShardFleet, shard_name
+from actors.fleet import ShardFleet, shard_name, spare_name
 from actors.journal import Journal, RunLog
 from actors.machine import (
     EVERY_TRAINER_DIED, FULL_RECOVERY, RECOVERING, RESUME, TERMINAL, BudgetExceeded, Budgets, RecoveringShards,
@@ -74,7 +74,7 @@ class Supervisor(RunApi, TrainerBook):
         )
         self.ckpt = CheckpointCoordinator(cfg, self.plan.num_shards, self.costs, self.record_event, self._step_time_s)
         audit = str(self.run_dir / "audit") if cfg.audit_log else None
-        self.fleet = ShardFleet(cfg, self.plan, run_id, audit, self._on_death)
+        self.fleet = ShardFleet(cfg, self.plan, run_id, audit, self._on_death, self._on_spare_death)
         self.executor = RecoveryExecutor(self.fleet, self.ckpt, cfg.checkpoint_uri, cfg.embeddings.call_timeout_s, self._at_point)
         self.journal = Journal(self.run_dir)
         n = self.plan.num_shards
@@ -84,6 +84,13 @@ class Supervisor(RunApi, TrainerBook):
         self.shard_gens = [0] * n  # generation of each shard in the live fleet
         self.next_gens = [0] * n  # lowest generation never reserved, per shard
         self.live_since: list[int | None] = [0] * n  # first step the live actor of each shard applies
+        self.shard_names = [shard_name(run_id, k, 0) for k in range(n)]  # the actor serving each shard
+        self.spares: list[str] = []  # warm spares ready to adopt, oldest first
+        self.spares_starting: list[str] = []  # reserved in the journal before they are spawned
+        self.spare_info: dict[str, dict] = {}  # name -> pid, node, start time (chaos targets, report)
+        self.next_spare = 0
+        self._spare_wake = threading.Event()
+        self._spare_keeper: threading.Thread | None = None
         self.generation = 0  # bumped whenever the fleet or the timeline changes
         self.rollback: dict | None = None
         self.events: list[dict] = []
@@ -112,6 +119,8 @@ class Supervisor(RunApi, TrainerBook):
                 "next_gens": self.next_gens, "live_since": self.live_since, "generation": self.generation,
                 "rollback": self.rollback, "events": self.events, "failures": self.failures,
                 "resume_step": self.resume_step, "started": self.started, "fired": self.fired,
+                "shard_names": self.shard_names, "spares": self.spares, "spares_starting": self.spares_starting,
+                "spare_info": self.spare_info, "next_spare": self.next_spare,
                 "supervisor_restarts": self.supervisor_restarts, "schedule": self.ckpt.to_doc(),
                 "costs": {k: v for k, v in vars(self.costs).items() if isinstance(v, (int, float))},
                 "eval": self.eval_metrics, **self.trainer_doc(),
@@ -123,7 +132,8 @@ class Supervisor(RunApi, TrainerBook):
         doc = self.journal.load()
         self.state = state_from_dict(doc["state"])
         for key in ("shard_gens", "next_gens", "live_since", "generation", "rollback", "events", "failures",
-                    "resume_step", "started", "fired", "supervisor_restarts"):
+                    "resume_step", "started", "fired", "supervisor_restarts", "shard_names", "spares",
+                    "spares_starting", "spare_info", "next_spare"):
             setattr(self, key, doc[key])
         self.eval_metrics = doc["eval"]
         self.ckpt.load_doc(doc["schedule"])
@@ -133,7 +143,7 @@ class Supervisor(RunApi, TrainerBook):
         self.supervisor_restarts += 1
         missing = []
         for k, gen in enumerate(self.shard_gens):
-            handle = self.fleet.find(k, gen) if self.started else None
+            handle = self.fleet.find_name(self.shard_names[k]) if self.started else None
             try:
                 info = ray.get(handle.ready.remote(), timeout=self.deadlines.shard_call_s) if handle else None
             except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError):
@@ -162,6 +172,7 @@ class Supervisor(RunApi, TrainerBook):
         uncounted = [f for f in self.failures if f["recovery"] == "partial" and f["failed_at_step"] is not None
                      and f["lost_samples"] is None]
         self._count_lost_later(uncounted)
+        self._readopt_spares()
         self._work.set()
 
     def record_event(self, kind: str, **fields) -> dict:
@@ -197,6 +208,9 @@ class Supervisor(RunApi, TrainerBook):
             previous, self.state = self.state, t.state
             for k, g in getattr(t.state, "targets", {}).items():
                 self.next_gens[k] = max(self.next_gens[k], g + 1)  # reserved before any spawn
+            for name in getattr(t.state, "spares", {}).values():
+                if name in self.spares:
+                    self.spares.remove(name)  # assigned: no other recovery takes it
             if isinstance(event, WorkDone):
                 self._commit_outcome(previous)
             self._append_event("state_changed", previous=previous.name, state=t.state.name, reason=t.reason)
@@ -220,14 +234,19 @@ class Supervisor(RunApi, TrainerBook):
             kill = next((x for x in reversed(self.kills) if x["target"] == f"shard:{k}" and x["time"] <= detected), None)
             self.costs.observe_failure(max(detected, self.costs.clock_s))
             mode, decision = self._recovery_mode()
+            partial = mode == RecoveryMode.PARTIAL
+            spare = self.spares[0] if self.spares else None
             record = {
                 "actor": f"shard:{k}", "shard": k, "generation": generation, "cause": cause,
                 "detected_at": round(detected, 3), "killed_at": kill["time"] if kill else None,
                 "detection_s": round(detected - kill["time"], 3) if kill else None, "first_step": self.live_since[k],
             }
+            # Only the chain the decision needs: a partial recovery's from the manifests (the
+            # shard reads and verifies its own files), a rollback's verified in full.
             event = ShardDied(
-                k, generation, self.shard_gens[k], self.next_gens[k], record, mode == RecoveryMode.PARTIAL,
-                decision, tuple(self.ckpt.chain()), tuple(self.ckpt.consistent_chain()),
+                k, generation, self.shard_gens[k], self.next_gens[k], record, partial, decision,
+                tuple(self.ckpt.chain_candidates()) if partial else (),
+                () if partial else tuple(self.ckpt.consistent_chain()), spare,
             )
             self._transition(event)
 
@@ -274,8 +293,12 @@ class Supervisor(RunApi, TrainerBook):
         earlier = len(self.failures)
         for k, (handle, info) in out.handles.items():
             self.shards[k], self.shard_info[k], self.shard_gens[k] = handle, info, done.targets[k]
+            self.shard_names[k] = done.spares.get(k) or shard_name(self.run_id, k, done.targets[k])
             self.fleet.watch(k, done.targets[k], handle)
             self.live_since[k] = None  # known once trainers redo a step on it
+        for k, result in out.loaded.items():
+            for fb in result.get("fallbacks", []):
+                self._append_event("checkpoint_fallback", event_time=now, shard=k, **fb)
         self.generation += 1
         if out.handles:
             self.costs.observe_reschedule(out.reschedule_s)
@@ -285,17 +308,24 @@ class Supervisor(RunApi, TrainerBook):
         total = {key: int(sum(x.get(key, 0) for x in out.loaded.values())) for key in ("rows", "bytes")}
         for cause in (c for c in done.causes if c.get("shard") is not None):
             mine = out.loaded.get(cause["shard"], {}) if partial else total
+            # The chain the shard loaded: its own files may have sent it back further.
+            chain = list(mine.get("chain", done.chain)) if partial else list(done.chain)
+            killed = cause.get("killed_at")
             failure = {
                 **cause, "recovery": "partial" if partial else "full", "decision": done.decision,
-                "generation_after": self.generation, "reschedule_s": round(out.reschedule_s, 3),
+                "generation_after": self.generation, "spare": done.spares.get(cause["shard"]),
+                "adoption_s": round(out.reschedule_s, 3), "reschedule_s": round(out.reschedule_s, 3),
                 "load_s": round(out.load_s, 3), "recovery_s": round(now - cause["detected_at"], 3),
-                "restored_step": (done.chain[-1] if done.chain else 0) if partial else done.step,
-                "chain": list(done.chain), "rows_reloaded": int(mine.get("rows", 0)),
+                "serving_s": round(now - killed, 3) if killed is not None else None,
+                "restored_step": (chain[-1] if chain else 0) if partial else done.step,
+                "chain": chain, "rows_reloaded": int(mine.get("rows", 0)),
                 "bytes_reloaded": int(mine.get("bytes", 0)), "failed_at_step": None,
                 "lost_samples": None if partial else 0.0, "lost_steps_recomputed": 0 if partial else None,
             }
             self.failures.append(failure)
             self._append_event("shard_recovered", event_time=now, **failure)
+        if done.spares:
+            self._spare_wake.set()  # a new spare starts in the background for each one used
         if isinstance(done, RollingBack):
             self._reopen_after_rollback(done.step, earlier)
             if done.why != FULL_RECOVERY:
@@ -319,6 +349,93 @@ class Supervisor(RunApi, TrainerBook):
             if out.fenced:
                 self._append_event("checkpoints_fenced", event_time=now, steps=out.fenced,
                                    rollback_step=done.step, why=done.why)
+
+    # ------------------------------------------------------------------ warm spares
+
+    def keep_spares(self) -> None:
+        """Starts (once) the thread that keeps ``embeddings.spares`` warm spares ready."""
+        with self._lock:
+            if self._spare_keeper is None and self.cfg.embeddings.spares > 0:
+                self._spare_keeper = threading.Thread(target=self._keep_spares, name="spare-keeper", daemon=True)
+                self._spare_keeper.start()
+        self._spare_wake.set()
+
+    def _keep_spares(self) -> None:
+        while not self._stop.is_set():
+            self._spare_wake.wait(1.0)
+            self._spare_wake.clear()
+            with self._lock:
+                short = self.cfg.embeddings.spares - len(self.spares) - len(self.spares_starting)
+                if short <= 0 or isinstance(self.state, TERMINAL):
+                    continue
+                names = [spare_name(self.run_id, self.next_spare + i) for i in range(short)]
+                self.next_spare += short
+                self.spares_starting += names  # reserved before spawning: a restart finds them
+                nodes = [i.get("node_id") for i in self.shard_info]
+                self._persist()
+            t0 = time.perf_counter()
+            handles = {name: self.fleet.spawn_spare(int(name.rsplit("spare", 1)[1]), nodes) for name in names}
+            for name, handle in handles.items():
+                self._spare_ready(name, handle, t0)
+
+    def _spare_ready(self, name: str, handle, t0: float) -> None:
+        try:
+            info = ray.get(handle.ready.remote(), timeout=self.deadlines.shard_call_s)
+        except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError) as err:
+            self.fleet.kill(handle)
+            with self._lock:
+                if name in self.spares_starting:
+                    self.spares_starting.remove(name)
+            self.record_event("spare_failed", spare=name, error=str(err).splitlines()[0][:200])
+            time.sleep(1.0)  # do not spin on a cluster that cannot place one
+            self._spare_wake.set()
+            return
+        with self._lock:
+            if name in self.spares_starting:
+                self.spares_starting.remove(name)
+            if self._stop.is_set() or isinstance(self.state, TERMINAL):
+                self.fleet.kill(handle)
+                return
+            self.spares.append(name)
+            self.spare_info[name] = {"pid": info["pid"], "node_id": info["node_id"]}
+            self.fleet.watch(name, None, handle)
+            self._append_event("spare_ready", spare=name, start_s=round(time.perf_counter() - t0, 3),
+                               node_id=info["node_id"], pool=len(self.spares))
+            self._persist()
+
+    def _on_spare_death(self, name: str, cause: str, detected: float) -> None:
+        """A warm spare died: it leaves the pool and another one starts. An adopted spare is
+        a shard; its death is seen by the shard watch."""
+        with self._lock:
+            if name not in self.spares:
+                return
+            self.spares.remove(name)
+            self._append_event("spare_lost", spare=name, cause=cause, detected_at=round(detected, 3))
+            self._persist()
+        self._spare_wake.set()
+
+    def _readopt_spares(self) -> None:
+        """After a supervisor restart: the journaled spares (ready or being started) that
+        answer are the pool again; the others are killed and replaced."""
+        names = list(dict.fromkeys(self.spares + self.spares_starting))
+        keep = []
+        for name in names:
+            handle = self.fleet.find_name(name)
+            try:
+                info = ray.get(handle.ready.remote(), timeout=self.deadlines.shard_call_s) if handle else None
+            except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError):
+                info = None
+            if info is not None and info.get("shard_id") is None:
+                keep.append(name)
+                self.spare_info[name] = {"pid": info["pid"], "node_id": info["node_id"]}
+                self.fleet.watch(name, None, handle)
+            elif info is None:
+                self.fleet.kill(handle)
+        with self._lock:
+            self.spares, self.spares_starting = keep, []
+            self._persist()
+        if self.training_started:
+            self.keep_spares()
 
     # ------------------------------------------------------------------ named fault points
 

@@ -248,6 +248,7 @@ class RunApi:
     # ------------------------------------------------------------------ end of run
 
     def record_eval(self, metrics: dict) -> None:
+        self.ckpt.drain()  # the final checkpoint, written while evaluation ran, commits first
         self.eval_metrics = metrics
         self.record_event("evaluated", **{k: v for k, v in metrics.items() if k != "positive_rate"})
         self._transition(StopRequested("completed"))
@@ -273,6 +274,8 @@ class RunApi:
         with self._lock:
             out = {f"shard:{k}": {"pid": i["pid"], "node_id": i["node_id"]} for k, i in enumerate(self.shard_info)}
             out.update({f"trainer:{r}": {"pid": t["pid"], "node_id": t["node_id"]} for r, t in self.trainers.items()})
+            out.update({f"spare:{n.rsplit('spare', 1)[1]}": dict(self.spare_info[n]) for n in self.spares
+                        if n in self.spare_info})
             out["supervisor"] = me
             return out
 
@@ -283,6 +286,7 @@ class RunApi:
     def summary(self) -> dict:
         """Everything the report needs; failures whose redo step never came are closed at
         the last committed step and their lost samples counted now."""
+        self.ckpt.drain()
         with self._lock:
             final = (self.eval_metrics or {}).get("steps") or (max(self.commits) + 1 if self.commits else 0)
             todo = [f for f in self.failures if self._close(f, final)]
@@ -321,5 +325,6 @@ class RunApi:
         """Stops watching and recovering, and kills every shard actor of the run by name
         (half-started ones of an unfinished recovery too)."""
         self._stop.set()
+        self.ckpt.drain()
         self.fleet.stop()
         kill_run_shards(self.run_id, self.cfg.ray.namespace)

@@ -84,6 +84,7 @@ class TrainerBook:
                 return
             self.training_started = True
         self.record_event("training_started", step=step, trainers=trainers, wall_time=wall_time)
+        self.keep_spares()  # warm spares start once training runs, not during the startup
 
     def record_trainer_healed(self, rank: int, step: int, heal_s: float, wall_time: float) -> None:
         """A replacement trainer took its first share of a step after healing from a peer."""

@@ -117,6 +117,10 @@ class EmbeddingsConfig(_Section):
     """A shard that does not answer within this is treated as unavailable."""
     threads: int = Field(1, ge=1, le=256)
     """torch intra-op threads in each shard process."""
+    spares: int = Field(1, ge=0, le=64)
+    """Warm spare shard processes (torch and fbgemm imported, no table memory) that a
+    recovery adopts instead of starting a new process; placed on nodes without shards when
+    the cluster has them. 0: every recovery starts a new shard process."""
     transport: Literal["auto", "ray"] = "auto"
     """How a step's ids, pooled rows and gradients reach a shard: ``auto`` through shared
     memory (/dev/shm) when trainer and shard share a node, in the Ray call otherwise;
@@ -214,8 +218,9 @@ class CheckpointConfig(_Section):
 class FaultPoint(_Section):
     """A kill at a named point of the supervisor's work (like torchft's EventInjector.fail_at)."""
 
-    at: Literal["save.files_written", "recovery.spawned", "recovery.loaded", "rollback.loaded"]
-    """save.files_written: shard files written, manifest not; recovery.spawned: new shards answer, nothing
+    at: Literal["save.snapshotted", "save.files_written", "recovery.spawned", "recovery.loaded", "rollback.loaded"]
+    """save.snapshotted: every shard copied the rows to save, files being written in the background;
+    save.files_written: shard files written, manifest not; recovery.spawned: new shards answer, nothing
     loaded; recovery.loaded: loaded, fleet not committed; rollback.loaded: every shard loaded, nothing fenced."""
     kill: str = Field(..., pattern=r"^(supervisor|all_trainers|shard:\d+|trainer:\d+)$")
     """What to kill there, once: supervisor, all_trainers, shard:K or trainer:K."""

@@ -134,7 +134,8 @@ def connect_ray(cfg: RunConfig, verbose: bool = False) -> bool:
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     keep_ray_on_loopback()
     runtime_env["env_vars"]["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
-    needed = cfg.training.num_trainers + int(cfg.embeddings.num_shards * cfg.embeddings.num_cpus + 0.999) + 1
+    shard_like = cfg.embeddings.num_shards + cfg.embeddings.spares
+    needed = cfg.training.num_trainers + int(shard_like * cfg.embeddings.num_cpus + 0.999) + 1
     ray.init(
         _node_ip_address=_LOOPBACK,
         num_cpus=cfg.ray.num_cpus or max(os.cpu_count() or 1, needed),

@@ -14,6 +14,12 @@ TABLE_ROWS = [50] * 26
 DIM = 4
 
 
+def _save(shard, uri, step, **kw) -> dict:
+    """A whole save as the coordinator drives it: the snapshot, then the background write."""
+    snapshot = shard.save_checkpoint(uri, step, **kw)
+    return {**snapshot, **shard.save_written(step)}
+
+
 def _shard(plan, k, m=2):
     return EmbeddingShard(k, list(plan.shards[k]), DIM, learning_rate=0.1, eps=1e-8, seed=3, microbatches_per_step=m)
 
@@ -119,28 +125,28 @@ def test_mfu_counts_clear_only_when_the_save_is_confirmed_committed(tmp_path):
     hot_rows = {(t, 0) for t in range(26)}
     for step in range(3):
         train(step, hot)
-    store.commit(3, [shard.save_checkpoint(uri, 3, save_index=0)["entry"]], kind=FULL)
+    store.commit(3, [_save(shard, uri, 3, save_index=0)["entry"]], kind=FULL)
     shard.confirm_save(3)
     for step in range(3, 6):
         train(step, hot)
-    first = {"step": 6, **shard.save_checkpoint(uri, 6, save_index=1)}
+    first = {"step": 6, **_save(shard, uri, 6, save_index=1)}
     assert hot_rows <= saved(first)
     # Step 6's manifest never commits (a shard died during the save): nothing confirms it,
     # so the hot rows are still the most used and the next save writes them again.
     train(6, _batch(6, batch=16))
-    again = {"step": 7, **shard.save_checkpoint(uri, 7, save_index=2, confirmed_step=None)}
+    again = {"step": 7, **_save(shard, uri, 7, save_index=2, confirmed_step=None)}
     assert hot_rows <= saved(again)
     store.commit(7, [again["entry"]], kind=INCREMENTAL, base_step=3)
     train(7, hot)  # after the snapshot of step 7: these updates are not in it
     shard.confirm_save(7)
     for step in range(8, 10):
         train(step, _batch(step, batch=16))
-    third = {"step": 10, **shard.save_checkpoint(uri, 10, save_index=3)}
+    third = {"step": 10, **_save(shard, uri, 10, save_index=3)}
     # Row 0 was used after the snapshot more than any random row since: still chosen.
     assert hot_rows <= saved(third)
     shard.confirm_save(10)
     train(10, _batch(10, batch=16))
-    fourth = {"step": 11, **shard.save_checkpoint(uri, 11, save_index=4)}
+    fourth = {"step": 11, **_save(shard, uri, 11, save_index=4)}
     assert not (hot_rows & saved(fourth)), "confirmed rows with no later access must not be saved again"
 
 
@@ -157,7 +163,7 @@ def test_checkpoint_round_trip_restores_rows_and_adagrad_state_bit_for_bit(tmp_p
         trained.lookup(step, (step,), sb.lengths, sb.indices)
         grad = np.random.default_rng(step).standard_normal((8, len(plan.shards[1]) * DIM)).astype(np.float32)
         trained.push_grads(step, (step,), grad)
-    entry = trained.save_checkpoint(uri, 3)["entry"]
+    entry = _save(trained, uri, 3)["entry"]
     CheckpointStore(uri).commit(3, [entry])
 
     fresh = _shard(plan, 1, m=1)
@@ -195,13 +201,13 @@ def test_mfu_incremental_checkpoint_restores_row_by_row(tmp_path):
         shard.push_grads(step, (step,), np.ones((16, 26 * DIM), dtype=np.float32))
 
     train(0)
-    full = shard.save_checkpoint(uri, 1, save_index=0)
+    full = _save(shard, uri, 1, save_index=0)
     assert full["full"] and full["rows"] == 26 * 50
     store.commit(1, [full["entry"]], kind=FULL)
     at_full = shard.get_rows()
     for step in (1, 2, 3):
         train(step)
-    inc = shard.save_checkpoint(uri, 4, save_index=1, confirmed_step=1)
+    inc = _save(shard, uri, 4, save_index=1, confirmed_step=1)
     assert not inc["full"] and 0 < inc["rows"] <= int(np.ceil(0.1 * 26 * 50))
     store.commit(4, [inc["entry"]], kind=INCREMENTAL, base_step=1)
     trained = shard.get_rows()
