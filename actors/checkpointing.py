@@ -46,7 +46,10 @@ class _SaveJob:
         if self.thread is not None:
             self.thread.join(timeout_s)
 
-_SCHEDULE_FIELDS = ("save_index", "last_full_step", "last_checkpoint_step", "next_checkpoint_step", "interval_steps_in_use")
+_SCHEDULE_FIELDS = (
+    "save_index", "last_full_step", "last_checkpoint_step", "next_checkpoint_step", "interval_steps_in_use",
+    "in_flight_step",
+)
 
 
 class CheckpointCoordinator:
@@ -72,6 +75,7 @@ class CheckpointCoordinator:
         self.last_checkpoint_step = 0
         self.next_checkpoint_step: int | None = None
         self.interval_steps_in_use: int | None = None
+        self.in_flight_step: int | None = None  # a save snapshotted, not yet committed or abandoned
         # A save and a rollback's fencing exclude each other: a save that began before the
         # rollback must not commit a checkpoint of the abandoned timeline after the fence.
         self._timeline = threading.Lock()
@@ -84,8 +88,14 @@ class CheckpointCoordinator:
         return {f: getattr(self, f) for f in _SCHEDULE_FIELDS}
 
     def load_doc(self, doc: dict) -> None:
+        """The schedule a restarted supervisor continues. A save that was in flight when the
+        previous one died never commits (its writer thread died with it): the next save is
+        due at once."""
         for f in _SCHEDULE_FIELDS:
-            setattr(self, f, doc[f])
+            setattr(self, f, doc.get(f))
+        if self.in_flight_step is not None and self.next_checkpoint_step is not None:
+            self.next_checkpoint_step = min(self.next_checkpoint_step, self.in_flight_step + 1)
+        self.in_flight_step = None
 
     # ------------------------------------------------------------------ schedule
 
@@ -205,6 +215,7 @@ class CheckpointCoordinator:
         if not all(r["full"] for r in snapshots) and self.last_full_step is None:
             raise RuntimeError(f"incremental save at step {step} without a full checkpoint before it")
         self.next_checkpoint_step = self.after(step)
+        self.in_flight_step = step
         job = _SaveJob(step, dense_blob, list(shards), snapshots, meta, final, hold_s, self._epoch, at_point)
         self._in_flight = job
         job.thread = threading.Thread(target=self._write_and_commit, args=(job,), name=f"checkpoint-{step}", daemon=True)
@@ -249,6 +260,7 @@ class CheckpointCoordinator:
                 if full:
                     self.last_full_step = step
                 self.last_checkpoint_step = step
+                self.in_flight_step = None
                 self.record_event(
                     "checkpoint_saved",
                     step=step,
@@ -266,12 +278,14 @@ class CheckpointCoordinator:
                 )
         except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError, OSError, _Abandoned) as err:
             with self._timeline:
+                self.in_flight_step = None
                 if job.epoch == self._epoch and self.next_checkpoint_step is not None:
                     # Saved again as soon as the trainers commit their next step.
                     self.next_checkpoint_step = min(self.next_checkpoint_step, step + 1)
             self.record_event("checkpoint_failed", step=step, phase="write", error=str(err).splitlines()[0][:200],
                               background_s=round(time.perf_counter() - t0, 4))
         except Exception:  # never silent: the save is abandoned and the reason logged
+            self.in_flight_step = None
             logger.exception("checkpoint step %d failed in the background", step)
             self.record_event("checkpoint_failed", step=step, phase="write", error="unexpected error, see supervisor log")
         finally:

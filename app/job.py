@@ -165,10 +165,13 @@ def format_event(e: dict) -> str | None:
     kind = e["kind"]
     if kind == "shard_recovered":
         detect = f"detected in {e['detection_s']:.2f}s, " if e.get("detection_s") is not None else ""
+        spare = e.get("spare")
+        how = f"spare {spare.rsplit('-', 1)[-1]} adopted" if spare else "new process"
+        serving = f"; serving {e['serving_s']:.2f}s after the kill" if e.get("serving_s") is not None else ""
         return (
             f"[failure] {e['actor']} died ({e['cause']}); {detect}{e['recovery']} recovery from step "
-            f"{e['restored_step']} in {e['recovery_s']:.2f}s (respawn {e['reschedule_s']:.2f}s, load "
-            f"{e['load_s']:.2f}s), {e['rows_reloaded']:,} rows reloaded"
+            f"{e['restored_step']} in {e['recovery_s']:.2f}s ({how} in {e['reschedule_s']:.2f}s, load "
+            f"{e['load_s']:.2f}s{serving}), {e['rows_reloaded']:,} rows reloaded"
         )
     if kind == "lost_samples_counted":
         return f"[failure] {e['actor']}: {e['lost_samples']:,.0f} samples' updates lost (steps {e['first_step']}..{e['failed_at_step']})"
@@ -186,9 +189,15 @@ def format_event(e: dict) -> str | None:
         return f"[failure] supervisor restarted; rebuilt its state in {e['rebuilt_s']:.2f}s from step {e['last_checkpoint_step']}"
     if kind == "checkpoint_saved":
         what = "final, full" if e.get("final") else e.get("checkpoint_kind", "full")
-        return f"[checkpoint] step {e['step']} ({what}): {e['bytes'] / 1e6:,.1f} MB in {e['duration_s']:.2f}s"
+        background = f", written in the background in {e['background_s']:.2f}s" if "background_s" in e else ""
+        return (
+            f"[checkpoint] step {e['step']} ({what}): {e['bytes'] / 1e6:,.1f} MB, held training "
+            f"{e['duration_s']:.2f}s{background}"
+        )
     if kind == "checkpoint_failed":
-        return f"[checkpoint] step {e['step']} not saved ({e['error']}); saving again at a later step"
+        return f"[checkpoint] step {e['step']} not saved ({e['error']}); abandoned, saving again at a later step"
+    if kind == "spare_lost":
+        return f"[failure] warm spare {e['spare']} died ({e['cause']}); starting another"
     if kind == "checkpoint_fallback":
         return f"[checkpoint] step {e['step']} refused ({e['reason']}); using an older valid checkpoint"
     if kind == "interval_changed":

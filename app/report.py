@@ -92,6 +92,7 @@ def build_report(cfg: RunConfig, summary: dict, data: dict, wall: dict) -> dict:
         # MFU/SSU access tracking in the shards' lookup path, per training step (summed over shards).
         "tracking_s_per_step": overhead_s["tracking"] / max(steps - resumed_from, 1),
         "overhead_pct_of_wall": {k: round(100 * v / wall["total_s"], 2) for k, v in overhead_s.items()},
+        "save_split_s": _save_split(saves),
         "wall_time_s": {k: round(v, 3) for k, v in wall.items()},
         "shards": summary.get("shards"),
         "events": summary.get("events", []),
@@ -108,6 +109,15 @@ def _overhead_s(saves: list[dict], failures: list[dict], step_time_s: float, tra
         "load": sum(f.get("load_s") or 0.0 for f in failures),
         "lost_computation": sum(f.get("lost_steps_recomputed") or 0 for f in failures) * step_time_s,
         "rescheduling": sum(f.get("reschedule_s") or 0.0 for f in failures),
+    }
+
+
+def _save_split(saves: list[dict]) -> dict:
+    """Seconds the saves held the training path (the snapshot) and ran in the background
+    (write, hash, sync, commit): only the first is an overhead of training."""
+    return {
+        "training_path": round(sum(e.get("hold_s", e.get("duration_s")) or 0.0 for e in saves), 3),
+        "background": round(sum(e.get("background_s") or 0.0 for e in saves), 3),
     }
 
 
@@ -155,7 +165,12 @@ def format_summary(report: dict) -> str:
         f"  recovery          requested {(report.get('recovery') or {}).get('requested') or 'n/a'}; used {_modes(report)}",
         "  overhead          "
         + ", ".join(f"{k.replace('_', ' ')} {_fmt(v, '.2f', '%')}" for k, v in overhead_pct.items())
-        + " of wall time",
+        + " of wall time"
+        + (
+            f" (saves held training {split['training_path']:.2f}s; wrote for {split['background']:.2f}s in the background)"
+            if (split := report.get("save_split_s"))
+            else ""
+        ),
         f"  wall time         data {_fmt(w.get('data_prep_s'), '.1f', 's')}, startup {_fmt(w.get('startup_s'), '.1f', 's')}, "
         f"training {_fmt(w.get('training_s'), '.1f', 's')}, evaluation {_fmt(w.get('evaluation_s'), '.1f', 's')}, "
         f"total {_fmt(w.get('total_s'), '.1f', 's')}",
@@ -183,8 +198,11 @@ def format_summary(report: dict) -> str:
     for f in report.get("failures") or []:
         detect = f"{f['detection_s']:.2f}s" if f.get("detection_s") is not None else "n/a"
         why, numbers = _decision(f.get("decision") or {})
+        how = f"spare {f['spare']} adopted" if f.get("spare") else "new process"
         lines.append(
-            f"    {f['actor']}: {f['recovery']} recovery ({why}), detected {detect}, "
+            f"    {f['actor']}: {f['recovery']} recovery ({why}), detected {detect}, {how} in "
+            f"{_fmt(f.get('adoption_s', f.get('reschedule_s')), '.2f', 's')}, loaded in {_fmt(f.get('load_s'), '.2f', 's')}, "
+            f"serving {_fmt(f.get('serving_s'), '.2f', 's')} after the kill; "
             f"recovered in {f['recovery_s']:.2f}s from step {f['restored_step']} (redone from {_fmt(f.get('failed_at_step'), '')}), "
             f"{f['rows_reloaded']:,} rows / {f['bytes_reloaded'] / 1e6:,.1f} MB reloaded, "
             f"{_fmt(f.get('lost_samples'), ',.0f', missing='uncounted')} lost samples"
@@ -386,6 +404,7 @@ def rebuild_report(run_dir: str | Path, notes: list[str] | None = None) -> dict:
         "commits": {},
         "overhead_s": {k: None if v is None else round(v, 3) for k, v in overhead_s.items()},
         "tracking_s_per_step": None,
+        "save_split_s": _save_split(saves),
         "overhead_pct_of_wall": {
             k: round(100 * v / wall["total_s"], 2) if (v is not None and wall["total_s"]) else None
             for k, v in overhead_s.items()

@@ -110,7 +110,39 @@ def test_shard_killed_during_a_checkpoint_save(ray_local, small_data, tmp_path):
     assert [e["trigger"] for e in report["faults_injected"]] == ["at save.files_written"]
 
 
-def test_shard_killed_during_another_shards_recovery(ray_local, small_data, tmp_path):
+@pytest.mark.parametrize("victim", ["shard:1", "supervisor"])
+def test_a_save_in_flight_when_its_writer_dies_never_becomes_a_checkpoint(ray_local, small_data, tmp_path, victim):
+    # Killed once every shard copied its rows of the first save (step 20) and their files
+    # are being written in the background: before the coordinator heard they are durable.
+    cfg = _config(tmp_path, small_data, at_points=[{"at": "save.snapshotted", "kill": victim}])
+    report, before, after, violations = _train(cfg)
+    brief = _brief(report)
+    assert violations == [], brief
+    assert report["steps"] == STEPS, brief
+    store = CheckpointStore(cfg.checkpoint_uri)
+    committed = store.list_committed()
+    # Abandoned: no manifest, so step 20 never looks like a checkpoint; later saves commit.
+    assert EVERY not in committed and STEPS in committed, committed
+    manifest = tmp_path / "run" / "checkpoints" / f"ckpt-{EVERY:012d}" / "manifest.json"
+    assert not manifest.exists()
+    if victim == "shard:1":
+        failed = [e for e in report["events"] if e["kind"] == "checkpoint_failed" and e["step"] == EVERY]
+        assert failed and failed[0]["phase"] == "write", brief
+        # Nothing committed before the kill: shard 1 came back alone with its initial rows
+        # and the steps it had applied are lost (counted, not silently kept).
+        [failure] = report["failures"]
+        assert failure["actor"] == "shard:1" and failure["recovery"] == "partial", brief
+        assert failure["chain"] == [] and failure["restored_step"] == 0 and failure["lost_samples"] > 0, brief
+        assert after["shard:0"] == before["shard:0"] and after["shard:1"] != before["shard:1"]
+    else:
+        # The restarted supervisor never commits it; the shards kept their state.
+        assert report["supervisor_restarts"] == 1 and report["failures"] == [], brief
+        assert after["shard:0"] == before["shard:0"] and after["shard:1"] == before["shard:1"]
+    # The next save came at once (not a whole interval later) and committed.
+    assert min(s for s in committed if s > EVERY) < 2 * EVERY, committed
+
+
+def test_shard_killed_during_another_shards_recovery(def test_shard_killed_during_another_shards_recovery(ray_local, small_data, tmp_path):
     cfg = _config(tmp_path, small_data, at_steps={"shard:1": [45]},
                   at_points=[{"at": "recovery.spawned", "kill": "shard:0"}])
     report, before, after, violations = _train(cfg)

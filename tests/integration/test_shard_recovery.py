@@ -57,6 +57,11 @@ def _run(ray, cfg, kill: str | None = None, kill_after_step: int = 0, steps_past
             job.start(wait=False)
             training = job.fit_in_background()  # Ray Train starts while the shards do
             job.await_start()
+            # The warm spare starts once training runs; the kill waits for it.
+            wait_for_condition(
+                lambda: "spare:0" in ray.get(job.supervisor.targets.remote(), timeout=30), timeout=120,
+                retry_interval_ms=100,
+            )
             before = ray.get(job.supervisor.targets.remote(), timeout=30)
             store = CheckpointStore(cfg.checkpoint_uri)
             wait_for_condition(
@@ -152,9 +157,12 @@ def test_partial_recovery_respawns_only_the_dead_shard(ray_local, small_data, tm
     assert 0 < failure["lost_samples"] < lost_steps * M * B
     assert report["pls"] == pytest.approx(failure["lost_samples"] / (234 * M * B))
 
-    # Only shard 1 was respawned.
+    # Only shard 1 was replaced: by the warm spare (its process, adopted), and another
+    # spare started in the background.
     assert after["shard:0"]["pid"] == before["shard:0"]["pid"]
-    assert after["shard:1"]["pid"] != before["shard:1"]["pid"]
+    assert failure["spare"].endswith("spare0") and after["shard:1"]["pid"] == before["spare:0"]["pid"]
+    assert "spare:1" in after and after["spare:1"]["pid"] not in {before[t]["pid"] for t in before}
+    assert failure["adoption_s"] < failure["recovery_s"] and failure["serving_s"] >= failure["recovery_s"]
 
     # The respawned shard: checkpoint rows plus only the updates applied after recovery.
     first = states[1]["first_step_after_load"]
@@ -192,9 +200,42 @@ def test_full_recovery_equals_a_run_without_the_failure(ray_local, small_data, t
     assert failure["lost_steps_recomputed"] == failure["failed_at_step"] - failure["restored_step"] >= 5
     assert failure["rows_reloaded"] == sum(plan.shard_rows(k) for k in range(2))
     assert after["shard:0"]["pid"] != before["shard:0"]["pid"]
+    # Full recovery uses the warm spare too.
+    assert failure["spare"].endswith("spare0") and after["shard:0"]["pid"] == before["spare:0"]["pid"]
     assert failed["steps"] == clean["steps"] == 234
     # Rolled back to a consistent checkpoint and redone: bit-identical to the clean run.
     for shard_clean, shard_failed in zip(clean_rows, failed_rows):
         for (wa, ma), (wb, mb) in zip(shard_clean, shard_failed):
             assert np.array_equal(wa, wb) and np.array_equal(ma, mb)
     assert failed["auc"] == clean["auc"]
+
+
+def test_a_dead_spare_is_replaced_and_a_later_recovery_adopts_its_successor(ray_local, small_data, tmp_path):
+    raw = _config(tmp_path, small_data, "partial", "spare").model_dump()
+    raw["training"]["epochs"] = 2  # room for two spare starts before the end
+    cfg = config_from_dict(raw)
+    job = TrainingJob(cfg, show_progress=False)
+
+    def targets():
+        return ray_local.get(job.supervisor.targets.remote(), timeout=30)
+
+    try:
+        job.start(wait=False)
+        training = job.fit_in_background()
+        job.await_start()
+        wait_for_condition(lambda: "spare:0" in targets(), timeout=120, retry_interval_ms=100)
+        kill_target(job.supervisor, "spare:0")
+        wait_for_condition(lambda: "spare:1" in targets(), timeout=120, retry_interval_ms=100)
+        successor = targets()["spare:1"]["pid"]
+        kill_target(job.supervisor, "shard:0")
+        training.join(timeout_s=500)
+        report = job.finish()
+        after = targets()
+    finally:
+        job.close()
+    assert report["steps"] == 468
+    lost = [e for e in report["events"] if e["kind"] == "spare_lost"]
+    assert [e["spare"].rsplit("-", 1)[1] for e in lost] == ["spare0"]
+    [failure] = report["failures"]
+    assert failure["actor"] == "shard:0" and failure["spare"].endswith("spare1")
+    assert after["shard:0"]["pid"] == successor
