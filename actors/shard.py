@@ -114,7 +114,7 @@ class EmbeddingShard:
         and then waits, holding no table memory, until ``adopt`` makes it a shard."""
         from app.logs import configure_process_logging
 
-        configure_process_logging(log_dir, spare or f"shard-{shard_id}")
+        configure_process_logging(log_dir, spare.rsplit("-", 1)[-1] if spare else f"shard-{shard_id}")
         # torch's CPU allocator backs large tensors with transparent huge pages when this is
         # set before its first allocation: a recovery's fresh 100 MB of tables is then
         # faulted in 2 MB pages, not 4 KB ones (cold load of a 104 MB shard 0.63 -> 0.27 s).

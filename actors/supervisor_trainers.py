@@ -60,16 +60,20 @@ class TrainerBook:
             if t.get("committed_step", -1) >= step:
                 t["committed_step"] = step - 1
 
-    def register_trainer(self, rank: int, pid: int | None = None, node_id: str | None = None) -> bool:
+    def register_trainer(
+        self, rank: int, pid: int | None = None, node_id: str | None = None, marks: dict | None = None
+    ) -> bool:
         """A trainer is ready to step. Returns True once the first step may begin: every
         trainer of the group has registered, or training is already under way (a
-        replacement trainer joins the running quorum and heals from a peer)."""
+        replacement trainer joins the running quorum and heals from a peer). ``marks``: wall
+        times of the trainer's start (process, imports, setup...), for the report of where a
+        replacement's time goes."""
         with self._lock:
             known = self.trainers.get(rank)
             if known is None or known["pid"] != pid:  # a new process (the call repeats until all are in)
                 starts = (known or {}).get("starts", 0) + 1
                 self.trainers[rank] = {"pid": pid, "node_id": node_id, "registered": time.time(), "starts": starts}
-                self._append_event("trainer_started", rank=rank, pid=pid, starts=starts)
+                self._append_event("trainer_started", rank=rank, pid=pid, starts=starts, marks=marks or {})
                 self._persist()
             return self.training_started or len(self.trainers) >= self.cfg.training.num_trainers
 

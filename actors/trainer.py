@@ -341,10 +341,21 @@ def _idle_cores(supervisor, node_id: str, wait_s: float) -> int:
     return max(1, cores // max(1, trainers))
 
 
+def _process_start() -> float | None:
+    """Wall time this process started (Ray Train's worker), from the OS."""
+    try:
+        import psutil
+
+        return psutil.Process().create_time()
+    except Exception:  # noqa: BLE001 - a missing timing mark only blanks a report line
+        return None
+
+
 def train_loop(loop_config: dict) -> None:
     """Ray Train ``train_loop_per_worker``: trains until the schedule's last step, then
     (on the first participant) evaluates on the held-out split and reports to the supervisor.
     """
+    entered = time.time()
     import ray
     import ray.train
 
@@ -367,12 +378,14 @@ def train_loop(loop_config: dict) -> None:
     from app.errors import TrainerConflict
     from app.model import DenseModel
 
+    marks = {"process": _process_start(), "train_fn": entered, "imports": time.time()}
     cfg = config_from_dict(loop_config["config"])
     tr = cfg.training
     supervisor = ray.get_actor(loop_config["supervisor"], namespace=cfg.ray.namespace)
     # Waits on the supervisor are longer than the longest wait inside it (actors.deadlines).
     wait_s = Deadlines(cfg.embeddings.call_timeout_s).trainer_wait_s
     setup = ray.get(supervisor.trainer_setup.remote(), timeout=wait_s)
+    marks["setup"] = time.time()
     if setup["finished"]:
         # Ray Train replaced a trainer that died after the run was over: nothing to do.
         return
@@ -433,7 +446,8 @@ def train_loop(loop_config: dict) -> None:
     # it healing instead of training. A replacement for a dead trainer does not wait.
     deadline = time.monotonic() + tr.collective_timeout_s
     me = (rank, os.getpid(), ray.get_runtime_context().get_node_id())
-    while not ray.get(supervisor.register_trainer.remote(*me), timeout=wait_s):
+    marks["manager"] = time.time()
+    while not ray.get(supervisor.register_trainer.remote(*me, marks), timeout=wait_s):
         if time.monotonic() > deadline:
             break
         time.sleep(0.05)

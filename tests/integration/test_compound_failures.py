@@ -104,9 +104,10 @@ def test_shard_killed_during_a_checkpoint_save(ray_local, small_data, tmp_path):
     store = CheckpointStore(cfg.checkpoint_uri)
     # The periodic saves after it, then the final checkpoint of the last step.
     assert [s for s in store.list_committed() if s > EVERY] == list(range(2 * EVERY, STEPS, EVERY)) + [STEPS]
-    # Restored from the save it died in, it had applied nothing since: nothing lost.
-    # From the initial rows, its first 20 steps are lost.
-    assert (failure["lost_samples"] == 0) == (failure["restored_step"] == EVERY)
+    # From the initial rows, its first 20 steps are lost. Restored from the save it died
+    # in, it loses only what it applied after that save's snapshot (training goes on while
+    # the files are written), which may be nothing; check_run recounted it from the audit.
+    assert failure["restored_step"] == EVERY or failure["lost_samples"] > 0
     assert [e["trigger"] for e in report["faults_injected"]] == ["at save.files_written"]
 
 
@@ -134,15 +135,17 @@ def test_a_save_in_flight_when_its_writer_dies_never_becomes_a_checkpoint(ray_lo
         assert failure["actor"] == "shard:1" and failure["recovery"] == "partial", brief
         assert failure["chain"] == [] and failure["restored_step"] == 0 and failure["lost_samples"] > 0, brief
         assert after["shard:0"] == before["shard:0"] and after["shard:1"] != before["shard:1"]
+        # The next save came at once (not a whole interval later) and committed.
+        assert min(s for s in committed if s > EVERY) < 2 * EVERY, committed
     else:
-        # The restarted supervisor never commits it; the shards kept their state.
+        # The restarted supervisor never commits it (its journal says a save was in flight:
+        # the next one is due at once, whenever the trainers, which kept training, ask);
+        # the shards kept their state.
         assert report["supervisor_restarts"] == 1 and report["failures"] == [], brief
         assert after["shard:0"] == before["shard:0"] and after["shard:1"] == before["shard:1"]
-    # The next save came at once (not a whole interval later) and committed.
-    assert min(s for s in committed if s > EVERY) < 2 * EVERY, committed
 
 
-def test_shard_killed_during_another_shards_recovery(def test_shard_killed_during_another_shards_recovery(ray_local, small_data, tmp_path):
+def test_shard_killed_during_another_shards_recovery(ray_local, small_data, tmp_path):
     cfg = _config(tmp_path, small_data, at_steps={"shard:1": [45]},
                   at_points=[{"at": "recovery.spawned", "kill": "shard:0"}])
     report, before, after, violations = _train(cfg)

@@ -447,3 +447,44 @@ def test_a_chain_read_while_a_rollback_fences_stops_before_the_fenced_step(chain
     chain_store.fence_after(10)
     monkeypatch.setattr(chain_store, "list_committed", lambda: listed)
     assert chain_store.chain_steps() == [10]
+
+
+# ----------------------------------------------------------------------------- one shard's chain
+
+
+def test_shard_chain_reads_and_verifies_only_that_shards_files(tmp_path: Path) -> None:
+    store = CheckpointStore(str(tmp_path), keep_last=10)
+    save_and_commit(store, 10)
+    store.commit(20, save(store.uri, 20), kind=INCREMENTAL, base_step=10)
+    # Another shard's file and the dense blob of the full are corrupt: a rollback of
+    # everything must refuse step 10, the recovery of shard 0 alone need not.
+    flip_byte(file_path(tmp_path, 10, shard_file_name(1)))
+    flip_byte(file_path(tmp_path, 10, DENSE_FILE))
+    assert store.chain_steps() == []
+    steps, parts = CheckpointStore(str(tmp_path)).shard_chain(0)
+    assert steps == [10, 20]
+    assert_rows_equal(parts[0], store.read_shard(10, 0))
+    assert_rows_equal(parts[1], store.read_shard(20, 0))
+    # The manifests alone name the same chain, reading no data file.
+    assert store.chain_candidates() == [10, 20]
+
+
+def test_shard_chain_falls_back_past_its_own_corrupt_files(tmp_path: Path, caplog) -> None:
+    store = CheckpointStore(str(tmp_path), keep_last=10)
+    save_and_commit(store, 10)
+    save_and_commit(store, 30)
+    store.commit(40, save(store.uri, 40), kind=INCREMENTAL, base_step=30)
+    flip_byte(file_path(tmp_path, 30, shard_file_name(0)))
+    fresh = CheckpointStore(str(tmp_path))
+    with caplog.at_level(logging.WARNING, logger="actors.checkpoint"):
+        steps, parts = fresh.shard_chain(0)
+    # Its full of step 30 is corrupt: the incremental built on it is unusable too.
+    assert steps == [10] and len(parts) == 1
+    assert [s for s, _ in fresh.fallbacks] == [30]
+    assert "falling back to step 10" in caplog.text
+    # Shard 1's files are intact: its chain is the newest.
+    assert CheckpointStore(str(tmp_path)).shard_chain(1)[0] == [30, 40]
+    # Bounded by the chain the supervisor chose; nothing valid at all gives an empty chain.
+    assert fresh.shard_chain(1, upto_step=30)[0] == [30]
+    flip_byte(file_path(tmp_path, 10, shard_file_name(0)))
+    assert CheckpointStore(str(tmp_path)).shard_chain(0) == ([], [])

@@ -7,6 +7,7 @@ import json
 
 import numpy as np
 import pytest
+import ray
 
 from actors.checkpoint import FULL, INCREMENTAL, CheckpointStore, ShardRows, write_blob, write_shard_file
 from actors.checkpointing import CheckpointCoordinator
@@ -82,3 +83,25 @@ def test_saves_that_are_not_due_are_refused(tmp_path):
     out = c.save(5, b"", [], {"run_id": "r", "position": {}}, lambda point: None)
     assert out == {"next_step": 10, "duration_s": 0.0, "saved": False}
     assert json.dumps(c.to_doc())
+
+
+def test_a_save_snapshotted_when_the_supervisor_died_is_due_again_at_once(tmp_path):
+    cfg = _cfg(tmp_path, every_steps=20)
+    c, events = _coordinator(cfg)
+    c.start(0)
+    seen = {}
+
+    def at_point(point):
+        if point == "save.snapshotted":
+            seen["doc"] = c.to_doc()  # what the journal holds when a kill fires here
+            raise ray.exceptions.RayError("killed")  # the background thread goes no further
+
+    out = c.save(20, b"dense", [], {"run_id": "r", "position": {}}, at_point)
+    assert out["saved"] and out["next_step"] == 40
+    c.drain()
+    assert seen["doc"]["in_flight_step"] == 20
+    restarted, _ = _coordinator(cfg)
+    restarted.load_doc(seen["doc"])
+    # The restarted supervisor never commits step 20: the next save is due right away.
+    assert restarted.next_checkpoint_step == 21 and restarted.in_flight_step is None
+    assert CheckpointStore(cfg.checkpoint_uri).list_committed() == []

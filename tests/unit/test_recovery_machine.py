@@ -211,3 +211,23 @@ def test_a_rollback_lowers_the_last_committed_step_of_live_trainers():
     assert [book.trainers[r].get("committed_step") for r in (0, 1, 2)] == [99, 90, None]
     assert sorted(book.commits) == [98, 99]
     assert replacement_at_checkpoint(100, {0: 99, 1: 90}).action == "join"
+
+
+def test_a_death_with_a_warm_spare_assigns_it_and_a_failed_adoption_drops_it():
+    died = ShardDied(1, 0, 0, 1, {"shard": 1}, True, {}, (10,), (10,), spare="s0")
+    t = transition(Running(), died)
+    assert isinstance(t.state, RecoveringShards) and t.state.spares == {1: "s0"} and "spare s0" in t.reason
+    # A second death during it, with the next spare, is recovered together on it.
+    t2 = transition(t.state, ShardDied(0, 0, 0, 1, {"shard": 0}, True, {}, (10,), (10,), spare="s1"))
+    assert t2.state.spares == {1: "s0", 0: "s1"} and t2.state.targets == {1: 1, 0: 1}
+    # The spare did not answer: a new process under a new generation, without the spare.
+    t3 = transition(t2.state, RespawnRetry(1, 2))
+    assert t3.state.spares == {0: "s1"} and t3.state.targets == {1: 2, 0: 1}
+    # The intent survives the journal, spares included.
+    assert state_from_dict(state_to_dict(t3.state)) == t3.state
+    # Every trainer died meanwhile: the rollback keeps the spare assignment.
+    t4 = transition(t3.state, TrainersAllDied(10, (10,), {"actor": "all trainers"}))
+    assert isinstance(t4.state, RollingBack) and t4.state.spares == {0: "s1"}
+    # Full recovery (not partial) takes the spare too.
+    full = transition(Running(), ShardDied(1, 0, 0, 1, {"shard": 1}, False, {}, (), (10,), spare="s0"))
+    assert isinstance(full.state, RollingBack) and full.state.spares == {1: "s0"}
