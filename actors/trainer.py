@@ -376,7 +376,7 @@ def train_loop(loop_config: dict) -> None:
     from app.config import config_from_dict
     from app.data import NUM_DENSE, NUM_SPARSE, sparse_to_rows
     from app.errors import TrainerConflict
-    from app.model import DenseModel
+    from app.model import DenseAdagrad, DenseModel
 
     marks = {"process": _process_start(), "train_fn": entered, "imports": time.time()}
     cfg = config_from_dict(loop_config["config"])
@@ -397,10 +397,11 @@ def train_loop(loop_config: dict) -> None:
         shared_memory=cfg.embeddings.transport == "auto",
     )
     train_file = MicrobatchFile(setup["train_cache"])
+    marks["client"] = time.time()
 
     torch.manual_seed(cfg.seed)  # identical dense init on every trainer
     model = DenseModel(NUM_DENSE, NUM_SPARSE, cfg.model.dense_arch, cfg.model.over_arch)
-    optimizer = torch.optim.Adagrad(model.parameters(), lr=tr.dense_learning_rate)
+    optimizer = DenseAdagrad(model.parameters(), lr=tr.dense_learning_rate)
     params = [p for p in model.parameters()]
     for p in params:
         # A trainer with no microbatches in a step still joins the all-reduce with zeros.
@@ -411,6 +412,7 @@ def train_loop(loop_config: dict) -> None:
 
     # Step 0's dense state: what a full recovery rolls back to before the first checkpoint.
     initial_state = copy.deepcopy(state_dict())
+    marks["model"] = time.time()
 
     def load_state_dict(sd):
         model.load_state_dict(sd["model"])
