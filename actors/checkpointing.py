@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import threading
 import time
 from collections.abc import Callable
@@ -32,6 +33,17 @@ logger = logging.getLogger(__name__)
 
 class _Abandoned(Exception):
     pass
+
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def _reason(err: BaseException) -> str:
+    """One readable line for an event: a Ray error's text starts with the task's name (in
+    colour) and ends with the remote exception; keep that exception's line."""
+    lines = [ln.strip() for ln in _ANSI.sub("", str(err)).splitlines() if ln.strip()]
+    exc = [ln for ln in lines if re.match(r"^[A-Za-z_.]*(Error|Exception)\b", ln)]
+    return (exc[-1] if exc else lines[0] if lines else type(err).__name__)[:200]
 
 
 class _SaveJob:
@@ -209,7 +221,7 @@ class CheckpointCoordinator:
         except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError) as err:
             # A shard died or lags behind (just recovered): this checkpoint will not exist;
             # the trainer asks again at a later step.
-            self.record_event("checkpoint_failed", step=step, phase="snapshot", error=str(err).splitlines()[0][:200])
+            self.record_event("checkpoint_failed", step=step, phase="snapshot", error=_reason(err))
             return {"next_step": step + 1, "duration_s": time.perf_counter() - t0, "saved": False}
         hold_s = time.perf_counter() - t0
         if not all(r["full"] for r in snapshots) and self.last_full_step is None:
@@ -282,7 +294,7 @@ class CheckpointCoordinator:
                 if job.epoch == self._epoch and self.next_checkpoint_step is not None:
                     # Saved again as soon as the trainers commit their next step.
                     self.next_checkpoint_step = min(self.next_checkpoint_step, step + 1)
-            self.record_event("checkpoint_failed", step=step, phase="write", error=str(err).splitlines()[0][:200],
+            self.record_event("checkpoint_failed", step=step, phase="write", error=_reason(err),
                               background_s=round(time.perf_counter() - t0, 4))
         except Exception:  # never silent: the save is abandoned and the reason logged
             self.in_flight_step = None

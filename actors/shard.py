@@ -115,10 +115,6 @@ class EmbeddingShard:
         from app.logs import configure_process_logging
 
         configure_process_logging(log_dir, spare.rsplit("-", 1)[-1] if spare else f"shard-{shard_id}")
-        # torch's CPU allocator backs large tensors with transparent huge pages when this is
-        # set before its first allocation: a recovery's fresh 100 MB of tables is then
-        # faulted in 2 MB pages, not 4 KB ones (cold load of a 104 MB shard 0.63 -> 0.27 s).
-        os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
         import torch
         from fbgemm_gpu.split_embedding_configs import EmbOptimType
         from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocation
@@ -207,8 +203,9 @@ class EmbeddingShard:
         self.rows_updated_total = 0
         self.compute_s = 0.0
         self._snapshot_buf = None
-        self._buf_thread = threading.Thread(target=self._make_snapshot_buf, name="snapshot-buffer", daemon=True)
-        self._buf_thread.start()
+        self._buf_thread = None
+        if init:
+            self._prepare_snapshot_buffer()
 
     def adopt(self, shard_id: int, slices: list[TableSlice], generation: int) -> dict:
         """A warm spare becomes shard ``shard_id`` of ``generation``: its tables are allocated
@@ -265,6 +262,7 @@ class EmbeddingShard:
         self.priority = self._new_policy()
         self.confirm_save(None)
         self._log({"event": "load", "chain": [], "why": why})
+        self._prepare_snapshot_buffer()
 
     def ready(self) -> dict:
         """Identifies the process (used to kill it in chaos tests) and its size."""
@@ -439,9 +437,9 @@ class EmbeddingShard:
     def _snapshot_full(self) -> ShardRows:
         """Every row, copied once into a buffer kept between saves (a fresh 100 MB allocation
         costs more in page faults than the copy; the previous write is done with it)."""
-        if self._buf_thread is not None:
-            self._buf_thread.join()
-        buf = self._snapshot_buf if self._snapshot_buf is not None else self._make_snapshot_buf()
+        self._prepare_snapshot_buffer()
+        self._buf_thread.join()
+        buf = self._snapshot_buf
         torch = self._torch
         weights_all, states_all = self.tbe.split_embedding_weights(), self.tbe.split_optimizer_states()
         for i in range(len(self.slices)):
@@ -450,10 +448,16 @@ class EmbeddingShard:
             torch.from_numpy(buf.momentum[a:b]).copy_(states_all[i][0].detach())
         return buf
 
+    def _prepare_snapshot_buffer(self) -> None:
+        """Makes the full snapshot's buffer on a thread, once: at a shard's start, or after an
+        adopted spare's load (not during it: zeroing 1 GB beside the load slowed it 2x)."""
+        if self._buf_thread is None:
+            self._buf_thread = threading.Thread(target=self._make_snapshot_buf, name="snapshot-buffer", daemon=True)
+            self._buf_thread.start()
+
     def _make_snapshot_buf(self) -> ShardRows:
-        """The full snapshot's buffer in this shard's layout, its pages touched (through torch's
-        allocator: huge pages). Made on a thread after the tables are allocated, so the first
-        save does not pay for it."""
+        """The full snapshot's buffer in this shard's layout, its pages touched (zeroed), so the
+        first save does not pay for the page faults of a fresh allocation."""
         torch = self._torch
         n = int(self._slice_offsets[-1])
         tables = np.concatenate([np.full(s.num_rows, s.table, dtype=np.int32) for s in self.slices])
@@ -562,6 +566,7 @@ class EmbeddingShard:
         self.confirm_save(None)
         self._log({"event": "load", "chain": list(used), "why": why})
         self.applied_microbatches = [x for x in self.applied_microbatches if x[0] < used[-1]]
+        self._prepare_snapshot_buffer()
         return {
             "rows": int(rows_loaded),
             "bytes": int(bytes_loaded),
