@@ -22,6 +22,7 @@ import argparse
 import json
 import os
 import platform
+import shutil
 import statistics
 import sys
 import tempfile
@@ -111,10 +112,13 @@ def main() -> None:
                     }
                 )
                 r = _run(cfg, spares)
+                # A 1 GB run leaves about 5 GB of checkpoints: 12 of them filled this disk once.
+                shutil.rmtree(cfg.run_dir, ignore_errors=True)
                 results[key].append(r)
                 print(f"{key} rep {rep}: " + ", ".join(f"{k} {r[k]:.3f}" for k in PARTS)
                       + f", {r['bytes_reloaded'] / 1e6:,.0f} MB, spare {r['spare']}", flush=True)
     ray.shutdown()
+    shutil.rmtree(root, ignore_errors=True)
 
     med = {key: {k: statistics.median(r[k] for r in rs) for k in PARTS} for key, rs in results.items()}
     out = {
