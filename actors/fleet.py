@@ -75,7 +75,7 @@ class ShardFleet:
         self.on_death = on_death
         self.on_spare_death = on_spare_death
         self.timeout_s = cfg.embeddings.call_timeout_s
-        self._watch: dict[Any, tuple[int, int]] = {}
+        self._watch: dict[Any, tuple[int | str, int | None]] = {}  # ref -> (shard or spare name, generation)
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -136,10 +136,7 @@ class ShardFleet:
             return None
 
     def find(self, k: int, generation: int):
-        try:
-            return ray.get_actor(shard_name(self.run_id, k, generation), namespace=self.cfg.ray.namespace)
-        except ValueError:
-            return None
+        return self.find_name(shard_name(self.run_id, k, generation))
 
     def adopt_or_spawn(self, targets: dict[int, int], spares: dict[int, str] | None = None) -> tuple[dict, list[int]]:
         """The live actor of each shard ``k`` under generation ``targets[k]``: the warm spare
