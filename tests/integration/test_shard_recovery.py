@@ -64,16 +64,17 @@ def _run(ray, cfg, kill: str | None = None, kill_after_step: int = 0, steps_past
             )
             before = ray.get(job.supervisor.targets.remote(), timeout=30)
             store = CheckpointStore(cfg.checkpoint_uri)
-            wait_for_condition(
-                lambda: any(s > kill_after_step for s in store.list_committed()), timeout=300, retry_interval_ms=100
-            )
-            saved = min(s for s in store.list_committed() if s > kill_after_step)
-            wait_for_condition(
-                lambda: (ray.get(job.supervisor.progress.remote(), timeout=30) or {"step": 0})["step"]
-                >= saved + steps_past_checkpoint,
-                timeout=300,
-                retry_interval_ms=50,
-            )
+
+            def past_a_checkpoint() -> bool:
+                # At least steps_past_checkpoint steps past the newest checkpoint, and as far from
+                # the next one (a save in flight at the kill could commit and leave nothing lost).
+                committed = [s for s in store.list_committed() if s > kill_after_step]
+                step = (ray.get(job.supervisor.progress.remote(), timeout=30) or {"step": 0})["step"]
+                return bool(committed) and (
+                    committed[-1] + steps_past_checkpoint <= step < committed[-1] + EVERY - steps_past_checkpoint
+                )
+
+            wait_for_condition(past_a_checkpoint, timeout=300, retry_interval_ms=50)
             kill_target(job.supervisor, kill)
             training.join(timeout_s=500)
         report = job.finish()
