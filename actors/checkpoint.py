@@ -523,56 +523,25 @@ class CheckpointStore:
         """The newest restorable state of ONE shard, reading and verifying only that shard's
         files: each file is read once, its checksum checked on the bytes read, and used.
 
-        Like ``chain_steps`` (newest full at or before ``upto_step``, then its incrementals,
-        stopping before the first bad one), except that only ``shard_id``'s file of each step
-        counts: another shard's corrupt file, or the dense blob, does not stop this shard's
-        recovery. A corrupt full is skipped for an older one (recorded in ``fallbacks``).
+        ``chain_steps``'s rule (newest valid full at or before ``upto_step``, then its
+        incrementals, stopping before the first bad one), except that only ``shard_id``'s
+        file of each step is verified: another shard's corrupt file, or the dense blob, does
+        not stop this shard's recovery. Skipped fulls are recorded in ``fallbacks``.
         Returns ``([], [])`` when no full holds a valid file of this shard.
         """
-        committed = [s for s in self.list_committed() if upto_step is None or s <= upto_step]
-        name = shard_file_name(shard_id)
-        skipped: list[tuple[int, str]] = []
-        steps: list[int] = []
-        parts: list[ShardRows] = []
-        for step in reversed(committed):
-            try:
-                if self.info(step).kind != FULL:
-                    continue
-                parts = [self.read_shard(step, shard_id)]
-            except CheckpointCorrupt as exc:
-                skipped.append((step, str(exc)))
-                continue
-            except CheckpointNotFound:
-                continue  # removed since the listing, or a checkpoint without this shard
-            steps = [step]
-            break
-        self._report(skipped, steps[0] if steps else None)
-        if not steps:
-            return [], []
-        for step in committed:
-            if step <= steps[0]:
-                continue
-            try:
-                info = self.info(step)
-                if info.kind != INCREMENTAL or info.base_step != steps[0] or name not in info.files:
-                    continue
-                parts.append(self.read_shard(step, shard_id))
-            except CheckpointNotFound:
-                break  # fenced since the listing, and so is everything after it
-            except CheckpointCorrupt as exc:
-                self._report([(step, f"{exc} (restore chain of shard {shard_id} stops before it)")], steps[-1])
-                break
-            steps.append(step)
-        return steps, parts
+        parts: dict[int, ShardRows] = {}
+
+        def read(step: int) -> None:
+            parts[step] = self.read_shard(step, shard_id)
+
+        steps = self._chain(upto_step, read, record=True)
+        return steps, [parts[s] for s in steps]
 
     def chain_candidates(self, upto_step: int | None = None) -> list[int]:
         """``chain_steps`` from the manifests alone, reading no data file: what a partial
         recovery will try (the shard itself then reads and verifies its own files through
         ``shard_chain``, falling back past a corrupt one)."""
-        def manifest_only(step: int) -> CheckpointInfo:
-            return self.info(step)
-
-        return self._chain(upto_step, manifest_only, record=False)
+        return self._chain(upto_step, self.info, record=False)
 
     def restore_chain(self, shard_id: int, upto_step: int | None = None) -> tuple[list[int], ShardRows]:
         """``chain_steps(upto_step)`` and the merged rows of ``shard_id`` over them.
@@ -689,7 +658,7 @@ class CheckpointStore:
 
     # ----------------------------------------------------------------- internals
 
-    def _chain(self, upto_step: int | None, verify: Callable[[int], CheckpointInfo], record: bool) -> list[int]:
+    def _chain(self, upto_step: int | None, verify: Callable[[int], object], record: bool) -> list[int]:
         committed = [s for s in self.list_committed() if upto_step is None or s <= upto_step]
         skipped: list[tuple[int, str]] = []
         full_step: int | None = None

@@ -113,10 +113,10 @@ class ShardFleet:
             shard_id=k, slices=list(self.plan.shards[k]), generation=generation, **self._args()
         )
 
-    def spawn_spare(self, n: int, shard_nodes: list[str | None]):
-        """Starts warm spare ``n``: a shard process with its imports done and no tables. It is
-        placed (softly) on the alive node holding the fewest shards, so that a node's loss
-        does not take a shard and the spare that would replace it."""
+    def spawn_spare(self, name: str, shard_nodes: list[str | None]):
+        """Starts the warm spare ``name`` (``spare_name``): a shard process with its imports
+        done and no tables. It is placed (softly) on the alive node holding the fewest shards,
+        so that a node's loss does not take a shard and the spare that would replace it."""
         extra = {}
         nodes = [x["NodeID"] for x in ray.nodes() if x.get("Alive") and x.get("Resources", {}).get("CPU", 0) > 0]
         if len(nodes) > 1:
@@ -124,7 +124,6 @@ class ShardFleet:
 
             least = min(nodes, key=lambda node: (shard_nodes.count(node), node))
             extra["scheduling_strategy"] = NodeAffinitySchedulingStrategy(least, soft=True)
-        name = spare_name(self.run_id, n)
         return self._actor_class().options(**self._options(name, **extra)).remote(
             shard_id=None, slices=None, spare=name, **self._args()
         )

@@ -8,6 +8,7 @@ and respawn time is most of a partial recovery.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import threading
 import time
@@ -15,11 +16,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from actors.checkpoint import ShardRows
+from actors.checkpoint import CheckpointStore, ShardRows, warm_up, write_shard_file
 from actors.plan import TableSlice, shard_row_ids, slice_offsets
 from actors.shm import ShmArray, ShmReader
 
 __all__ = ["EmbeddingShard"]
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -43,8 +46,6 @@ class _Write:
         self.write_s = 0.0
 
     def run(self, uri: str, step: int, shard_id: int, data) -> None:
-        from actors.checkpoint import write_shard_file
-
         t0 = time.perf_counter()
         try:
             self.entry = write_shard_file(uri, step, shard_id, data)
@@ -142,18 +143,14 @@ class EmbeddingShard:
         self._released = threading.Event()
         # Arrays of trainers on this node come through shared memory (actors.shm).
         self._shm = ShmReader()
-        # The background write of the last save's snapshot (two-phase asynchronous saves),
-        # and the buffer a full snapshot is copied into.
+        # The background write of the last save's snapshot (two-phase asynchronous saves).
         self._write: _Write | None = None
-        self._snapshot_buf: ShardRows | None = None
-        self._buf_thread: threading.Thread | None = None
         if shard_id is not None:
             self._become(shard_id, list(slices or []), generation, init=True)
         else:
             # A spare does now what a recovery would otherwise wait for: every import of
             # adoption, load and save (its tables are not allocated until adopt).
             import policies  # noqa: F401
-            from actors.checkpoint import warm_up
 
             warm_up()
 
@@ -202,8 +199,9 @@ class EmbeddingShard:
         self.applied_step = -1
         self.rows_updated_total = 0
         self.compute_s = 0.0
-        self._snapshot_buf = None
-        self._buf_thread = None
+        # The buffer a full snapshot is copied into, made by _prepare_snapshot_buffer.
+        self._snapshot_buf: ShardRows | None = None
+        self._buf_thread: threading.Thread | None = None
         if init:
             self._prepare_snapshot_buffer()
 
@@ -220,9 +218,7 @@ class EmbeddingShard:
             return self.ready()
         t0 = time.perf_counter()
         self._become(shard_id, list(slices), generation, init=False)
-        import logging
-
-        logging.getLogger(__name__).warning(
+        logger.warning(
             "%s adopted as shard %d generation %d in %.3fs", self.spare, shard_id, generation, time.perf_counter() - t0
         )
         return {**self.ready(), "adopt_s": time.perf_counter() - t0}
@@ -519,8 +515,6 @@ class EmbeddingShard:
         lost-sample accounting.
         """
         import torch
-
-        from actors.checkpoint import CheckpointStore
 
         t0 = time.perf_counter()
         store = CheckpointStore(uri)

@@ -374,7 +374,7 @@ class Supervisor(RunApi, TrainerBook):
                 nodes = [i.get("node_id") for i in self.shard_info]
                 self._persist()
             t0 = time.perf_counter()
-            handles = {name: self.fleet.spawn_spare(int(name.rsplit("spare", 1)[1]), nodes) for name in names}
+            handles = {name: self.fleet.spawn_spare(name, nodes) for name in names}
             for name, handle in handles.items():
                 self._spare_ready(name, handle, t0)
 
