@@ -62,6 +62,7 @@ def trainer_failures(
         out.append(
             {
                 "actor": kill["target"],
+                "cause": kill.get("trigger"),
                 "killed_at": kill["time"],
                 "detection_s": round(seen[0] - kill["time"], 3) if seen else None,
                 "steps_with_fewer_trainers": len(degraded),

@@ -19,6 +19,7 @@ from typing import Any
 
 import ray
 
+from actors.nodes import placement
 from actors.shard import EmbeddingShard
 from app.errors import ShardUnavailable
 from app.logs import LOG_DIR
@@ -66,6 +67,8 @@ class ShardFleet:
         audit_dir: str | None,
         on_death: Callable[[int, int, str, float], None],
         on_spare_death: Callable[[str, str, float], None] | None = None,
+        occupied: Callable[[set], list] | None = None,
+        avoid: Callable[[], set] | None = None,
     ):
         self.cfg = cfg
         self.plan = plan
@@ -74,6 +77,9 @@ class ShardFleet:
         self.log_dir = str(Path(cfg.run_dir).resolve() / LOG_DIR)
         self.on_death = on_death
         self.on_spare_death = on_spare_death
+        # Node ids of the run's shards (but those given) and spares: where new ones go.
+        self.occupied = occupied or (lambda exclude: [])
+        self.avoid = avoid or set  # nodes not to place on (actors.nodes.HostWatch.suspects)
         self.timeout_s = cfg.embeddings.call_timeout_s
         self._watch: dict[Any, tuple[int | str, int | None]] = {}  # ref -> (shard or spare name, generation)
         self._lock = threading.Lock()
@@ -108,22 +114,23 @@ class ShardFleet:
         # The extra concurrency groups run watch() and save_written() beside the compute.
         return ray.remote(concurrency_groups={"watch": 1, "save": 1})(EmbeddingShard)
 
-    def spawn(self, k: int, generation: int):
-        return self._actor_class().options(**self._options(shard_name(self.run_id, k, generation))).remote(
+    def spawn(self, k: int, generation: int, taken: list | None = None):
+        """Starts shard ``k`` under ``generation``; with ``taken`` (node ids of the run's other
+        shards and spares) it goes, softly, to the node holding the fewest of them, and its
+        node is appended to ``taken``."""
+        node, extra = placement(taken, self.avoid()) if taken is not None else (None, {})
+        if taken is not None:
+            taken.append(node)
+        return self._actor_class().options(**self._options(shard_name(self.run_id, k, generation), **extra)).remote(
             shard_id=k, slices=list(self.plan.shards[k]), generation=generation, **self._args()
         )
 
-    def spawn_spare(self, name: str, shard_nodes: list[str | None]):
+    def spawn_spare(self, name: str, taken: list):
         """Starts the warm spare ``name`` (``spare_name``): a shard process with its imports
-        done and no tables. It is placed (softly) on the alive node holding the fewest shards,
-        so that a node's loss does not take a shard and the spare that would replace it."""
-        extra = {}
-        nodes = [x["NodeID"] for x in ray.nodes() if x.get("Alive") and x.get("Resources", {}).get("CPU", 0) > 0]
-        if len(nodes) > 1:
-            from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-            least = min(nodes, key=lambda node: (shard_nodes.count(node), node))
-            extra["scheduling_strategy"] = NodeAffinitySchedulingStrategy(least, soft=True)
+        done and no tables, placed like a shard (``spawn``), so that a host's loss does not
+        take a shard and the spare that would replace it."""
+        node, extra = placement(taken, self.avoid())
+        taken.append(node)
         return self._actor_class().options(**self._options(name, **extra)).remote(
             shard_id=None, slices=None, spare=name, **self._args()
         )
@@ -143,8 +150,10 @@ class ShardFleet:
         half-finished recovery already created if it answers, else a new one (all at once,
         so several respawns cost one). Returns ``({k: (handle, ready info)}, lost)``: a shard
         in ``lost`` has an actor that does not answer (or a spare gone or taken); it is
-        killed, and the caller must reserve a new generation (without the spare)."""
+        killed, and the caller must reserve a new generation (without the spare). New
+        processes are placed (``spawn``) among the nodes of the shards that are not replaced."""
         spares = spares or {}
+        taken = self.occupied(targets)
         handles, refs = {}, {}
         for k, g in targets.items():
             if k in spares:
@@ -152,7 +161,7 @@ class ShardFleet:
                 if handles[k] is not None:
                     refs[k] = handles[k].adopt.remote(k, list(self.plan.shards[k]), g)
             else:
-                handles[k] = self.find(k, g) or self.spawn(k, g)
+                handles[k] = self.find(k, g) or self.spawn(k, g, taken)
                 refs[k] = handles[k].ready.remote()
         ray.wait(list(refs.values()), num_returns=len(refs), timeout=self.timeout_s)
         out, lost = {}, [k for k in targets if k not in refs]

@@ -270,6 +270,7 @@ class EmbeddingShard:
             "generation": self.generation,
             "pid": os.getpid(),
             "node_id": ray.get_runtime_context().get_node_id(),
+            "node_ip": ray.util.get_node_ip_address(),
             "rows": sum(s.num_rows for s in self.slices) if self.shard_id is not None else 0,
             "device": str(self.device),
         }

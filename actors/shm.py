@@ -17,6 +17,7 @@ driver removes the run's leftovers (a killed trainer's) when the run ends.
 from __future__ import annotations
 
 import itertools
+import logging
 import mmap
 import os
 from dataclasses import dataclass
@@ -24,7 +25,9 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["SHM_DIR", "ShmArray", "ShmSlab", "ShmReader", "shm_available", "remove_run_files"]
+logger = logging.getLogger(__name__)
+
+__all__ = ["SHM_DIR", "ShmArray", "ShmSlab", "ShmReader", "shm_available", "remove_run_files", "remove_run_files_everywhere"]
 
 SHM_DIR = "/dev/shm"
 _ALIGN = 64
@@ -68,6 +71,25 @@ def remove_run_files(run_id: str) -> int:
         except FileNotFoundError:
             pass
     return n
+
+
+def remove_run_files_everywhere(run_id: str, timeout_s: float = 30.0) -> int:
+    """``remove_run_files`` on this node and, on a cluster, on every other alive node (a
+    task there), since killed trainers leave their slabs on their own hosts."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    n = remove_run_files(run_id)
+    here = ray.get_runtime_context().get_node_id()
+    others = [x["NodeID"] for x in ray.nodes() if x.get("Alive") and x["NodeID"] != here]
+    task = ray.remote(num_cpus=0, max_retries=0)(remove_run_files)
+    refs = [task.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote(run_id)
+            for node in others]
+    try:
+        return n + sum(ray.get(refs, timeout=timeout_s))
+    except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError) as err:
+        logger.warning("could not remove run %s's shared-memory files on every node: %r", run_id, err)
+        return n
 
 
 class ShmSlab:

@@ -23,6 +23,7 @@ from actors.checkpointing import CheckpointCoordinator
 from actors.deadlines import Deadlines
 from actors.faults import sigkill_on_node
 from actors.fleet import ShardFleet, shard_name, spare_name
+from actors.nodes import HostWatch, cpu_nodes
 from actors.journal import Journal, RunLog
 from actors.machine import (
     EVERY_TRAINER_DIED, FULL_RECOVERY, RECOVERING, RESUME, TERMINAL, BudgetExceeded, Budgets, RecoveringShards,
@@ -74,7 +75,11 @@ class Supervisor(RunApi, TrainerBook):
         )
         self.ckpt = CheckpointCoordinator(cfg, self.plan.num_shards, self.costs, self.record_event, self._step_time_s)
         audit = str(self.run_dir / "audit") if cfg.audit_log else None
-        self.fleet = ShardFleet(cfg, self.plan, run_id, audit, self._on_death, self._on_spare_death)
+        self.hosts = HostWatch(self._actor_nodes, self._on_host_lost)
+        self._deaths: list[tuple] = []  # (node id, actor, detected at) of each shard death
+        self.fleet = ShardFleet(
+            cfg, self.plan, run_id, audit, self._on_death, self._on_spare_death, self._occupied, self.hosts.suspects
+        )
         self.executor = RecoveryExecutor(self.fleet, self.ckpt, cfg.checkpoint_uri, cfg.embeddings.call_timeout_s, self._at_point)
         self.journal = Journal(self.run_dir)
         n = self.plan.num_shards
@@ -173,6 +178,8 @@ class Supervisor(RunApi, TrainerBook):
                      and f["lost_samples"] is None]
         self._count_lost_later(uncounted)
         self._readopt_spares()
+        if self.started:
+            self.hosts.start()
         self._work.set()
 
     def record_event(self, kind: str, **fields) -> dict:
@@ -232,6 +239,11 @@ class Supervisor(RunApi, TrainerBook):
             if isinstance(self.state, RECOVERING) and k in self.state.targets:
                 return
             kill = next((x for x in reversed(self.kills) if x["target"] == f"shard:{k}" and x["time"] <= detected), None)
+            node = self.shard_info[k].get("node_id")
+            self._deaths.append((node, f"shard:{k}", detected))  # a host's loss names it (_on_host_lost)
+            lost = self.hosts.since(node)
+            if kill is None and lost is not None:
+                kill = {"time": lost}  # its host stopped answering then (actors.nodes.HostWatch)
             self.costs.observe_failure(max(detected, self.costs.clock_s))
             mode, decision = self._recovery_mode()
             partial = mode == RecoveryMode.PARTIAL
@@ -364,21 +376,38 @@ class Supervisor(RunApi, TrainerBook):
         while not self._stop.is_set():
             self._spare_wake.wait(1.0)
             self._spare_wake.clear()
+            misplaced = self._misplaced_spare() if self.spares and not self.spares_starting else None
             with self._lock:
                 short = self.cfg.embeddings.spares - len(self.spares) - len(self.spares_starting)
+                if short <= 0 and misplaced is not None:
+                    short = 1  # one more spare, on the empty node; the misplaced one retires when it is ready
                 if short <= 0 or isinstance(self.state, TERMINAL):
                     continue
                 names = [spare_name(self.run_id, self.next_spare + i) for i in range(short)]
                 self.next_spare += short
                 self.spares_starting += names  # reserved before spawning: a restart finds them
-                nodes = [i.get("node_id") for i in self.shard_info]
+                nodes = self._occupied()
                 self._persist()
             t0 = time.perf_counter()
             handles = {name: self.fleet.spawn_spare(name, nodes) for name in names}
             for name, handle in handles.items():
-                self._spare_ready(name, handle, t0)
+                self._spare_ready(name, handle, t0, retire=misplaced)
 
-    def _spare_ready(self, name: str, handle, t0: float) -> None:
+    def _misplaced_spare(self) -> str | None:
+        """A ready spare on a node that holds shards, while an alive node holds neither shards
+        nor spares (a host added back, or one that joined): moved there, a spare no longer
+        dies with the shards it would replace."""
+        nodes = cpu_nodes()
+        with self._lock:
+            taken = self._occupied()
+            if all(node in taken for node in nodes):
+                return None
+            shard_nodes = {i.get("node_id") for i in self.shard_info}
+            return next((s for s in self.spares if self.spare_info.get(s, {}).get("node_id") in shard_nodes), None)
+
+    def _spare_ready(self, name: str, handle, t0: float, retire: str | None = None) -> None:
+        """Adds the spare ``name`` to the pool once it answers; ``retire``: a ready spare that
+        it replaces if it landed on another node (``_misplaced_spare``)."""
         try:
             info = ray.get(handle.ready.remote(), timeout=self.deadlines.shard_call_s)
         except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError) as err:
@@ -386,6 +415,8 @@ class Supervisor(RunApi, TrainerBook):
             with self._lock:
                 if name in self.spares_starting:
                     self.spares_starting.remove(name)
+            if self._stop.is_set():
+                return  # the run ended while it was starting
             self.record_event("spare_failed", spare=name, error=str(err).splitlines()[0][:200])
             time.sleep(1.0)  # do not spin on a cluster that cannot place one
             self._spare_wake.set()
@@ -397,11 +428,54 @@ class Supervisor(RunApi, TrainerBook):
                 self.fleet.kill(handle)
                 return
             self.spares.append(name)
-            self.spare_info[name] = {"pid": info["pid"], "node_id": info["node_id"]}
+            self.spare_info[name] = {"pid": info["pid"], "node_id": info["node_id"], "node_ip": info.get("node_ip")}
             self.fleet.watch(name, None, handle)
             self._append_event("spare_ready", spare=name, start_s=round(time.perf_counter() - t0, 3),
-                               node_id=info["node_id"], pool=len(self.spares))
+                               node_id=info["node_id"], node_ip=info.get("node_ip"), pool=len(self.spares))
+            old = self.spare_info.get(retire or "", {}).get("node_id")
+            retired = retire in self.spares and old != info["node_id"]
+            if retired:
+                self.spares.remove(retire)
+                self._append_event("spare_moved", spare=retire, to=name, from_node=old, to_node=info["node_id"],
+                                   to_ip=info.get("node_ip"))
             self._persist()
+        if retired:
+            self.fleet.kill(self.fleet.find_name(retire))
+
+    def _occupied(self, exclude=()) -> list:
+        """Node ids of the live shards (but those in ``exclude``) and of the spares, ready or
+        being adopted: where the next shard or spare should not go (``actors.nodes.placement``)."""
+        with self._lock:
+            spares = self.spares + list(getattr(self.state, "spares", {}).values())
+            return [i.get("node_id") for k, i in enumerate(self.shard_info) if k not in exclude] + [
+                self.spare_info[n]["node_id"] for n in spares if n in self.spare_info
+            ]
+
+    # ------------------------------------------------------------------ hosts
+
+    def _actor_nodes(self) -> set:
+        with self._lock:
+            return {i.get("node_id") for i in self.shard_info} | {i.get("node_id") for i in self.spare_info.values()} | {
+                t.get("node_id") for t in self.trainers.values()}
+
+    def _on_host_lost(self, info: dict) -> None:
+        """Ray declared a node of the run dead: one event names the host and every actor of the
+        run it held (their own deaths and recoveries follow as usual)."""
+        node = info["node_id"]
+        since = (info["unreachable_since"] or info["declared_dead_at"]) - 5.0
+        with self._lock:
+            # Its shards: those still placed there, and those whose recovery began already.
+            actors = sorted({f"shard:{k}" for k, i in enumerate(self.shard_info) if i.get("node_id") == node}
+                            | {a for n, a, t in self._deaths if n == node and t >= since})
+            actors += [f"trainer:{r}" for r, t in sorted(self.trainers.items()) if t.get("node_id") == node]
+            # Its spares: those still in the pool, and those whose watch saw them die first.
+            gone = {e["spare"] for e in self.events if e["kind"] == "spare_lost" and e["time"] >= since}
+            actors += [f"spare:{s.rsplit('spare', 1)[-1]}" for s, i in self.spare_info.items()
+                       if i.get("node_id") == node and (s in self.spares or s in gone)]
+        if actors:
+            self.record_event("host_lost", actors=actors, **info)
+        else:
+            logger.info("node %s (%s) died holding none of this run's actors", info["node_ip"], node[:8])
 
     def _on_spare_death(self, name: str, cause: str, detected: float) -> None:
         """A warm spare died: it leaves the pool and another one starts. An adopted spare is
@@ -427,7 +501,7 @@ class Supervisor(RunApi, TrainerBook):
                 info = None
             if info is not None and info.get("shard_id") is None:
                 keep.append(name)
-                self.spare_info[name] = {"pid": info["pid"], "node_id": info["node_id"]}
+                self.spare_info[name] = {"pid": info["pid"], "node_id": info["node_id"], "node_ip": info.get("node_ip")}
                 self.fleet.watch(name, None, handle)
             elif info is None:
                 self.fleet.kill(handle)

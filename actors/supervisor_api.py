@@ -41,7 +41,8 @@ class RunApi:
                 self.next_gens = [max(g, 1) for g in self.next_gens]
                 self._persist()
             try:
-                handles = [self.fleet.find(k, 0) or self.fleet.spawn(k, 0) for k in range(n)]
+                taken = []  # spread over the nodes (actors.nodes.placement)
+                handles = [self.fleet.find(k, 0) or self.fleet.spawn(k, 0, taken) for k in range(n)]
                 infos = self.fleet.ready(handles)
             except Exception as err:  # trainers waiting in trainer_setup end; the driver raises it
                 with self._lock:
@@ -55,8 +56,10 @@ class RunApi:
                 self._changed.notify_all()
             for k, h in enumerate(handles):
                 self.fleet.watch(k, 0, h)
+            self.hosts.start()
             self.record_event(
                 "shards_ready", shards=n, sharding=self.plan.kind, rows=[self.plan.shard_rows(k) for k in range(n)],
+                nodes=[i.get("node_ip") for i in infos],
                 startup_s=round(time.perf_counter() - t, 3),
             )
         return {"shards": list(self.shard_info), "startup_s": time.perf_counter() - t, "total_steps": self.schedule.total_steps}
@@ -117,6 +120,7 @@ class RunApi:
             return {
                 "shards": list(self.shards), "generation": self.generation, "plan": self.plan, "schedule": self.schedule,
                 "train_cache": self.train_cache, "eval_cache": self.eval_cache,
+                "train_cache_bytes": os.path.getsize(self.train_cache),
                 "resume": None if start is None else {"step": start, "dense": self._dense(start)},
                 "training_started": self.training_started, "finished": isinstance(self.state, TERMINAL),
                 "next_checkpoint_step": self.ckpt.next_checkpoint_step,
@@ -325,6 +329,7 @@ class RunApi:
         """Stops watching and recovering, and kills every shard actor of the run by name
         (half-started ones of an unfinished recovery too)."""
         self._stop.set()
+        self.hosts.stop()
         self.ckpt.drain()
         self.fleet.stop()
         kill_run_shards(self.run_id, self.cfg.ray.namespace)

@@ -187,4 +187,10 @@ class TrainerBook:
 
     def trainer_failures(self) -> list[dict]:
         with self._lock:
-            return trainer_failures(self.kills, self.failed_steps, self.commits, self.heals, self.cfg.training.num_trainers)
+            # A trainer lost with its host fails like a killed one, from when the host stopped answering.
+            lost = [
+                {"target": actor, "time": e.get("unreachable_since") or e["declared_dead_at"], "trigger": f"host {e['node_ip']} lost"}
+                for e in self.events if e["kind"] == "host_lost" for actor in e["actors"] if actor.startswith("trainer:")
+            ]
+            kills = sorted(self.kills + lost, key=lambda x: x["time"])
+            return trainer_failures(kills, self.failed_steps, self.commits, self.heals, self.cfg.training.num_trainers)

@@ -330,6 +330,25 @@ def _evaluate(model, client: _ShardClient, eval_file, table_rows) -> dict:
     }
 
 
+def use_node_interface() -> str | None:
+    """gloo connects to peers over the interface that holds this node's Ray IP: the hostname
+    can resolve to 127.0.0.1 (it does inside the test cluster's hosts), which no peer on
+    another host can reach. An interface set by the user (GLOO_SOCKET_IFNAME) wins; the
+    embedded Ray sets ``lo``. Returns the interface used."""
+    import ray
+
+    from actors.nodes import interface_for
+
+    if not os.environ.get("GLOO_SOCKET_IFNAME"):
+        ip = ray.util.get_node_ip_address()
+        name = interface_for(ip)
+        if name is None:
+            logging.getLogger(__name__).warning("no interface holds this node's IP %s; gloo picks one from the hostname", ip)
+        else:
+            os.environ["GLOO_SOCKET_IFNAME"] = name
+    return os.environ.get("GLOO_SOCKET_IFNAME")
+
+
 def _idle_cores(supervisor, node_id: str, wait_s: float) -> int:
     """torch threads for this trainer: the cores it may use (its CPU affinity) divided among
     the trainers registered on its node. The shards on the node are idle while trainers run
@@ -375,8 +394,9 @@ def train_loop(loop_config: dict) -> None:
     from app.cache import MicrobatchFile
     from app.config import config_from_dict
     from app.data import NUM_DENSE, NUM_SPARSE, sparse_to_rows
-    from app.errors import TrainerConflict
+    from app.errors import ConfigError, TrainerConflict
     from app.model import DenseAdagrad, DenseModel
+    from app.storage import problems
 
     marks = {"process": _process_start(), "train_fn": entered, "imports": time.time()}
     cfg = config_from_dict(loop_config["config"])
@@ -396,6 +416,11 @@ def train_loop(loop_config: dict) -> None:
         run_id=loop_config.get("run_id", ""), node_id=ray.get_runtime_context().get_node_id(),
         shared_memory=cfg.embeddings.transport == "auto",
     )
+    # A host that does not share the driver's cache would train on another file, or none.
+    missing = problems({setup["train_cache"]: {"field": "data.cache_dir", "size": setup["train_cache_bytes"], "content": None}})
+    if missing:
+        raise ConfigError(f"trainer {rank} on host {ray.util.get_node_ip_address()}: {missing[0]} "
+                          "(every host must see the cache at the driver's path)")
     train_file = MicrobatchFile(setup["train_cache"])
     marks["client"] = time.time()
 
@@ -420,6 +445,7 @@ def train_loop(loop_config: dict) -> None:
 
     # The lighthouse reports its address under the machine's hostname even when bound to
     # one interface; reach it on the interface it was bound to.
+    use_node_interface()
     lighthouse = urlsplit(os.environ["TORCHFT_LIGHTHOUSE"])
     lighthouse_addr = f"{lighthouse.scheme}://{loop_config['lighthouse_host']}:{lighthouse.port}"
     collective_timeout = timedelta(seconds=tr.collective_timeout_s)

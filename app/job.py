@@ -78,8 +78,8 @@ def keep_ray_on_loopback() -> None:
 
 
 def worker_env() -> dict[str, str]:
-    """Environment of the run's Ray workers: gloo on loopback unless told otherwise;
-    torchft's Rust logs (a few lines per quorum, every step) at warnings unless RUST_LOG
+    """Environment of the run's Ray workers (gloo's interface is each trainer's own, from its
+    node's IP: ``actors.trainer.use_node_interface``); torchft's Rust logs (a few lines per quorum, every step) at warnings unless RUST_LOG
     asks for more; Ray Train's controller polling its workers every 0.5 s instead of 2 s, so
     that it starts a dead trainer's replacement (and notices the end of training) sooner. A
     poll that is late is not a failure: Ray Train waits 10 minutes before it gives up on one.
@@ -87,7 +87,6 @@ def worker_env() -> dict[str, str]:
     otherwise spin on the cores while the shards serve its lookups (measured on 2 cores: 38k
     against 49k samples/s with 1 trainer)."""
     return {
-        "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo"),
         "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE"),
         "RUST_LOG": os.environ.get("RUST_LOG", "warn"),
         "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": os.environ.get("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5"),
@@ -134,6 +133,7 @@ def connect_ray(cfg: RunConfig, verbose: bool = False) -> bool:
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     keep_ray_on_loopback()
     runtime_env["env_vars"]["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+    runtime_env["env_vars"]["GLOO_SOCKET_IFNAME"] = os.environ["GLOO_SOCKET_IFNAME"]
     shard_like = cfg.embeddings.num_shards + cfg.embeddings.spares
     needed = cfg.training.num_trainers + int(shard_like * cfg.embeddings.num_cpus + 0.999) + 1
     ray.init(
@@ -196,6 +196,12 @@ def format_event(e: dict) -> str | None:
         )
     if kind == "checkpoint_failed":
         return f"[checkpoint] step {e['step']} not saved ({e['error']}); abandoned, saving again at a later step"
+    if kind == "host_lost":
+        since = e.get("unreachable_since")
+        after = f" {e['declared_dead_at'] - since:.2f}s after it stopped answering" if since is not None else ""
+        return f"[failure] host {e['node_ip']} lost, with {', '.join(e['actors'])}; Ray declared its node dead{after}"
+    if kind == "spare_moved":
+        return f"[spares] warm spare {e['spare']} moved to a host without shards (now {e['to']})"
     if kind == "spare_lost":
         return f"[failure] warm spare {e['spare']} died ({e['cause']}); starting another"
     if kind == "checkpoint_fallback":
@@ -335,6 +341,7 @@ class TrainingJob:
 
         from app.chaos import write_run_info
         from app.lighthouse import start_lighthouse
+        from app.storage import check_every_node, expected_files
 
         from actors.supervisor import Supervisor, supervisor_name
 
@@ -358,6 +365,9 @@ class TrainingJob:
         self._t["data"] = time.perf_counter()
         self._started_ray = connect_ray(cfg, self.verbose)
         link_ray_session_logs(self.run_dir)
+        if not self._started_ray:  # a cluster: every host must see the cache and the checkpoints
+            caches = [self.data["train"].path, self.data["eval"].path]
+            check_every_node(expected_files(caches, cfg.checkpoint_uri, self.run_id), cfg.embeddings.call_timeout_s)
         self._lighthouse = start_lighthouse(self._lighthouse_name, cfg.ray.namespace, self._lighthouse_kwargs())
         if self.resume:
             _kill_leftovers(self.run_dir, cfg.ray.namespace)
@@ -426,7 +436,11 @@ class TrainingJob:
                     "lighthouse_host": host,
                     "log_dir": str(self.run_dir / LOG_DIR),
                 },
-                scaling_config=ScalingConfig(num_workers=cfg.training.num_trainers, use_gpu=False),
+                # Trainers on different hosts where the cluster has them: one host's loss
+                # takes one trainer, and the others go on.
+                scaling_config=ScalingConfig(
+                    num_workers=cfg.training.num_trainers, use_gpu=False, placement_strategy="SPREAD"
+                ),
                 torch_config=PrestartedLighthouseConfig(
                     # The driver's lighthouse serves the first worker group; a group Ray Train
                     # starts again after its controller failed gets a new one.
@@ -617,11 +631,11 @@ def _kill_leftovers(run_dir: Path, namespace: str, run_id: str | None = None) ->
         run_id = json.loads(info.read_text())["run_id"]
     for name in kill_run_shards(run_id, namespace):
         logger.warning("removed %s left behind", name)
-    # Shared-memory slabs of its trainers that were killed (this node's; a trainer that ends
-    # normally removes its own).
-    from actors.shm import remove_run_files
+    # Shared-memory slabs of its trainers that were killed, on every node (a trainer that
+    # ends normally removes its own).
+    from actors.shm import remove_run_files_everywhere
 
-    remove_run_files(run_id)
+    remove_run_files_everywhere(run_id)
 
 
 def _import_ray_train() -> None:

@@ -36,13 +36,24 @@ def _file_handler(path: Path) -> logging.Handler:
     return handler
 
 
+def _host() -> str:
+    """``<node ip>-`` on a cluster (process ids repeat across hosts), nothing on 127.0.0.1."""
+    try:
+        import ray
+
+        ip = ray.util.get_node_ip_address()
+    except Exception:
+        return ""
+    return "" if ip.startswith("127.") else f"{ip}-"
+
+
 def configure_process_logging(log_dir: str | os.PathLike | None, role: str) -> Path | None:
     """In a worker process of the run: Python logging at INFO and every warning into
-    ``log_dir/<role>-<pid>.log``. Idempotent per process; a no-op without ``log_dir``."""
+    ``log_dir/<role>-[<node ip>-]<pid>.log``. Idempotent per process; a no-op without ``log_dir``."""
     if log_dir is None:
         return None
     root = logging.getLogger()
-    path = Path(log_dir) / f"{role}-{os.getpid()}.log"
+    path = Path(log_dir) / f"{role}-{_host()}{os.getpid()}.log"
     if any(h.get_name() == "cpr-run-log" for h in root.handlers):
         return path
     root.addHandler(_file_handler(path))

@@ -80,6 +80,7 @@ def build_report(cfg: RunConfig, summary: dict, data: dict, wall: dict) -> dict:
         "checkpoint_policy": policy,
         "interval_changes": [e for e in summary.get("events", []) if e["kind"] == "interval_changed"],
         "trainer_failures": summary.get("trainer_failures", []),
+        "hosts_lost": hosts_lost(summary.get("events", [])),
         "all_trainers_failed": [e for e in summary.get("events", []) if e["kind"] == "all_trainers_failed"],
         # Microbatches that reached each committed dense step: M for every step, whatever
         # the number of live trainers (ReCoVer's invariant).
@@ -99,6 +100,23 @@ def build_report(cfg: RunConfig, summary: dict, data: dict, wall: dict) -> dict:
         "progress": summary.get("progress", []),
         "config": cfg.model_dump(),
     }
+
+
+def hosts_lost(events: list[dict]) -> list[dict]:
+    """Each host (Ray node) of the run that Ray declared dead: its address, the run's actors
+    it took, Ray's reason, and ``declared_dead_s``: from the first failed probe of its raylet
+    (``actors.nodes.HostWatch``) to Ray's verdict, None when no probe failed before it."""
+    out = []
+    for e in events:
+        if e.get("kind") != "host_lost":
+            continue
+        since = e.get("unreachable_since")
+        out.append({
+            "node_ip": e.get("node_ip"), "node_id": e.get("node_id"), "actors": e.get("actors", []),
+            "reason": e.get("reason"), "declared_dead_at": e.get("declared_dead_at"), "unreachable_since": since,
+            "declared_dead_s": round(e["declared_dead_at"] - since, 3) if since is not None else None,
+        })
+    return out
 
 
 def _overhead_s(saves: list[dict], failures: list[dict], step_time_s: float, tracking_s: float | None) -> dict:
@@ -181,6 +199,12 @@ def format_summary(report: dict) -> str:
             f"  trainer failures  {len(trainer_failures)}; {_fmt(report.get('steps_with_fewer_trainers'), '')} steps ran "
             f"with fewer trainers; microbatches per committed step {_fmt(report.get('microbatches_per_committed_step'), '')}"
         )
+    for h in report.get("hosts_lost") or []:
+        lines.append(
+            f"  host lost         {h['node_ip']} with {', '.join(h['actors'])}; Ray declared its node dead "
+            + (f"{h['declared_dead_s']:.2f}s after it stopped answering" if h.get("declared_dead_s") is not None
+               else "(no failed probe before that)")
+        )
     for e in report.get("all_trainers_failed") or []:
         lines.append(
             f"    every trainer died: dense state and shards fell back to checkpoint step {e['fallback_step']} "
@@ -190,8 +214,9 @@ def format_summary(report: dict) -> str:
         # A rebuilt report lacks the commits that time a detection; a full one lacks it only
         # when no trainer survived to notice.
         detect = _fmt(t.get("detection_s"), "", "s", "n/a" if report.get("rebuilt") else "n/a (no survivor)")
+        lost = f" (lost with its {t['cause'][:-5]})" if (t.get("cause") or "").startswith("host ") else ""
         lines.append(
-            f"    {t['actor']}: detected {detect}, {_fmt(t.get('steps_with_fewer_trainers'), '')} steps with fewer "
+            f"    {t['actor']}{lost}: detected {detect}, {_fmt(t.get('steps_with_fewer_trainers'), '')} steps with fewer "
             f"trainers, replacement back after {_fmt(t.get('rejoined_s'), '', 's')} (state from a peer in "
             f"{_fmt(t.get('heal_s'), '', 's')}), joined at step {_fmt(t.get('replacement_joined_at_step'), '')}"
         )
@@ -398,6 +423,7 @@ def rebuild_report(run_dir: str | Path, notes: list[str] | None = None) -> dict:
         "checkpoint_policy": {"policy": cfg.checkpoint.policy if cfg else None, "interval_steps": interval_steps},
         "interval_changes": intervals,
         "trainer_failures": trainer_failures,
+        "hosts_lost": hosts_lost(events),
         "all_trainers_failed": of("all_trainers_failed"),
         "microbatches_per_committed_step": None,
         "steps_with_fewer_trainers": None,

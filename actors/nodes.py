@@ -1,0 +1,142 @@
+"""Hosts: where the run's actors go, which network interface a node's traffic uses, and
+the loss of a whole host.
+
+- ``placement`` spreads shards and spares over the alive nodes that have CPUs (soft node
+  affinity to the node holding the fewest of them), so that one host's loss takes as few
+  shards as possible and a spare never waits on the host it would replace.
+- ``interface_for`` names the interface holding the node's IP: gloo (``GLOO_SOCKET_IFNAME``)
+  must use it on a cluster, where the hostname may resolve to 127.0.0.1.
+- ``HostWatch`` sees a host go: it probes the raylet port of every node holding one of the
+  run's actors (a refused or timed-out connection is the first sign, since the actors'
+  own deaths are only reported once Ray declares the node dead) and reports each node that
+  Ray declares dead, with both times.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterable
+
+import ray
+
+__all__ = ["cpu_nodes", "placement", "interface_for", "HostWatch"]
+
+logger = logging.getLogger(__name__)
+
+
+def cpu_nodes() -> list[str]:
+    """Ids of the alive nodes that have CPUs to give (a head started with ``--num-cpus=0``
+    runs the driver and the controllers only)."""
+    return [n["NodeID"] for n in ray.nodes() if n.get("Alive") and n.get("Resources", {}).get("CPU", 0) > 0]
+
+
+def placement(taken: list, avoid: set | frozenset = frozenset()) -> tuple[str | None, dict]:
+    """``(node, actor options)`` that place one more shard-like actor on the alive node with
+    CPUs holding the fewest of ``taken`` (node ids of the run's shards and spares), softly:
+    Ray still places it elsewhere if that node cannot take it. Nodes in ``avoid`` (hosts that
+    stopped answering but are not declared dead yet) are left out. No preference on one node."""
+    nodes = cpu_nodes()
+    usable = [node for node in nodes if node not in avoid]
+    if len(nodes) <= 1 or not usable:
+        return None, {}
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    least = min(usable, key=lambda node: (taken.count(node), node))
+    return least, {"scheduling_strategy": NodeAffinitySchedulingStrategy(least, soft=True)}
+
+
+def interface_for(ip: str) -> str | None:
+    """The network interface that holds address ``ip`` on this machine, or None."""
+    import psutil
+
+    for name, addresses in psutil.net_if_addrs().items():
+        if any(a.family == socket.AF_INET and a.address == ip for a in addresses):
+            return name
+    return None
+
+
+class HostWatch:
+    """Polls Ray's node table every ``period_s`` and calls ``on_lost(info)`` once for each
+    node that was alive and is declared dead. ``info``: node_id, node_ip, reason,
+    ``declared_dead_at`` (when this watch saw Ray's verdict) and ``unreachable_since`` (the
+    first failed probe of the node's raylet port, when one was seen before the verdict).
+
+    Only nodes in ``watched()`` (the nodes of the run's actors) are probed: a probe is a TCP
+    connect, refused at once by a host whose processes are gone, timed out by one that is
+    cut off."""
+
+    def __init__(self, watched: Callable[[], Iterable[str]], on_lost: Callable[[dict], None],
+                 period_s: float = 0.25, probe_timeout_s: float = 0.2):
+        self.watched = watched
+        self.on_lost = on_lost
+        self.period_s = period_s
+        self.probe_timeout_s = probe_timeout_s
+        self.alive: dict[str, dict] = {}  # node id -> its row of ray.nodes()
+        self.unreachable_since: dict[str, float] = {}  # kept for a node declared dead: ``since``
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="host-watch", daemon=True)
+            self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def since(self, node_id: str | None) -> float | None:
+        """When node ``node_id``'s raylet first failed a probe (before Ray's verdict), if it did:
+        the best estimate of when an actor there died with its host."""
+        with self._lock:
+            return self.unreachable_since.get(node_id) if node_id else None
+
+    def suspects(self) -> set:
+        """Alive nodes whose raylet does not answer: do not place anything there."""
+        with self._lock:
+            return set(self.unreachable_since) & set(self.alive)
+
+    def _probe(self, node: dict) -> bool:
+        try:
+            with socket.create_connection((node["NodeManagerAddress"], node["NodeManagerPort"]),
+                                          timeout=self.probe_timeout_s):
+                return True
+        except OSError:
+            return False
+
+    def poll(self) -> None:
+        now = time.time()
+        rows = {n["NodeID"]: n for n in ray.nodes()}
+        lost = []
+        with self._lock:
+            for node_id, row in rows.items():
+                if row.get("Alive"):
+                    self.alive[node_id] = row
+                elif self.alive.pop(node_id, None) is not None:
+                    lost.append({
+                        "node_id": node_id, "node_ip": row.get("NodeManagerAddress"),
+                        "reason": (row.get("DeathReasonMessage") or "")[:200], "declared_dead_at": round(now, 3),
+                        "unreachable_since": self.unreachable_since.get(node_id),
+                    })
+            alive = dict(self.alive)
+        for info in lost:
+            self.on_lost(info)
+        if len(alive) < 2:
+            return  # one node: its loss is the run's, nothing to probe
+        for node_id in set(self.watched()) & set(alive):
+            answered = self._probe(alive[node_id])
+            with self._lock:
+                if answered:
+                    self.unreachable_since.pop(node_id, None)
+                else:
+                    self.unreachable_since.setdefault(node_id, round(now, 3))
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.period_s):
+            try:
+                self.poll()
+            except Exception as err:  # a GCS hiccup must not end the watch
+                logger.warning("host watch: %r", err)

@@ -1,0 +1,192 @@
+"""Several hosts on this machine (``scripts/local_cluster.sh``): a head and two worker hosts,
+each in its own network and PID namespaces, with the driver on the head.
+
+- Training spreads over the hosts (shards by placement, one trainer per worker host, gloo
+  over the hosts' addresses), and survives the loss of a whole worker host: its shards come
+  back on the survivor (one on the warm spare), its trainer is replaced, every step keeps
+  its M microbatches, and the report names the host, what it took and how long Ray took to
+  declare it dead. The host, added back, gets the warm spare.
+- Storage that is not shared by every host is refused before training, naming the field.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
+
+M = 4
+
+
+def _config(cluster, name: str, **overrides) -> Path:
+    shared = cluster.shared
+    cfg = {
+        "run_dir": str(shared / name),
+        "seed": 0,
+        "data": {
+            "train": [str(shared / "data" / "train.tsv")],
+            "eval": [str(shared / "data" / "eval.tsv")],
+            "generate": {"train_rows": 150_000, "eval_rows": 5_000, "seed": 0, "format": "tsv"},
+            "cache_dir": str(shared / "cache"),
+        },
+        "model": {"embedding_dim": 16, "table_rows": 20_000, "dense_arch": [32, 16], "over_arch": [32, 1]},
+        "embeddings": {"num_shards": 2, "spares": 1},
+        "training": {"num_trainers": 2, "microbatch_rows": 256, "microbatches_per_step": M, "epochs": 2},
+        "checkpoint": {"every_steps": 10},
+        "recovery": "partial",
+    }
+    for key, value in overrides.items():
+        section, field = key.split(".")
+        cfg[section][field] = value
+    path = shared / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def _events(run_dir: Path) -> list[dict]:
+    path = run_dir / "events.jsonl"
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            pass  # a line being written
+    return out
+
+
+def _step(run_dir: Path) -> int:
+    path = run_dir / "progress.jsonl"
+    lines = path.read_text().splitlines() if path.exists() else []
+    for line in reversed(lines):
+        try:
+            return json.loads(line).get("step", 0)
+        except json.JSONDecodeError:
+            continue
+    return 0
+
+
+def _wait(what: str, predicate, driver, log: Path, timeout: float = 240.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        if driver.poll() is not None:
+            pytest.fail(f"the driver exited ({driver.returncode}) before {what}: {log.read_text()[-3000:]}")
+        time.sleep(0.2)
+    pytest.fail(f"timed out waiting for {what}: {log.read_text()[-3000:]}")
+
+
+def _trainer_hosts(run_dir: Path) -> dict[int, str]:
+    """rank -> host IP of each trainer's first process, from its log file's name."""
+    out = {}
+    for f in sorted((run_dir / "logs").glob("trainer-*.log"), key=lambda p: p.stat().st_mtime):
+        _, rank, ip, _pid = f.stem.split("-")
+        out.setdefault(int(rank), ip)
+    return out
+
+
+def _stop(driver) -> None:
+    if driver.poll() is None:
+        os.killpg(driver.pid, signal.SIGKILL)
+        driver.wait(timeout=30)
+
+
+def test_training_across_hosts_survives_the_loss_of_a_host(local_cluster, tmp_path):
+    cluster = local_cluster
+    cfg = _config(cluster, "hostloss")
+    run_dir = cluster.shared / "hostloss"
+    log = tmp_path / "driver.log"
+    driver = cluster.popen(0, [sys.executable, "-m", "app", "train", "--config", str(cfg)], log)
+    try:
+        # Placement: the shards on both worker hosts, one trainer on each, the spare on one.
+        ready = _wait("the shards", lambda: [e for e in _events(run_dir) if e["kind"] == "shards_ready"], driver, log)[0]
+        workers = {cluster.ip(1), cluster.ip(2)}
+        assert set(ready["nodes"]) == workers, ready
+        spare = _wait("a warm spare", lambda: [e for e in _events(run_dir) if e["kind"] == "spare_ready"], driver, log)[0]
+        _wait("step 20", lambda: _step(run_dir) >= 20, driver, log)
+        trainers = _trainer_hosts(run_dir)
+        assert set(trainers.values()) == workers, trainers
+
+        # The worker host without the spare goes, with everything on it.
+        victim_ip = (workers - {spare["node_ip"]}).pop()
+        victim = int(victim_ip.rsplit(".", 1)[1]) - 10
+        lost_shards = {f"shard:{k}" for k, ip in enumerate(ready["nodes"]) if ip == victim_ip}
+        lost_trainers = {f"trainer:{r}" for r, ip in trainers.items() if ip == victim_ip}
+        killed_at = cluster.kill_host(victim)
+
+        recovered = _wait(
+            "the lost shards' recovery",
+            lambda: len([e for e in _events(run_dir) if e["kind"] == "shard_recovered"]) >= len(lost_shards)
+            and [e for e in _events(run_dir) if e["kind"] == "shard_recovered"],
+            driver, log,
+        )
+        # The host comes back: the warm spare moves to it (the survivor holds every shard).
+        cluster.script("add-host", str(victim))
+        moved = _wait("the spare's move to the added host",
+                      lambda: [e for e in _events(run_dir) if e["kind"] == "spare_moved"], driver, log)
+        assert moved[0]["to_ip"] == victim_ip, moved
+
+        driver.wait(timeout=400)
+        assert driver.returncode == 0, log.read_text()[-3000:]
+    finally:
+        _stop(driver)
+
+    report = json.loads((run_dir / "report.json").read_text())
+    assert report["auc"] is not None and report["state"]["state"] == "finished"
+    # Every committed step had its M microbatches, also while a trainer was missing.
+    assert report["microbatches_per_committed_step"] == [M]
+    assert report["steps_with_fewer_trainers"] >= 1
+
+    # The host loss, what it took, and Ray's verdict, measured against the kill.
+    (host,) = report["hosts_lost"]
+    assert host["node_ip"] == victim_ip
+    assert lost_shards | lost_trainers <= set(host["actors"]), host
+    assert 0 < host["declared_dead_at"] - killed_at < 10, (host, killed_at)
+    assert host["declared_dead_s"] is not None and 0 <= host["declared_dead_s"] < 10
+    assert host["unreachable_since"] - killed_at < 2, (host, killed_at)
+
+    # Its shards recovered alone (partial), on the surviving host, one on the warm spare.
+    by_actor = {e["actor"]: e for e in recovered}
+    assert set(by_actor) == lost_shards
+    assert all(e["recovery"] == "partial" for e in recovered)
+    assert spare["spare"] in {e["spare"] for e in recovered}
+    assert all(e["serving_s"] is not None for e in recovered)
+    # Its trainer was replaced by Ray Train and healed from the survivor.
+    failures = {t["actor"]: t for t in report["trainer_failures"]}
+    assert set(failures) == lost_trainers
+    assert all(t["rejoined_s"] is not None and t["cause"] == f"host {victim_ip} lost" for t in failures.values())
+    summary = (run_dir / "summary.txt").read_text()
+    assert f"host lost         {victim_ip}" in summary
+    # No slab of the dead trainer is left on any host.
+    assert not list(Path("/dev/shm").glob(f"cpr-{report['run_id']}-*"))
+
+
+def test_storage_that_is_not_shared_is_refused(local_cluster, tmp_path):
+    """The cache and the checkpoints on the head's private disk: the other hosts would not
+    see them. The run stops before training, naming the fields and a host."""
+    cluster = local_cluster
+    local = cluster.local / "refused"
+    cfg = _config(cluster, "refused", **{"data.cache_dir": str(local / "cache"), "checkpoint.storage": str(local / "ckpt")})
+    log = tmp_path / "driver.log"
+    driver = cluster.popen(0, [sys.executable, "-m", "app", "train", "--config", str(cfg)], log)
+    try:
+        driver.wait(timeout=180)
+    finally:
+        _stop(driver)
+    out = log.read_text()
+    assert driver.returncode != 0, out[-3000:]
+    assert "not shared by every host" in out, out[-3000:]
+    assert "data.cache_dir" in out and "checkpoint.storage" in out, out[-3000:]
+    assert f"host {cluster.ip(1)}" in out or f"host {cluster.ip(2)}" in out, out[-3000:]
+    assert not (cluster.shared / "refused" / "events.jsonl").exists()  # no supervisor, no training
