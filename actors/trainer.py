@@ -208,7 +208,8 @@ class _ShardClient:
                     raise ShardCallFailed(k, f"no answer within {self.timeout_s}s")
                 try:
                     out.append(ray.get(ref))
-                except ray.exceptions.RayActorError as err:
+                except (ray.exceptions.RayActorError, ray.exceptions.ObjectLostError) as err:
+                    # ObjectLostError: the answer lay in the object store of a host that is gone.
                     raise ShardCallFailed(k, type(err).__name__) from None
             except ShardCallFailed:
                 slab = self._slabs.pop(k, None)

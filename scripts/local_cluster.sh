@@ -80,7 +80,9 @@ start_host() {
   mkdir -p "$DIR/h$n/ray"
   local common=(--node-ip-address="$ip" --temp-dir="$DIR/h$n/ray" --object-store-memory=$(( ${CPR_OBJECT_STORE_MB:-80} * 1024 * 1024 ))
                 --disable-usage-stats)
-  local cmd env=(RAY_AUTH_MODE=token RAY_AUTH_TOKEN_PATH="$DIR/auth_token")
+  # As cpr's embedded Ray (app.job.ray_system_config): a shard's answer up to 1 MB travels
+  # inside the call instead of through the object store.
+  local cmd env=(RAY_AUTH_MODE=token RAY_AUTH_TOKEN_PATH="$DIR/auth_token" RAY_max_direct_call_object_size=1048576)
   if ((n == 0)); then
     cmd=("$RAY" start --head --port=$PORT --num-cpus="${CPR_HEAD_CPUS:-0}" --dashboard-host="$ip" "${common[@]}")
     # Ray declares a lost host dead after about 1.5 s instead of about 15 s.
@@ -89,7 +91,7 @@ start_host() {
     cmd=("$RAY" start --address="$(host_ip 0):$PORT" --num-cpus="${CPR_WORKER_CPUS:-6}" "${common[@]}")
   fi
   : > "$DIR/h$n/init.log"
-  setsid env "${env[@]}" ip netns exec "$(ns h$n)" unshare --pid --fork --mount-proc --kill-child \
+  setsid env -u GLOO_SOCKET_IFNAME -u RAY_ADDRESS "${env[@]}" ip netns exec "$(ns h$n)" unshare --pid --fork --mount-proc --kill-child \
     "$PYTHON" "$ROOT/scripts/host_init.py" --local-dir "$DIR/local" --ray "$RAY" -- "${cmd[@]}" \
     >> "$DIR/h$n/init.log" 2>&1 < /dev/null &
   local unshare_pid=$! init="" t
@@ -124,6 +126,8 @@ case "${1:-}" in
     [[ -x $RAY ]] || die "no ray at $RAY (run ./dev.sh setup, or set CPR_PYTHON)"
     reap_stale
     ip netns list | grep -q "^$(ns br)\b" && die "a cluster is already up at $DIR (run: $0 down)"
+    # A host that fails to start takes the half-made cluster down with it.
+    trap 'rc=$?; if ((rc != 0)); then echo "local_cluster.sh: up failed; tearing down" >&2; "$0" down; fi' EXIT
     mkdir -p "$DIR" "$REGISTRY"
     printf '%s\n%s\n' "$DIR" "${CPR_CLUSTER_OWNER:-}" > "$REGISTRY/$TAG"
     echo "$HOSTS" > "$DIR/hosts"
@@ -137,7 +141,7 @@ case "${1:-}" in
     n="${2:?host number}"; shift 2; [[ ${1:-} == -- ]] && shift
     pid="$(init_pid "$n")" || die "host $n is not up"
     # shellcheck disable=SC2046
-    exec nsenter --target "$pid" --net --pid --mount --wd="$PWD" -- env $(ray_env) "$@"
+    exec nsenter --target "$pid" --net --pid --mount --wd="$PWD" -- env -u GLOO_SOCKET_IFNAME $(ray_env) "$@"
     ;;
   kill-host)
     n="${2:?host number}"; pid="$(init_pid "$n")" || die "host $n is not up"

@@ -147,6 +147,10 @@ def test_training_across_hosts_survives_the_loss_of_a_host(local_cluster, tmp_pa
     # Every committed step had its M microbatches, also while a trainer was missing.
     assert report["microbatches_per_committed_step"] == [M]
     assert report["steps_with_fewer_trainers"] >= 1
+    # The survivors went on: no fallback, and no surviving trainer was started again.
+    assert not report["all_trainers_failed"]
+    restarted = {f"trainer:{e['rank']}" for e in report["events"] if e["kind"] == "trainer_started" and e["starts"] > 1}
+    assert restarted == lost_trainers, restarted
 
     # The host loss, what it took, and Ray's verdict, measured against the kill.
     (host,) = report["hosts_lost"]
