@@ -33,7 +33,7 @@ class RunMetrics:
         self.loss = Gauge("cpr_loss", "Mean training log loss of the last progress interval.", tag_keys=run)
         self.trainers = Gauge("cpr_trainers", "Trainers in the last committed step's quorum.", tag_keys=run)
         self.failures = Counter(
-            "cpr_failures_total", "Failures: kind=shard (with recovery partial/full) or trainer / all_trainers.",
+            "cpr_failures_total", "Failures: kind=shard (with recovery partial/full) or trainer / all_trainers / host.",
             tag_keys=run + ("kind", "recovery"),
         )
         self.detection_s = Histogram(
@@ -94,6 +94,10 @@ class RunMetrics:
                 self.detection_s.observe(trainer_failure["detection_s"], tags=self._tags(kind="trainer"))
             if trainer_failure.get("rejoined_s") is not None:
                 self.recovery_s.observe(trainer_failure["rejoined_s"], tags=self._tags(kind="trainer"))
+        elif kind == "host_lost":
+            self.failures.inc(1, tags=self._tags(kind="host", recovery="replace"))
+            if e.get("unreachable_since") is not None:  # until Ray declared it dead
+                self.detection_s.observe(e["declared_dead_at"] - e["unreachable_since"], tags=self._tags(kind="host"))
         elif kind == "all_trainers_failed":
             self.failures.inc(1, tags=self._tags(kind="all_trainers", recovery="checkpoint"))
         elif kind == "lost_samples_counted":

@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterable
 
 import ray
 
-__all__ = ["cpu_nodes", "placement", "interface_for", "HostWatch"]
+__all__ = ["cpu_nodes", "least_loaded", "placement", "interface_for", "HostWatch"]
 
 logger = logging.getLogger(__name__)
 
@@ -33,18 +33,23 @@ def cpu_nodes() -> list[str]:
     return [n["NodeID"] for n in ray.nodes() if n.get("Alive") and n.get("Resources", {}).get("CPU", 0) > 0]
 
 
+def least_loaded(nodes: list[str], taken: list, avoid: set | frozenset = frozenset()) -> str | None:
+    """The node of ``nodes`` (not in ``avoid``) that holds the fewest of ``taken``, ties by id."""
+    usable = [node for node in nodes if node not in avoid]
+    return min(usable, key=lambda node: (taken.count(node), node)) if usable else None
+
+
 def placement(taken: list, avoid: set | frozenset = frozenset()) -> tuple[str | None, dict]:
     """``(node, actor options)`` that place one more shard-like actor on the alive node with
     CPUs holding the fewest of ``taken`` (node ids of the run's shards and spares), softly:
     Ray still places it elsewhere if that node cannot take it. Nodes in ``avoid`` (hosts that
     stopped answering but are not declared dead yet) are left out. No preference on one node."""
     nodes = cpu_nodes()
-    usable = [node for node in nodes if node not in avoid]
-    if len(nodes) <= 1 or not usable:
+    least = least_loaded(nodes, taken, avoid)
+    if len(nodes) <= 1 or least is None:
         return None, {}
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    least = min(usable, key=lambda node: (taken.count(node), node))
     return least, {"scheduling_strategy": NodeAffinitySchedulingStrategy(least, soft=True)}
 
 
@@ -109,10 +114,21 @@ class HostWatch:
 
     def poll(self) -> None:
         now = time.time()
-        rows = {n["NodeID"]: n for n in ray.nodes()}
+        for info in self.observe(ray.nodes(), now):
+            self.on_lost(info)
+        with self._lock:
+            alive = dict(self.alive)
+        if len(alive) < 2:
+            return  # one node: its loss is the run's, nothing to probe
+        self.probed({node: self._probe(alive[node]) for node in set(self.watched()) & set(alive)}, now)
+
+    def observe(self, rows: list[dict], now: float) -> list[dict]:
+        """Takes Ray's node table (``ray.nodes()`` rows); returns the nodes seen alive before
+        and declared dead now, once each."""
         lost = []
         with self._lock:
-            for node_id, row in rows.items():
+            for row in rows:
+                node_id = row["NodeID"]
                 if row.get("Alive"):
                     self.alive[node_id] = row
                 elif self.alive.pop(node_id, None) is not None:
@@ -121,15 +137,13 @@ class HostWatch:
                         "reason": (row.get("DeathReasonMessage") or "")[:200], "declared_dead_at": round(now, 3),
                         "unreachable_since": self.unreachable_since.get(node_id),
                     })
-            alive = dict(self.alive)
-        for info in lost:
-            self.on_lost(info)
-        if len(alive) < 2:
-            return  # one node: its loss is the run's, nothing to probe
-        for node_id in set(self.watched()) & set(alive):
-            answered = self._probe(alive[node_id])
-            with self._lock:
-                if answered:
+        return lost
+
+    def probed(self, answered: dict[str, bool], now: float) -> None:
+        """Takes the probes' outcomes (node id -> whether its raylet accepted a connection)."""
+        with self._lock:
+            for node_id, ok in answered.items():
+                if ok:
                     self.unreachable_since.pop(node_id, None)
                 else:
                     self.unreachable_since.setdefault(node_id, round(now, 3))

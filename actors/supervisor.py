@@ -77,6 +77,7 @@ class Supervisor(RunApi, TrainerBook):
         audit = str(self.run_dir / "audit") if cfg.audit_log else None
         self.hosts = HostWatch(self._actor_nodes, self._on_host_lost)
         self._deaths: list[tuple] = []  # (node id, actor, detected at) of each shard death
+        self._move_tried: set = set()  # nodes a spare was moved to (_misplaced_spare)
         self.fleet = ShardFleet(
             cfg, self.plan, run_id, audit, self._on_death, self._on_spare_death, self._occupied, self.hosts.suspects
         )
@@ -397,13 +398,17 @@ class Supervisor(RunApi, TrainerBook):
         """A ready spare on a node that holds shards, while an alive node holds neither shards
         nor spares (a host added back, or one that joined): moved there, a spare no longer
         dies with the shards it would replace."""
-        nodes = cpu_nodes()
+        nodes = [node for node in cpu_nodes() if node not in self.hosts.suspects()]
         with self._lock:
             taken = self._occupied()
-            if all(node in taken for node in nodes):
+            empty = {node for node in nodes if node not in taken} - self._move_tried
+            if not empty:
                 return None
             shard_nodes = {i.get("node_id") for i in self.shard_info}
-            return next((s for s in self.spares if self.spare_info.get(s, {}).get("node_id") in shard_nodes), None)
+            spare = next((s for s in self.spares if self.spare_info.get(s, {}).get("node_id") in shard_nodes), None)
+            if spare is not None:
+                self._move_tried |= empty  # one move per new node, wherever Ray puts the new spare
+            return spare
 
     def _spare_ready(self, name: str, handle, t0: float, retire: str | None = None) -> None:
         """Adds the spare ``name`` to the pool once it answers; ``retire``: a ready spare that
@@ -433,7 +438,7 @@ class Supervisor(RunApi, TrainerBook):
             self._append_event("spare_ready", spare=name, start_s=round(time.perf_counter() - t0, 3),
                                node_id=info["node_id"], node_ip=info.get("node_ip"), pool=len(self.spares))
             old = self.spare_info.get(retire or "", {}).get("node_id")
-            retired = retire in self.spares and old != info["node_id"]
+            retired = retire in self.spares
             if retired:
                 self.spares.remove(retire)
                 self._append_event("spare_moved", spare=retire, to=name, from_node=old, to_node=info["node_id"],
