@@ -34,6 +34,10 @@ SUBNET=10.77.0
 PORT=6379
 
 die() { echo "local_cluster.sh: $*" >&2; exit 1; }
+# What a caller's environment must not pass to the hosts: a local Ray's loopback settings
+# (RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 makes a worker refuse to join), another cluster's
+# address, a gloo interface of this machine.
+SCRUB=(-u GLOO_SOCKET_IFNAME -u RAY_ADDRESS -u RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER)
 tag_of() { printf '%s' "$1" | sha1sum | cut -c1-6; }
 TAG="$(tag_of "$DIR")"
 ns() { echo "cpr-$TAG-$1"; }
@@ -91,7 +95,7 @@ start_host() {
     cmd=("$RAY" start --address="$(host_ip 0):$PORT" --num-cpus="${CPR_WORKER_CPUS:-6}" "${common[@]}")
   fi
   : > "$DIR/h$n/init.log"
-  setsid env -u GLOO_SOCKET_IFNAME -u RAY_ADDRESS "${env[@]}" ip netns exec "$(ns h$n)" unshare --pid --fork --mount-proc --kill-child \
+  setsid env "${SCRUB[@]}" "${env[@]}" ip netns exec "$(ns h$n)" unshare --pid --fork --mount-proc --kill-child \
     "$PYTHON" "$ROOT/scripts/host_init.py" --local-dir "$DIR/local" --ray "$RAY" -- "${cmd[@]}" \
     >> "$DIR/h$n/init.log" 2>&1 < /dev/null &
   local unshare_pid=$! init="" t
@@ -141,7 +145,7 @@ case "${1:-}" in
     n="${2:?host number}"; shift 2; [[ ${1:-} == -- ]] && shift
     pid="$(init_pid "$n")" || die "host $n is not up"
     # shellcheck disable=SC2046
-    exec nsenter --target "$pid" --net --pid --mount --wd="$PWD" -- env -u GLOO_SOCKET_IFNAME $(ray_env) "$@"
+    exec nsenter --target "$pid" --net --pid --mount --wd="$PWD" -- env "${SCRUB[@]}" $(ray_env) "$@"
     ;;
   kill-host)
     n="${2:?host number}"; pid="$(init_pid "$n")" || die "host $n is not up"

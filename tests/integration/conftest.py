@@ -66,7 +66,9 @@ def local_cluster():
     torn down by the next ``up``, which reaps clusters whose owner process is gone). Fails,
     never skips, where network namespaces cannot be made."""
     directory = tempfile.mkdtemp(prefix="cprc-", dir="/tmp")  # short: Ray's socket paths
-    env = {k: v for k, v in os.environ.items() if k not in ("GLOO_SOCKET_IFNAME", "RAY_ADDRESS")}
+    # The suite's own local Ray set loopback-only variables in this process (app.job.keep_ray_on_loopback).
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("GLOO_SOCKET_IFNAME", "RAY_ADDRESS", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER")}
     env.update(CPR_CLUSTER_DIR=directory, CPR_CLUSTER_OWNER=str(os.getpid()), CPR_PYTHON=sys.executable,
                CPR_CLUSTER_HOSTS="3", CPR_WORKER_CPUS="8")
     cluster = LocalCluster(directory, env, 3)
