@@ -39,7 +39,7 @@ def _config(cluster, name: str, **overrides) -> Path:
         },
         "model": {"embedding_dim": 16, "table_rows": 20_000, "dense_arch": [32, 16], "over_arch": [32, 1]},
         "embeddings": {"num_shards": 2, "spares": 1},
-        "training": {"num_trainers": 2, "microbatch_rows": 256, "microbatches_per_step": M, "epochs": 2},
+        "training": {"num_trainers": 2, "microbatch_rows": 256, "microbatches_per_step": M, "epochs": 4},
         "checkpoint": {"every_steps": 10},
         "recovery": "partial",
     }
