@@ -20,6 +20,7 @@ from app.config import RunConfig
 from app.config import load_config
 from app.errors import CheckpointNotFound, ConfigError, RunFailed
 from app.logs import LOG_DIR, configure_driver_logging, link_ray_session_logs
+from app.report import hosts_lost
 
 __all__ = [
     "TrainingJob", "run_training", "resume_config", "prepare_data", "connect_ray", "keep_ray_on_loopback",
@@ -79,8 +80,8 @@ def keep_ray_on_loopback() -> None:
 
 def worker_env() -> dict[str, str]:
     """Environment of the run's Ray workers (gloo's interface is each trainer's own, from its
-    node's IP: ``actors.trainer.use_node_interface``); torchft's Rust logs (a few lines per quorum, every step) at warnings unless RUST_LOG
-    asks for more; Ray Train's controller polling its workers every 0.5 s instead of 2 s, so
+    node's IP: ``actors.trainer.use_node_interface``): torchft's Rust logs (a few lines per
+    quorum, every step) at warnings unless RUST_LOG asks for more; Ray Train's controller polling its workers every 0.5 s instead of 2 s, so
     that it starts a dead trainer's replacement (and notices the end of training) sooner. A
     poll that is late is not a failure: Ray Train waits 10 minutes before it gives up on one.
     OpenMP threads that sleep when idle instead of spinning: a trainer's compute threads would
@@ -197,11 +198,11 @@ def format_event(e: dict) -> str | None:
     if kind == "checkpoint_failed":
         return f"[checkpoint] step {e['step']} not saved ({e['error']}); abandoned, saving again at a later step"
     if kind == "host_lost":
-        since = e.get("unreachable_since")
-        after = f" {e['declared_dead_at'] - since:.2f}s after it stopped answering" if since is not None else ""
-        return f"[failure] host {e['node_ip']} lost, with {', '.join(e['actors'])}; Ray declared its node dead{after}"
+        (h,) = hosts_lost([e])
+        after = f" {h['declared_dead_s']:.2f}s after it stopped answering" if h["declared_dead_s"] is not None else ""
+        return f"[failure] host {h['node_ip']} lost, with {', '.join(h['actors'])}; Ray declared its node dead{after}"
     if kind == "spare_moved":
-        return f"[spares] warm spare {e['spare']} moved to a host without shards (now {e['to']})"
+        return f"[spares] the warm spare moved to host {e['to_ip']}, which holds no shard ({e['to'].rsplit('-', 1)[-1]})"
     if kind == "spare_lost":
         return f"[failure] warm spare {e['spare']} died ({e['cause']}); starting another"
     if kind == "checkpoint_fallback":

@@ -165,7 +165,8 @@ case "${1:-}" in
     ;;
   down)
     if [[ -f $DIR/hosts ]]; then HOSTS="$(cat "$DIR/hosts")"; fi
-    for ((n = HOSTS - 1; n >= 0; n--)); do stop_host "$n"; done
+    for ((n = HOSTS - 1; n >= 0; n--)); do stop_host "$n" & done
+    wait
     for ((n = 0; n < HOSTS; n++)); do ip netns del "$(ns h$n)" 2>/dev/null || true; done
     ip netns del "$(ns br)" 2>/dev/null || true
     rm -f "$REGISTRY/$TAG"
