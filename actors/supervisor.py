@@ -248,7 +248,9 @@ class Supervisor(RunApi, TrainerBook):
             self.costs.observe_failure(max(detected, self.costs.clock_s))
             mode, decision = self._recovery_mode()
             partial = mode == RecoveryMode.PARTIAL
-            spare = self.spares[0] if self.spares else None
+            # The oldest ready spare, but none on a host that stopped answering (it is dying too).
+            suspects = self.hosts.suspects()
+            spare = next((s for s in self.spares if self.spare_info.get(s, {}).get("node_id") not in suspects), None)
             record = {
                 "actor": f"shard:{k}", "shard": k, "generation": generation, "cause": cause,
                 "detected_at": round(detected, 3), "killed_at": kill["time"] if kill else None,
