@@ -36,6 +36,7 @@ __all__ = [
     "CheckpointStore",
     "FileEntry",
     "ShardRows",
+    "local_path",
     "merge_shard_rows",
     "shard_file_name",
     "step_dir_name",
@@ -771,10 +772,21 @@ class CheckpointStore:
 @functools.lru_cache(maxsize=32)
 def _resolve(uri: str) -> tuple[pafs.FileSystem, str]:
     """(filesystem, root path) of ``uri``; cached because object-store clients are costly."""
-    if "://" not in uri:
-        return pafs.LocalFileSystem(), os.path.abspath(uri)
+    path = local_path(uri)
+    if path is not None:
+        return pafs.LocalFileSystem(), path
     fs, path = pafs.FileSystem.from_uri(uri)
     return fs, path.rstrip("/")
+
+
+def local_path(uri: str) -> str | None:
+    """The absolute local path that ``uri`` names (a plain path or ``file://``), None for an
+    object store or another remote filesystem (told apart without contacting it)."""
+    if uri.startswith("file://"):
+        uri = uri[len("file://"):]
+    elif "://" in uri:
+        return None
+    return os.path.abspath(uri)
 
 
 def _join(*parts: str) -> str:

@@ -43,11 +43,10 @@ def sigkill_on_node(supervisor, target: str, info: dict, trigger: str, timeout_s
     when the target runs on this node: a task may first need a new worker process (1-3 s on a
     busy node), and a kill tied to a training step would land many steps late."""
     import ray
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    from actors.nodes import pinned
 
     if info["node_id"] == ray.get_runtime_context().get_node_id():
         return kill_process(supervisor, target, info["pid"], trigger)
-    killer = ray.remote(num_cpus=0, max_retries=0)(kill_process).options(
-        scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=info["node_id"], soft=False)
-    )
+    killer = pinned(kill_process, info["node_id"])
     return ray.get(killer.remote(supervisor, target, info["pid"], trigger), timeout=timeout_s)

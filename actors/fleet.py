@@ -24,7 +24,7 @@ from actors.shard import EmbeddingShard
 from app.errors import ShardUnavailable
 from app.logs import LOG_DIR
 
-__all__ = ["ShardFleet", "shard_name", "spare_name", "kill_run_shards"]
+__all__ = ["ShardFleet", "shard_name", "spare_name", "spare_target", "kill_run_shards"]
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +38,11 @@ def spare_name(run_id: str, n: int) -> str:
     supervisor journals which name serves each shard. Same prefix as the shards, so that
     ``kill_run_shards`` removes spares too."""
     return f"cpr-shard-{run_id}-spare{n}"
+
+
+def spare_target(name: str) -> str:
+    """The chaos target (``spare:<n>``) of the spare named ``name`` (``spare_name``)."""
+    return f"spare:{name.rsplit('spare', 1)[1]}"
 
 
 def kill_run_shards(run_id: str, namespace: str) -> list[str]:
@@ -114,13 +119,18 @@ class ShardFleet:
         # The extra concurrency groups run watch() and save_written() beside the compute.
         return ray.remote(concurrency_groups={"watch": 1, "save": 1})(EmbeddingShard)
 
+    def _place(self, taken: list) -> dict:
+        """Actor options for one more shard-like actor (``actors.nodes.placement``, avoiding
+        hosts that stopped answering); its node joins ``taken``."""
+        node, extra = placement(taken, self.avoid())
+        taken.append(node)
+        return extra
+
     def spawn(self, k: int, generation: int, taken: list | None = None):
         """Starts shard ``k`` under ``generation``; with ``taken`` (node ids of the run's other
         shards and spares) it goes, softly, to the node holding the fewest of them, and its
         node is appended to ``taken``."""
-        node, extra = placement(taken, self.avoid()) if taken is not None else (None, {})
-        if taken is not None:
-            taken.append(node)
+        extra = self._place(taken) if taken is not None else {}
         return self._actor_class().options(**self._options(shard_name(self.run_id, k, generation), **extra)).remote(
             shard_id=k, slices=list(self.plan.shards[k]), generation=generation, **self._args()
         )
@@ -129,9 +139,7 @@ class ShardFleet:
         """Starts the warm spare ``name`` (``spare_name``): a shard process with its imports
         done and no tables, placed like a shard (``spawn``), so that a host's loss does not
         take a shard and the spare that would replace it."""
-        node, extra = placement(taken, self.avoid())
-        taken.append(node)
-        return self._actor_class().options(**self._options(name, **extra)).remote(
+        return self._actor_class().options(**self._options(name, **self._place(taken))).remote(
             shard_id=None, slices=None, spare=name, **self._args()
         )
 

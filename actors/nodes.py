@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterable
 
 import ray
 
-__all__ = ["cpu_nodes", "least_loaded", "placement", "interface_for", "HostWatch"]
+__all__ = ["cpu_nodes", "other_nodes", "pinned", "least_loaded", "placement", "interface_for", "HostWatch"]
 
 logger = logging.getLogger(__name__)
 
@@ -31,6 +31,22 @@ def cpu_nodes() -> list[str]:
     """Ids of the alive nodes that have CPUs to give (a head started with ``--num-cpus=0``
     runs the driver and the controllers only)."""
     return [n["NodeID"] for n in ray.nodes() if n.get("Alive") and n.get("Resources", {}).get("CPU", 0) > 0]
+
+
+def other_nodes() -> list[str]:
+    """Ids of the alive nodes other than this process's."""
+    here = ray.get_runtime_context().get_node_id()
+    return [n["NodeID"] for n in ray.nodes() if n.get("Alive") and n["NodeID"] != here]
+
+
+def pinned(fn: Callable, node_id: str):
+    """``fn`` as a Ray task that runs on node ``node_id`` and nowhere else, needing no CPU and
+    never retried: the checks, probes and kills the run does on a given host."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    return ray.remote(num_cpus=0, max_retries=0)(fn).options(
+        scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False)
+    )
 
 
 def least_loaded(nodes: list[str], taken: list, avoid: set | frozenset = frozenset()) -> str | None:

@@ -77,14 +77,11 @@ def remove_run_files_everywhere(run_id: str, timeout_s: float = 30.0) -> int:
     """``remove_run_files`` on this node and, on a cluster, on every other alive node (a
     task there), since killed trainers leave their slabs on their own hosts."""
     import ray
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    from actors.nodes import other_nodes, pinned
 
     n = remove_run_files(run_id)
-    here = ray.get_runtime_context().get_node_id()
-    others = [x["NodeID"] for x in ray.nodes() if x.get("Alive") and x["NodeID"] != here]
-    task = ray.remote(num_cpus=0, max_retries=0)(remove_run_files)
-    refs = [task.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote(run_id)
-            for node in others]
+    refs = [pinned(remove_run_files, node).remote(run_id) for node in other_nodes()]
     try:
         return n + sum(ray.get(refs, timeout=timeout_s))
     except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError) as err:

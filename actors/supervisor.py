@@ -22,7 +22,7 @@ from actors.accounting import chain_rows, count_lost_samples
 from actors.checkpointing import CheckpointCoordinator
 from actors.deadlines import Deadlines
 from actors.faults import sigkill_on_node
-from actors.fleet import ShardFleet, shard_name, spare_name
+from actors.fleet import ShardFleet, shard_name, spare_name, spare_target
 from actors.nodes import HostWatch, cpu_nodes
 from actors.journal import Journal, RunLog
 from actors.machine import (
@@ -477,7 +477,7 @@ class Supervisor(RunApi, TrainerBook):
             actors += [f"trainer:{r}" for r, t in sorted(self.trainers.items()) if t.get("node_id") == node]
             # Its spares: those still in the pool, and those whose watch saw them die first.
             gone = {e["spare"] for e in self.events if e["kind"] == "spare_lost" and e["time"] >= since}
-            actors += [f"spare:{s.rsplit('spare', 1)[-1]}" for s, i in self.spare_info.items()
+            actors += [spare_target(s) for s, i in self.spare_info.items()
                        if i.get("node_id") == node and (s in self.spares or s in gone)]
         if actors:
             self.record_event("host_lost", actors=actors, **info)

@@ -16,7 +16,7 @@ import ray
 
 from actors.checkpoint import DATA_POSITION_FILE, DENSE_FILE
 from actors.deadlines import Deadline
-from actors.fleet import kill_run_shards
+from actors.fleet import kill_run_shards, spare_target
 from actors.machine import (
     RECOVERING, TERMINAL, ResumeRequested, RollingBack, Running, StopRequested, TrainersAllDied,
     replacement_at_checkpoint, state_to_dict,
@@ -278,7 +278,7 @@ class RunApi:
         with self._lock:
             out = {f"shard:{k}": {"pid": i["pid"], "node_id": i["node_id"]} for k, i in enumerate(self.shard_info)}
             out.update({f"trainer:{r}": {"pid": t["pid"], "node_id": t["node_id"]} for r, t in self.trainers.items()})
-            out.update({f"spare:{n.rsplit('spare', 1)[1]}": dict(self.spare_info[n]) for n in self.spares
+            out.update({spare_target(n): dict(self.spare_info[n]) for n in self.spares
                         if n in self.spare_info})
             out["supervisor"] = me
             return out

@@ -171,18 +171,14 @@ class TrainerBook:
     def _live_established_trainers(self, exclude: int, timeout_s: float) -> dict[int, int | None]:
         """Ranks other than ``exclude`` whose current process has committed a step and is
         alive, with the last step each committed."""
-        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+        from actors.nodes import pinned
 
         with self._lock:
             candidates = {
                 r: t for r, t in self.trainers.items()
                 if r != exclude and t.get("committed_at", 0) > t["registered"] and t["pid"] is not None
             }
-        probe = ray.remote(num_cpus=0, max_retries=0)(_pid_alive)
-        refs = {
-            r: probe.options(scheduling_strategy=NodeAffinitySchedulingStrategy(t["node_id"], soft=False)).remote(t["pid"])
-            for r, t in candidates.items()
-        }
+        refs = {r: pinned(_pid_alive, t["node_id"]).remote(t["pid"]) for r, t in candidates.items()}
         return {r: candidates[r].get("committed_step") for r, ref in refs.items() if ray.get(ref, timeout=timeout_s)}
 
     def trainer_failures(self) -> list[dict]:

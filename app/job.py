@@ -81,9 +81,10 @@ def keep_ray_on_loopback() -> None:
 def worker_env() -> dict[str, str]:
     """Environment of the run's Ray workers (gloo's interface is each trainer's own, from its
     node's IP: ``actors.trainer.use_node_interface``): torchft's Rust logs (a few lines per
-    quorum, every step) at warnings unless RUST_LOG asks for more; Ray Train's controller polling its workers every 0.5 s instead of 2 s, so
-    that it starts a dead trainer's replacement (and notices the end of training) sooner. A
-    poll that is late is not a failure: Ray Train waits 10 minutes before it gives up on one.
+    quorum, every step) at warnings unless RUST_LOG asks for more; Ray Train's controller
+    polling its workers every 0.5 s instead of 2 s, so that it starts a dead trainer's
+    replacement (and notices the end of training) sooner. A poll that is late is not a
+    failure: Ray Train waits 10 minutes before it gives up on one.
     OpenMP threads that sleep when idle instead of spinning: a trainer's compute threads would
     otherwise spin on the cores while the shards serve its lookups (measured on 2 cores: 38k
     against 49k samples/s with 1 trainer)."""

@@ -17,20 +17,14 @@ import os
 import secrets
 from pathlib import Path
 
+from actors.checkpoint import local_path
 from app.errors import ConfigError
 
-__all__ = ["local_dir", "expected_files", "problems", "check_every_node"]
+__all__ = ["expected_files", "problems", "check_every_node"]
 
 logger = logging.getLogger(__name__)
 
 PROBE = ".cpr-storage-probe-{run_id}"
-
-
-def local_dir(uri: str) -> str | None:
-    """The filesystem path of a checkpoint URI (a plain path or file://), else None."""
-    if uri.startswith("file://"):
-        return uri[len("file://"):]
-    return None if "://" in uri else uri
 
 
 def expected_files(cache_files: list[str], checkpoint_uri: str, run_id: str) -> dict[str, dict]:
@@ -38,7 +32,7 @@ def expected_files(cache_files: list[str], checkpoint_uri: str, run_id: str) -> 
     its content) written into the checkpoint directory. Returns ``{path: {"field", "size",
     "content"}}``; the probe is removed by ``check_every_node``."""
     out = {p: {"field": "data.cache_dir", "size": os.path.getsize(p), "content": None} for p in cache_files}
-    directory = local_dir(checkpoint_uri)
+    directory = local_path(checkpoint_uri)
     if directory is not None:
         Path(directory).mkdir(parents=True, exist_ok=True)
         probe = Path(directory) / PROBE.format(run_id=run_id)
@@ -73,16 +67,11 @@ def check_every_node(expected: dict[str, dict], timeout_s: float = 60.0) -> None
     """Raises ConfigError unless every alive node of the cluster sees ``expected``. Nothing
     to do on a single node (the driver wrote the files there)."""
     import ray
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    from actors.nodes import other_nodes, pinned
 
     try:
-        nodes = [n["NodeID"] for n in ray.nodes() if n.get("Alive")]
-        if len(nodes) <= 1:
-            return
-        here = ray.get_runtime_context().get_node_id()
-        task = ray.remote(num_cpus=0, max_retries=0)(_node_problems)
-        refs = [task.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n, soft=False)).remote(expected)
-                for n in nodes if n != here]
+        refs = [pinned(_node_problems, node).remote(expected) for node in other_nodes()]
         found = [f"host {ip}: {p}" for ip, ps in ray.get(refs, timeout=timeout_s) for p in ps]
     finally:
         for path, want in expected.items():

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from app.storage import expected_files, local_dir, problems
+from actors.checkpoint import local_path
+from app.storage import expected_files, problems
 
 
 def test_the_driver_sees_what_it_wrote_and_a_host_with_other_files_does_not(tmp_path):
@@ -30,6 +31,6 @@ def test_the_driver_sees_what_it_wrote_and_a_host_with_other_files_does_not(tmp_
 def test_object_store_checkpoints_are_not_probed(tmp_path):
     cache = tmp_path / "c.arrow"
     cache.write_bytes(b"1")
-    assert local_dir("s3://bucket/run") is None
-    assert local_dir("file:///mnt/x") == "/mnt/x" and local_dir("/mnt/x") == "/mnt/x"
+    assert local_path("s3://bucket/run") is None
+    assert local_path("file:///mnt/x") == "/mnt/x" and local_path("/mnt/x") == "/mnt/x"
     assert list(expected_files([str(cache)], "s3://bucket/run", "r")) == [str(cache)]
