@@ -71,9 +71,17 @@ class RunMetrics:
         except Exception:  # metrics must never stop training
             logger.exception("recording progress metrics failed")
 
+    def trainer_detected(self, detection_s: float) -> None:
+        """A trainer failure was acted on by the survivors ``detection_s`` after it happened:
+        recorded then, not at the heal, which may never come before the run ends."""
+        try:
+            self.detection_s.observe(detection_s, tags=self._tags(kind="trainer"))
+        except Exception:  # metrics must never stop training
+            logger.exception("recording a trainer detection failed")
+
     def event(self, e: dict, trainer_failure: dict | None = None) -> None:
-        """``trainer_failure``: for ``trainer_healed``, the failure's record (detection and
-        rejoin times) when the kill is known."""
+        """``trainer_failure``: for ``trainer_healed``, the failure's record (its rejoin
+        time) when the kill is known."""
         try:
             self._event(e, trainer_failure)
         except Exception:  # metrics must never stop training
@@ -90,8 +98,6 @@ class RunMetrics:
             # A rank's process started again: its previous one died, whatever killed it.
             self.failures.inc(1, tags=self._tags(kind="trainer", recovery="replace"))
         elif kind == "trainer_healed" and trainer_failure is not None:
-            if trainer_failure.get("detection_s") is not None:
-                self.detection_s.observe(trainer_failure["detection_s"], tags=self._tags(kind="trainer"))
             if trainer_failure.get("rejoined_s") is not None:
                 self.recovery_s.observe(trainer_failure["rejoined_s"], tags=self._tags(kind="trainer"))
         elif kind == "host_lost":

@@ -40,18 +40,21 @@ class TrainerBook:
         self._redos: dict[int, dict[int, int]] = {}
         # (quorum id, step) whose all-reduce failed on some trainer: its group cannot finish.
         self._broken_groups: set[tuple[int, int]] = set()
+        # Kill times of trainer failures whose detection is already in the metrics.
+        self._detections_exported: set[float] = set()
 
     def trainer_doc(self) -> dict:
         return {
             "kills": self.kills, "trainers": {str(r): t for r, t in self.trainers.items()},
             "failed_steps": self.failed_steps[-500:], "heals": self.heals, "progress": self.progress_log[-200:],
-            "training_started": self.training_started,
+            "training_started": self.training_started, "detections_exported": sorted(self._detections_exported),
         }
 
     def load_trainer_doc(self, doc: dict) -> None:
         self.kills, self.failed_steps, self.heals = doc["kills"], doc["failed_steps"], doc["heals"]
         self.trainers = {int(r): t for r, t in doc["trainers"].items()}
         self.progress_log, self.training_started = doc["progress"], doc["training_started"]
+        self._detections_exported = set(doc.get("detections_exported", ()))
 
     def prune_commits(self, step: int) -> None:
         """Everything went back to ``step``: commits from there on belong to an abandoned timeline."""
@@ -115,7 +118,23 @@ class TrainerBook:
                 me = self.trainers[rank]
                 me["committed_at"] = wall_time
                 me["committed_step"] = max(step, me.get("committed_step", -1))
+        if participants < self.cfg.training.num_trainers:
+            self._export_trainer_detections()
         self._faults_at_step(step)
+
+    def _export_trainer_detections(self) -> None:
+        """Exports the detection time of each trainer failure the survivors just acted on
+        (a failed step or a smaller quorum's commit), once per failure."""
+        with self._lock:
+            if all(k["time"] in self._detections_exported for k in self._trainer_kills()):
+                return
+        for t in self.trainer_failures():
+            with self._lock:
+                fresh = t["detection_s"] is not None and t["killed_at"] not in self._detections_exported
+                if fresh:
+                    self._detections_exported.add(t["killed_at"])
+            if fresh:
+                self.metrics.trainer_detected(t["detection_s"])
 
     def record_step_failed(
         self, step: int, rank: int, wall_time: float, cause: str, broken_quorum: int | None = None
@@ -129,6 +148,7 @@ class TrainerBook:
             per_rank = self._redos.setdefault(step, {})
             per_rank[rank] = per_rank.get(rank, 0) + 1
             redos = max(per_rank.values())
+        self._export_trainer_detections()
         budget = self.cfg.budgets.max_step_redos
         if 0 <= budget < redos:
             self._transition(BudgetExceeded(
@@ -183,10 +203,13 @@ class TrainerBook:
 
     def trainer_failures(self) -> list[dict]:
         with self._lock:
-            # A trainer lost with its host fails like a killed one, from when the host stopped answering.
-            lost = [
-                {"target": actor, "time": e.get("unreachable_since") or e["declared_dead_at"], "trigger": f"host {e['node_ip']} lost"}
-                for e in self.events if e["kind"] == "host_lost" for actor in e["actors"] if actor.startswith("trainer:")
-            ]
-            kills = sorted(self.kills + lost, key=lambda x: x["time"])
-            return trainer_failures(kills, self.failed_steps, self.commits, self.heals, self.cfg.training.num_trainers)
+            return trainer_failures(self._trainer_kills(), self.failed_steps, self.commits, self.heals, self.cfg.training.num_trainers)
+
+    def _trainer_kills(self) -> list[dict]:
+        """Trainer kills in time order (under the lock). A trainer lost with its host fails
+        like a killed one, from when the host stopped answering."""
+        lost = [
+            {"target": actor, "time": e.get("unreachable_since") or e["declared_dead_at"], "trigger": f"host {e['node_ip']} lost"}
+            for e in self.events if e["kind"] == "host_lost" for actor in e["actors"] if actor.startswith("trainer:")
+        ]
+        return sorted([k for k in self.kills if k["target"].startswith("trainer:")] + lost, key=lambda x: x["time"])

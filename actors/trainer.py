@@ -516,6 +516,7 @@ def train_loop(loop_config: dict) -> None:
     t_last = time.perf_counter()
     steps_since = 0
     phases = _PhaseTimer()
+    conflicts = 0
     while manager.current_step() < schedule.total_steps:
         # The supervisor's status, polled without blocking: a stop (interrupt, budget) ends
         # the loop at a step boundary; a rollback may have moved the save schedule.
@@ -552,7 +553,12 @@ def train_loop(loop_config: dict) -> None:
                 except TrainerConflict as err:
                     # A quorum of replacements only, while a live trainer is ahead: this step
                     # fails everywhere and a later quorum with that trainer heals this one.
+                    # Back off first: the live trainer may still be leaving a broken group, and
+                    # a tight loop of failed quorums would spend the step's redo budget (and
+                    # the CPU it needs) before it comes.
                     first_quorum, step_error = True, err
+                    conflicts += 1
+                    time.sleep(min(4.0, 0.25 * 2**conflicts))
         if replacement and participant is not None and healthy and step_error is None:
             supervisor.record_trainer_healed.remote(rank, step, time.perf_counter() - started_s, time.time())
             replacement = False

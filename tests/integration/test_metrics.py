@@ -48,7 +48,7 @@ def test_metrics_exported_with_run_id(ray_local, small_data, tmp_path):
             "data": {"train": [small_data.train_path], "eval": [small_data.eval_path], "cache_dir": str(tmp_path / "cache")},
             "model": {"embedding_dim": 8, "table_rows": 20_000, "dense_arch": [32, 8], "over_arch": [32, 1]},
             "embeddings": {"num_shards": 2, "call_timeout_s": 30},
-            "training": {"num_trainers": 2, "microbatch_rows": 128, "microbatches_per_step": 4, "max_steps": 90,
+            "training": {"num_trainers": 2, "microbatch_rows": 128, "microbatches_per_step": 4, "max_steps": 160,
                          "progress_every_steps": 1},
             "checkpoint": {"every_steps": 10, "policy": "mfu", "r": 0.25},
             "recovery": "partial",
@@ -83,7 +83,10 @@ def test_metrics_exported_with_run_id(ray_local, small_data, tmp_path):
     finally:
         job.close()
 
-    assert _total(samples, "ray_cpr_total_steps") == report["steps"] == 90
+    assert _total(samples, "ray_cpr_total_steps") == report["steps"] == 160
+    # The replacement trainer takes seconds to start: 145 steps leave it time to rejoin.
+    (trainer,) = report["trainer_failures"]
+    assert trainer["rejoined_s"] is not None, trainer
     assert _total(samples, "ray_cpr_samples_per_second") > 0
     assert 0 < _total(samples, "ray_cpr_loss") < 1.0
     assert _total(samples, "ray_cpr_failures_total", kind="shard", recovery="partial") == 1

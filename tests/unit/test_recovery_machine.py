@@ -231,3 +231,38 @@ def test_a_death_with_a_warm_spare_assigns_it_and_a_failed_adoption_drops_it():
     # Full recovery (not partial) takes the spare too.
     full = transition(Running(), ShardDied(1, 0, 0, 1, {"shard": 1}, False, {}, (), (10,), spare="s0"))
     assert isinstance(full.state, RollingBack) and full.state.spares == {1: "s0"}
+
+
+def test_a_trainer_failure_is_exported_when_detected_not_when_healed():
+    # The detection time goes to the metrics as the survivors act on the failure: a run may
+    # end before the replacement rejoins, and it must still count. Once per failure, also
+    # across a supervisor restart (the journal keeps what was exported).
+    import threading
+    from types import SimpleNamespace
+
+    from actors.supervisor_trainers import TrainerBook
+
+    class Book(TrainerBook):
+        def __init__(self):
+            super().__init__()
+            self._lock = threading.RLock()
+            self.events, self.exported = [], []
+            self.cfg = SimpleNamespace(training=SimpleNamespace(num_trainers=2), budgets=SimpleNamespace(max_step_redos=20))
+            self.metrics = SimpleNamespace(trainer_detected=self.exported.append)
+
+        def _faults_at_step(self, step):
+            pass
+
+    book = Book()
+    book.record_commit(0, 0, (0, 1), 4, 2, wall_time=9.0)
+    book.kills.append({"target": "trainer:1", "time": 10.0, "trigger": "at step 0"})
+    book.record_commit(1, 0, (0, 1, 2, 3), 4, 2, wall_time=10.2)  # the full quorum had formed before the kill
+    assert book.exported == []
+    book.record_commit(2, 0, (0, 1, 2, 3), 4, 1, wall_time=10.5)
+    book.record_commit(3, 0, (0, 1, 2, 3), 4, 1, wall_time=10.7)
+    assert book.exported == [0.5]
+    restarted = Book()
+    restarted.load_trainer_doc(book.trainer_doc())
+    restarted.commits = dict(book.commits)
+    restarted.record_commit(4, 0, (0, 1, 2, 3), 4, 1, wall_time=11.0)
+    assert restarted.exported == []
