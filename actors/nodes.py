@@ -115,6 +115,13 @@ class HostWatch:
         with self._lock:
             return self.unreachable_since.get(node_id) if node_id else None
 
+    def usable(self) -> list[str]:
+        """Ids of the alive nodes with CPUs whose raylet answers, from the watch's last look at
+        Ray's node table (``cpu_nodes`` without asking the GCS again)."""
+        with self._lock:
+            return [node for node, row in self.alive.items()
+                    if row.get("Resources", {}).get("CPU", 0) > 0 and node not in self.unreachable_since]
+
     def suspects(self) -> set:
         """Alive nodes whose raylet does not answer: do not place anything there."""
         with self._lock:

@@ -23,7 +23,7 @@ from actors.checkpointing import CheckpointCoordinator
 from actors.deadlines import Deadlines
 from actors.faults import sigkill_on_node
 from actors.fleet import ShardFleet, shard_name, spare_name, spare_target
-from actors.nodes import HostWatch, cpu_nodes
+from actors.nodes import HostWatch
 from actors.journal import Journal, RunLog
 from actors.machine import (
     EVERY_TRAINER_DIED, FULL_RECOVERY, RECOVERING, RESUME, TERMINAL, BudgetExceeded, Budgets, RecoveringShards,
@@ -400,7 +400,7 @@ class Supervisor(RunApi, TrainerBook):
         """A ready spare on a node that holds shards, while an alive node holds neither shards
         nor spares (a host added back, or one that joined): moved there, a spare no longer
         dies with the shards it would replace."""
-        nodes = [node for node in cpu_nodes() if node not in self.hosts.suspects()]
+        nodes = self.hosts.usable()
         with self._lock:
             taken = self._occupied()
             empty = {node for node in nodes if node not in taken} - self._move_tried

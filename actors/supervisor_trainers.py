@@ -42,6 +42,9 @@ class TrainerBook:
         self._broken_groups: set[tuple[int, int]] = set()
         # Kill times of trainer failures whose detection is already in the metrics.
         self._detections_exported: set[float] = set()
+        # _trainer_kills() as of (len(kills), len(events)): both only grow, and a degraded
+        # commit asks for it at every step.
+        self._trainer_kills_at: tuple[tuple[int, int], list[dict]] = ((-1, -1), [])
 
     def trainer_doc(self) -> dict:
         return {
@@ -206,10 +209,14 @@ class TrainerBook:
             return trainer_failures(self._trainer_kills(), self.failed_steps, self.commits, self.heals, self.cfg.training.num_trainers)
 
     def _trainer_kills(self) -> list[dict]:
-        """Trainer kills in time order (under the lock). A trainer lost with its host fails
-        like a killed one, from when the host stopped answering."""
-        lost = [
-            {"target": actor, "time": e.get("unreachable_since") or e["declared_dead_at"], "trigger": f"host {e['node_ip']} lost"}
-            for e in self.events if e["kind"] == "host_lost" for actor in e["actors"] if actor.startswith("trainer:")
-        ]
-        return sorted([k for k in self.kills if k["target"].startswith("trainer:")] + lost, key=lambda x: x["time"])
+        """Trainer kills in time order (under the lock; not to be changed). A trainer lost with
+        its host fails like a killed one, from when the host stopped answering."""
+        key = (len(self.kills), len(self.events))
+        if self._trainer_kills_at[0] != key:
+            lost = [
+                {"target": actor, "time": e.get("unreachable_since") or e["declared_dead_at"], "trigger": f"host {e['node_ip']} lost"}
+                for e in self.events if e["kind"] == "host_lost" for actor in e["actors"] if actor.startswith("trainer:")
+            ]
+            kills = sorted([k for k in self.kills if k["target"].startswith("trainer:")] + lost, key=lambda x: x["time"])
+            self._trainer_kills_at = (key, kills)
+        return self._trainer_kills_at[1]

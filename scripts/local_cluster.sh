@@ -171,6 +171,8 @@ case "${1:-}" in
     ip netns del "$(ns br)" 2>/dev/null || true
     rm -f "$REGISTRY/$TAG"
     [[ ${CPR_CLUSTER_KEEP:-0} == 1 ]] || rm -rf "$DIR"
+    left="$(ip netns list | grep -o "^cpr-$TAG-[^ ]*" || true)"
+    [[ -z $left ]] || die "down left network namespaces: $(echo $left)"
     ;;
   *)
     sed -n '2,26p' "$0" | sed 's/^# \{0,1\}//'; exit 2 ;;
