@@ -260,6 +260,28 @@ class FaultsConfig(_Section):
         return v
 
 
+class EmulationConfig(_Section):
+    """The CPR paper's production-scale emulation: real training, failures and costs on an emulated clock."""
+
+    node_mtbf_h: float = Field(6335.0, gt=0.0, le=10_000_000.0)
+    """Mean time between failures of one host, in hours. Default: Llama 3's pre-training, 419 unexpected
+    interruptions in 54 days on 16,384 GPUs = 2,048 hosts of 8 (Dubey et al. 2024, section 3.3.4)."""
+    nodes: int = Field(128, ge=1, le=1_000_000)
+    """Hosts of the emulated job; its MTBF is node_mtbf_h / nodes (49.5 h by default)."""
+    duration_h: float = Field(240.0, gt=0.0, le=1_000_000.0)
+    """Failure-free production training time the run stands for; each step is duration_h / steps of it."""
+    save_s: float = Field(600.0, gt=0.0, le=86_400.0)
+    """Training stall of one full checkpoint save (o_save); a prioritized save costs its share of the rows."""
+    load_s: float = Field(600.0, ge=0.0, le=86_400.0)
+    """Loading the whole model from a checkpoint (o_load); a partial recovery pays the dead shard's share."""
+    reschedule_s: float = Field(300.0, ge=0.0, le=86_400.0)
+    """Getting a replacement host and process running (o_res), per failure."""
+    seed: int = Field(0, ge=0)
+    """Seed of the failure schedule (times on the emulated clock, and which shard fails)."""
+    max_failures: int = Field(100, ge=0, le=10_000)
+    """Stop placing failures after this many."""
+
+
 class BudgetsConfig(_Section):
     """Failure budgets (like Ray Train's FailureConfig): past one the run stops with an error
     naming the budget and the counts, writes its report, and ``--resume`` continues it."""
@@ -304,10 +326,20 @@ class RunConfig(_Section):
     faults: FaultsConfig | None = None
     """Failure injection during the run; none when absent."""
     budgets: BudgetsConfig = BudgetsConfig()
+    emulation: EmulationConfig | None = None
+    """Production-scale emulation (``cpr emulate``): the checkpoint interval and the shard failures come
+    from these production figures on an emulated clock; none when absent."""
     audit_log: bool = False
     """Shards and trainers append every applied update and commit to ``<run_dir>/audit/*.jsonl``, for
     ``cpr soak``'s exactly-once checks (independent of the supervisor's bookkeeping)."""
     ray: RayConfig = RayConfig()
+
+    @model_validator(mode="after")
+    def _check_emulation(self) -> "RunConfig":
+        f = self.faults
+        if self.emulation is not None and f is not None and (f.max_failures > 0 or f.at_steps or f.at_points):
+            raise ValueError("emulation places its own failures on the emulated clock; remove the faults section")
+        return self
 
     @model_validator(mode="after")
     def _check_shards(self) -> "RunConfig":

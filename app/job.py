@@ -327,6 +327,7 @@ class TrainingJob:
         self._t: dict[str, float] = {"start": time.perf_counter()}
         self._lighthouse = None  # prestarted by start() (app.lighthouse), used by fit()'s first attempt
         self._lighthouse_name = f"cpr-lighthouse-{self.run_id}"
+        self.emulation = None  # app.emulation.Emulation of an emulated run, set by start()
 
     def _lighthouse_kwargs(self) -> dict:
         return {
@@ -365,6 +366,12 @@ class TrainingJob:
         threading.Thread(target=_import_ray_train, name="import-ray-train", daemon=True).start()
         self.data = prepare_data(cfg)
         self._t["data"] = time.perf_counter()
+        if cfg.emulation is not None and not self.resume:
+            from app.emulation import Emulation
+
+            self.emulation = Emulation.of(cfg, self._total_steps())
+            self.cfg = cfg = self.emulation.configure(cfg)
+            (self.run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(), sort_keys=False))
         self._started_ray = connect_ray(cfg, self.verbose)
         link_ray_session_logs(self.run_dir)
         if not self._started_ray:  # a cluster: every host must see the cache and the checkpoints
@@ -470,6 +477,8 @@ class TrainingJob:
         ]
         if cfg.faults is not None and cfg.faults.max_failures > 0:
             threads.append(threading.Thread(target=self._inject_faults, args=(stop,), daemon=True))
+        if self.emulation is not None:
+            threads.append(threading.Thread(target=self.emulation.drive, args=(self.supervisor, stop), daemon=True))
         for t in threads:
             t.start()
         self._t["train"] = time.perf_counter()
@@ -590,6 +599,8 @@ class TrainingJob:
             },
         )
         report["interrupted"] = interrupted
+        if self.emulation is not None:
+            report["emulation"] = self.emulation.account(report)
         write_report(self.run_dir, report)
         state = summary["state"]
         if state["state"] == "failed":

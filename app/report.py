@@ -193,6 +193,15 @@ def format_summary(report: dict) -> str:
         f"training {_fmt(w.get('training_s'), '.1f', 's')}, evaluation {_fmt(w.get('evaluation_s'), '.1f', 's')}, "
         f"total {_fmt(w.get('total_s'), '.1f', 's')}",
     ]
+    if emu := report.get("emulation"):
+        lines.append(
+            f"  emulated          {emu['params']['duration_h']:g} h on {emu['params']['nodes']} hosts (job MTBF "
+            f"{emu['mtbf_s'] / 3600:.1f} h, {emu['step_s']:.0f} s a step); {emu['recovery']} recovery, checkpoint every "
+            f"{emu['every_steps']} steps ({emu['interval_s'] / 3600:.2f} h); {len(emu['kills'])} failures; overhead "
+            f"{emu['overhead_total_pct']:.2f}% of failure-free time ("
+            + ", ".join(f"{k.replace('_', ' ')} {v:.2f}%" for k, v in emu["overhead_pct"].items())
+            + f"; first-order model {emu['expected_overhead_pct']:.2f}%)"
+        )
     trainer_failures = report.get("trainer_failures") or []
     if trainer_failures:
         lines.append(

@@ -1,0 +1,202 @@
+"""The CPR paper's production-scale emulation (``cpr emulate``, the ``emulation:`` config section).
+
+A small machine cannot live through a production cluster's failure pattern: a job on 128 hosts
+fails about every two days, and its checkpoints take minutes. The emulation trains for real, on
+real data, with real shards, and puts time on an *emulated clock* instead of the wall clock:
+
+* every training step stands for ``duration_h / steps`` of production time;
+* the failure-free run is ``duration_h`` long, and failures arrive on the emulated clock with
+  exponential gaps of mean ``node_mtbf_h / nodes`` (the same times for every run of a seed);
+* the checkpoint interval is the policy's own choice (``policies.decide_recovery``) for the
+  production costs: Young/Daly for full recovery, the PLS-target interval for partial;
+* when the clock reaches a failure, an embedding shard is really killed (SIGKILL), so the run
+  really recovers: partial recovery loses that shard's updates since its checkpoint (the PLS,
+  and its effect on AUC, are measured), full recovery rolls back and redoes the steps;
+* the costs go on the emulated clock: a save stalls ``save_s`` times the share of the rows it
+  wrote, a recovery loads ``load_s`` times the share of the rows it reloaded and pays
+  ``reschedule_s``, redone steps cost their emulated step time, and access tracking (MFU/SSU)
+  costs its measured share of the step time.
+
+The overheads are reported as shares of the failure-free training time, ``duration_h``.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from app.config import EmulationConfig, RunConfig
+from app.errors import ConfigError
+from policies import CostInputs, decide_recovery, interval_steps
+
+__all__ = ["Emulation", "OVERHEADS"]
+
+logger = logging.getLogger(__name__)
+
+OVERHEADS = ("save", "load", "lost_computation", "rescheduling", "tracking")
+_RECOVERED = ("shard_recovered",)
+
+
+@dataclass
+class Emulation:
+    """The emulated clock of one run: its schedule, its interval, and the costs it charges."""
+
+    params: EmulationConfig
+    total_steps: int
+    num_shards: int
+    total_rows: int
+    recovery: str
+    pls_target: float
+    kills: list[dict] = field(default_factory=list)
+
+    @classmethod
+    def of(cls, cfg: RunConfig, total_steps: int) -> "Emulation":
+        if cfg.emulation is None:
+            raise ConfigError("emulation: the config has no emulation section")
+        return cls(cfg.emulation, total_steps, cfg.embeddings.num_shards, sum(cfg.model.rows_per_table),
+                   cfg.recovery, cfg.checkpoint.pls_target)
+
+    @property
+    def step_s(self) -> float:
+        """Production seconds one training step stands for."""
+        return self.params.duration_h * 3600.0 / max(self.total_steps, 1)
+
+    @property
+    def duration_s(self) -> float:
+        return self.params.duration_h * 3600.0
+
+    @property
+    def mtbf_s(self) -> float:
+        """The emulated job's mean time between failures."""
+        return self.params.node_mtbf_h * 3600.0 / self.params.nodes
+
+    @property
+    def decision(self):
+        p = self.params
+        inputs = CostInputs(mtbf_s=self.mtbf_s, save_cost_s=p.save_s, load_cost_s=p.load_s,
+                            reschedule_cost_s=p.reschedule_s, num_shards=self.num_shards, pls_target=self.pls_target)
+        return decide_recovery(self.recovery, inputs)
+
+    @property
+    def every_steps(self) -> int:
+        return interval_steps(self.decision.interval_s, self.step_s, min_steps=1)
+
+    def failure_times_s(self) -> list[float]:
+        """Emulated times of the failures: exponential gaps of mean ``mtbf_s``, up to
+        twice the failure-free duration (a run with full recovery lasts longer)."""
+        rng = np.random.default_rng([self.params.seed, 0])
+        times, t = [], 0.0
+        while len(times) < self.params.max_failures:
+            t += float(rng.exponential(self.mtbf_s))
+            if t > 2.0 * self.duration_s:
+                break
+            times.append(t)
+        return times
+
+    def configure(self, cfg: RunConfig) -> RunConfig:
+        """``cfg`` with the emulated interval and mode, and progress reported every step (the
+        clock advances by the committed steps)."""
+        d = self.decision
+        ck = cfg.checkpoint.model_copy(update={"every_steps": self.every_steps, "every_s": None, "auto_interval": False})
+        tr = cfg.training.model_copy(update={"progress_every_steps": 1})
+        logger.warning(
+            "emulation: %d steps of %.0f s each (%.1f h); job MTBF %.1f h; %s every %d steps (%.2f h); %s",
+            self.total_steps, self.step_s, self.params.duration_h, self.mtbf_s / 3600, d.mode.value,
+            self.every_steps, self.every_steps * self.step_s / 3600, d.reason,
+        )
+        return cfg.model_copy(update={"checkpoint": ck, "training": tr, "recovery": d.mode.value, "faults": None})
+
+    def _share(self, rows: int | None) -> float:
+        return min(1.0, (rows or 0) / self.total_rows) if self.total_rows else 1.0
+
+    def _event_cost_s(self, e: dict) -> float:
+        """Emulated stall of an event, as it happens (for the clock that places failures)."""
+        p = self.params
+        if e["kind"] == "checkpoint_saved" and not e.get("final"):
+            return p.save_s * self._share(e.get("rows"))
+        if e["kind"] in _RECOVERED:
+            return p.load_s * self._share(e.get("rows_reloaded")) + p.reschedule_s
+        return 0.0
+
+    def drive(self, supervisor, stop: threading.Event, poll_s: float = 0.02) -> None:
+        """Kills a shard each time the emulated clock reaches the next failure. The clock is
+        the steps executed (redone ones too) times ``step_s``, plus the emulated cost of the
+        saves and recoveries so far. One failure at a time: the next waits for the recovery."""
+        import ray
+
+        from app.chaos import kill_target
+
+        times = iter(self.failure_times_s())
+        next_s = next(times, None)
+        pick = np.random.default_rng([self.params.seed, 1])
+        executed, last_step, cursor, overhead_s, recovering = 0, None, 0, 0.0, False
+        while next_s is not None and not stop.wait(poll_s):
+            try:
+                progress = ray.get(supervisor.progress.remote(), timeout=10)
+                events = ray.get(supervisor.events_since.remote(cursor), timeout=10)
+            except (ray.exceptions.RayError, TimeoutError):
+                continue
+            cursor += len(events)
+            for e in events:
+                overhead_s += self._event_cost_s(e)
+                recovering = recovering and e["kind"] not in _RECOVERED
+            if progress is not None:
+                step = progress["step"]
+                if last_step is not None and step > last_step:
+                    executed += step - last_step
+                last_step = step
+            clock_s = executed * self.step_s + overhead_s
+            if recovering or clock_s < next_s:
+                continue
+            target = f"shard:{int(pick.integers(self.num_shards))}"
+            try:
+                killed = kill_target(supervisor, target, trigger="emulation")
+            except ConfigError as err:  # being recovered or already dead: try again shortly
+                logger.info("emulation: %s", err)
+                continue
+            self.kills.append({**killed, "scheduled_s": round(next_s, 1), "emulated_s": round(clock_s, 1),
+                               "step": last_step})
+            recovering = True
+            next_s = next(times, None)
+
+    def account(self, report: dict) -> dict:
+        """The emulated overheads of a finished run, as seconds and as % of ``duration_h``.
+        Each cost is counted once: saves from their events, load and rescheduling from the
+        recoveries, redone steps from the full recoveries' counts, tracking from its measured
+        share of the real training time."""
+        p = self.params
+        events = report.get("events", [])
+        failures = report.get("failures", [])
+        saves = [e for e in events if e["kind"] == "checkpoint_saved" and not e.get("final")]
+        wall_training_s = (report.get("wall_time_s") or {}).get("training_s") or 0.0
+        tracking_share = (report.get("overhead_s") or {}).get("tracking") or 0.0
+        tracking_share = tracking_share / wall_training_s if wall_training_s > 0 else 0.0
+        seconds = {
+            "save": sum(p.save_s * self._share(e.get("rows")) for e in saves),
+            "load": sum(p.load_s * self._share(f.get("rows_reloaded")) for f in failures),
+            "lost_computation": sum(f.get("lost_steps_recomputed") or 0 for f in failures) * self.step_s,
+            "rescheduling": p.reschedule_s * len(failures),
+            "tracking": tracking_share * self.duration_s,
+        }
+        d = self.decision
+        expected = d.expected_overhead_frac_partial if d.mode.value == "partial" else d.expected_overhead_frac_full
+        return {
+            "params": p.model_dump(),
+            "step_s": round(self.step_s, 3),
+            "mtbf_s": round(self.mtbf_s, 1),
+            "recovery": d.mode.value,
+            "interval_s": round(d.interval_s, 1),
+            "every_steps": self.every_steps,
+            "decision": d.reason,
+            "expected_overhead_pct": round(100.0 * expected, 3),
+            "expected_pls": d.expected_pls,
+            "failures_scheduled": len(self.failure_times_s()),
+            "kills": self.kills,
+            "saves": len(saves),
+            "overhead_s": {k: round(v, 1) for k, v in seconds.items()},
+            "overhead_pct": {k: round(100.0 * v / self.duration_s, 3) for k, v in seconds.items()},
+            "overhead_total_pct": round(100.0 * sum(seconds.values()) / self.duration_s, 3),
+        }

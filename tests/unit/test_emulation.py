@@ -1,0 +1,106 @@
+"""The emulated clock of ``cpr emulate``: its schedule, its interval and the costs it charges."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from app.config import EmulationConfig, config_from_dict
+from app.emulation import Emulation
+from app.errors import ConfigError
+
+
+def _cfg(recovery: str = "partial", **emulation) -> dict:
+    return {
+        "data": {"train": ["t.tsv"], "eval": ["e.tsv"]},
+        "model": {"table_rows": 1000},
+        "embeddings": {"num_shards": 4},
+        "checkpoint": {"pls_target": 0.1},
+        "recovery": recovery,
+        "emulation": emulation,
+    }
+
+
+def _emulation(recovery: str = "partial", total_steps: int = 200, **emulation) -> Emulation:
+    return Emulation.of(config_from_dict(_cfg(recovery, **emulation)), total_steps)
+
+
+def test_the_clock_maps_steps_to_production_time_and_the_job_mtbf_to_hosts():
+    e = _emulation(duration_h=100, nodes=50, node_mtbf_h=5000, total_steps=400)
+    assert e.step_s == pytest.approx(100 * 3600 / 400)
+    assert e.mtbf_s == pytest.approx(5000 * 3600 / 50)
+
+
+def test_full_recovery_saves_at_the_young_daly_interval_partial_at_the_pls_target():
+    full = _emulation("full", save_s=600, total_steps=1000)
+    t_full = math.sqrt(2 * 600 * full.mtbf_s)
+    assert full.decision.interval_s == pytest.approx(t_full)
+    assert full.every_steps == math.floor(t_full / full.step_s)
+    partial = _emulation("partial", total_steps=1000)
+    t_part = 2 * 0.1 * partial.mtbf_s * 4
+    assert partial.decision.interval_s == pytest.approx(t_part)
+    assert partial.every_steps == math.floor(t_part / partial.step_s)
+
+
+def test_configure_sets_the_interval_the_mode_auto_chose_and_per_step_progress():
+    e = _emulation("auto")
+    cfg = e.configure(config_from_dict(_cfg("auto")))
+    assert cfg.recovery == e.decision.mode.value != "auto"
+    assert cfg.checkpoint.every_steps == e.every_steps
+    assert cfg.checkpoint.auto_interval is False and cfg.checkpoint.every_s is None
+    assert cfg.training.progress_every_steps == 1
+
+
+def test_the_failure_schedule_is_the_seeds_and_exponential_with_the_job_mtbf():
+    a = _emulation(seed=3, max_failures=10_000, duration_h=10**6).failure_times_s()
+    b = _emulation(seed=3, max_failures=10_000, duration_h=10**6).failure_times_s()
+    c = _emulation(seed=4, max_failures=10_000, duration_h=10**6).failure_times_s()
+    assert a == b and a != c
+    gaps = [y - x for x, y in zip([0.0, *a], a)]
+    mtbf = _emulation().mtbf_s
+    assert sum(gaps) / len(gaps) == pytest.approx(mtbf, rel=0.05)
+    # Coefficient of variation 1: exponential, not fixed gaps.
+    mean = sum(gaps) / len(gaps)
+    sd = math.sqrt(sum((g - mean) ** 2 for g in gaps) / len(gaps))
+    assert sd / mean == pytest.approx(1.0, rel=0.1)
+    assert len(_emulation(max_failures=2, duration_h=10**6).failure_times_s()) == 2
+
+
+def test_account_charges_each_cost_once_from_the_runs_records():
+    e = _emulation(save_s=100, load_s=200, reschedule_s=50, total_steps=100, duration_h=100)
+    total_rows = 26 * 1000
+    report = {
+        "events": [
+            {"kind": "checkpoint_saved", "rows": total_rows, "final": False},
+            {"kind": "checkpoint_saved", "rows": total_rows // 4, "final": False},
+            {"kind": "checkpoint_saved", "rows": total_rows, "final": True},  # after training: not an overhead
+            {"kind": "shard_recovered", "rows_reloaded": total_rows // 2},
+        ],
+        "failures": [
+            {"rows_reloaded": total_rows // 2, "lost_steps_recomputed": 0},
+            {"rows_reloaded": total_rows, "lost_steps_recomputed": 3},
+        ],
+        "overhead_s": {"tracking": 2.0},
+        "wall_time_s": {"training_s": 40.0},
+    }
+    acc = e.account(report)
+    step_s = 3600.0
+    assert acc["overhead_s"] == {
+        "save": pytest.approx(125.0), "load": pytest.approx(300.0), "lost_computation": pytest.approx(3 * step_s),
+        "rescheduling": pytest.approx(100.0), "tracking": pytest.approx(0.05 * 100 * 3600, rel=1e-3),
+    }
+    total = 125 + 300 + 3 * step_s + 100 + 0.05 * 100 * 3600
+    assert acc["overhead_total_pct"] == pytest.approx(100 * total / (100 * 3600), abs=1e-3)
+
+
+def test_bad_emulation_values_and_emulation_with_faults_are_refused_by_name():
+    with pytest.raises(ConfigError, match="emulation.nodes"):
+        config_from_dict(_cfg(nodes=0))
+    with pytest.raises(ConfigError, match="emulation.save_s"):
+        config_from_dict(_cfg(save_s=-1))
+    raw = _cfg()
+    raw["faults"] = {"max_failures": 2}
+    with pytest.raises(ConfigError, match="emulation places its own failures"):
+        config_from_dict(raw)
+    assert EmulationConfig().node_mtbf_h / EmulationConfig().nodes == pytest.approx(49.5, abs=0.1)
