@@ -132,7 +132,7 @@ class Emulation:
         times = iter(self.failure_times_s())
         next_s = next(times, None)
         pick = np.random.default_rng([self.params.seed, 1])
-        executed, last_step, cursor, overhead_s, recovering = 0, None, 0, 0.0, False
+        executed, last_step, cursor, overhead_s, recovering = 0, 0, 0, 0.0, False  # progress counts steps done
         while next_s is not None and not stop.wait(poll_s):
             try:
                 progress = ray.get(supervisor.progress.remote(), timeout=10)
@@ -145,7 +145,7 @@ class Emulation:
                 recovering = recovering and e["kind"] not in _RECOVERED
             if progress is not None:
                 step = progress["step"]
-                if last_step is not None and step > last_step:
+                if step > last_step:
                     executed += step - last_step
                 last_step = step
             clock_s = executed * self.step_s + overhead_s
@@ -154,7 +154,8 @@ class Emulation:
             target = f"shard:{int(pick.integers(self.num_shards))}"
             try:
                 killed = kill_target(supervisor, target, trigger="emulation")
-            except ConfigError as err:  # being recovered or already dead: try again shortly
+            except (ConfigError, ray.exceptions.RayError, TimeoutError) as err:
+                # Being recovered, already dead, or the supervisor busy: try again shortly.
                 logger.info("emulation: %s", err)
                 continue
             self.kills.append({**killed, "scheduled_s": round(next_s, 1), "emulated_s": round(clock_s, 1),
