@@ -251,6 +251,15 @@ class RunApi:
 
     # ------------------------------------------------------------------ end of run
 
+    def await_final(self, known_generation: int, step: int) -> dict:
+        """Called by each trainer once the last step committed: waits until the final
+        checkpoint's save (if one is in flight) committed or failed, then answers like
+        ``await_shards``. A shard that dies after that is restored from the final checkpoint,
+        which holds the finished state; one that died before is seen here (dead, or already
+        recovered), and after a full recovery the trainers redo the steps."""
+        self.ckpt.drain()
+        return self.await_shards(known_generation, step)
+
     def record_eval(self, metrics: dict) -> None:
         self.ckpt.drain()  # the final checkpoint, written while evaluation ran, commits first
         self.eval_metrics = metrics

@@ -517,7 +517,45 @@ def train_loop(loop_config: dict) -> None:
     steps_since = 0
     phases = _PhaseTimer()
     conflicts = 0
-    while manager.current_step() < schedule.total_steps:
+
+    def roll_back(rollback: dict) -> None:
+        """A full recovery's rollback: the checkpoint's dense state (step 0's without one) and step."""
+        if rollback["dense"] is not None:
+            load_state_dict(torch.load(io.BytesIO(rollback["dense"]), weights_only=True))
+        else:
+            model.load_state_dict(initial_state["model"])
+            optimizer.load_state_dict(initial_state["optim"])
+        manager.load_state_dict({"step": rollback["step"], "batches_committed": rollback["step"] * tr.microbatches_per_step})
+
+    while True:
+        if manager.current_step() >= schedule.total_steps:
+            # The last step committed, but a shard may have died before its final state was
+            # saved, and before anyone acted on its death: the run would end with a shard
+            # rolled back under a finished dense model. await_final waits for the final save
+            # and probes the shards; after a recovery it hands the new ones. The trainers
+            # agree (a summed flag) so that all of them redo the steps after a full
+            # recovery's rollback; a partial recovery's shard is part of the final model (its
+            # lost updates counted as PLS).
+            done = manager.current_step()
+            info = ray.get(supervisor.await_final.remote(generation, done), timeout=wait_s)
+            mine = float(info["stop"] or info["generation"] != generation)
+            seen = torch.tensor([mine])
+            if manager.errored() is None and manager.num_participants() > 1:
+                quorum_id = manager._quorum_id
+                if sum_over_trainers(pg, seen, lambda: ray.get(supervisor.group_broken.remote(quorum_id, done), timeout=wait_s)):
+                    seen.fill_(mine)  # a peer died meanwhile: go by this trainer's own answer
+            if seen.item() > 0 and not info["stop"] and info["generation"] == generation:
+                info = ray.get(supervisor.await_shards.remote(generation, done), timeout=wait_s)  # a peer saw it first
+            if info["stop"]:
+                stopped = True
+                break
+            if info["generation"] == generation:
+                break
+            generation, client.shards = info["generation"], info["shards"]
+            if info["rollback"] is None:
+                break
+            roll_back(info["rollback"])
+            continue
         # The supervisor's status, polled without blocking: a stop (interrupt, budget) ends
         # the loop at a step boundary; a rollback may have moved the save schedule.
         if status_ref is None:
@@ -653,16 +691,8 @@ def train_loop(loop_config: dict) -> None:
             if info["generation"] != generation:
                 generation = info["generation"]
                 client.shards = info["shards"]
-                rollback = info["rollback"]
-                if rollback is not None:
-                    if rollback["dense"] is not None:
-                        load_state_dict(torch.load(io.BytesIO(rollback["dense"]), weights_only=True))
-                    else:
-                        model.load_state_dict(initial_state["model"])
-                        optimizer.load_state_dict(initial_state["optim"])
-                    manager.load_state_dict(
-                        {"step": rollback["step"], "batches_committed": rollback["step"] * tr.microbatches_per_step}
-                    )
+                if info["rollback"] is not None:
+                    roll_back(info["rollback"])
         phases.lap("commit")
         done = manager.current_step()
         if participant == 0 and last_participant != 0 and next_checkpoint is not None:

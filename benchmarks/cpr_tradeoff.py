@@ -327,7 +327,8 @@ def main() -> None:
 
     root = Path(tempfile.mkdtemp(prefix=f"cpr-bench-{args.part}-"))
     RESULTS.mkdir(parents=True, exist_ok=True)
-    connect_ray(load_config(args.config))
+    # Ray sized for the part's config (its shards, spare and trainers each hold a CPU).
+    connect_ray(load_config(args.config if args.part == "real" else args.emulation_config))
     try:
         res = part_real(args, root) if args.part == "real" else part_emulation(args, root)
     finally:

@@ -211,6 +211,29 @@ def test_full_recovery_equals_a_run_without_the_failure(ray_local, small_data, t
     assert failed["auc"] == clean["auc"]
 
 
+def test_a_shard_killed_after_the_last_step_is_rolled_back_and_the_steps_redone(ray_local, small_data, tmp_path, clean_run):
+    """Full recovery of a shard killed once the last step committed, before anyone acted on
+    its death: the trainers must not finish (and evaluate) on a finished dense model with
+    shards rolled back under it; they redo the steps, and the run equals one without the
+    failure. (Seen in the trade-off benchmark: a kill at step 96 of 97 rolled the shards
+    back to step 80 after training finished, and the AUC dropped by 0.003.)"""
+    clean_cfg, (clean, clean_rows, *_) = clean_run
+    raw = _config(tmp_path, small_data, "full", "last").model_dump()
+    last = clean["steps"] - 1
+    raw["faults"] = {"max_failures": 0, "at_steps": {"shard:0": [last]}}
+    cfg = config_from_dict(raw)
+    assert cfg.model_dump(exclude={"run_dir", "data", "faults"}) == clean_cfg.model_dump(exclude={"run_dir", "data", "faults"})
+    failed, failed_rows, _, before, after, _, _ = _run(ray_local, cfg)
+    [failure] = failed["failures"]
+    assert failure["recovery"] == "full" and failure["failed_at_step"] == clean["steps"]
+    assert failure["lost_steps_recomputed"] == clean["steps"] - failure["restored_step"] > 0
+    assert after["shard:0"]["pid"] != before["shard:0"]["pid"]
+    for shard_clean, shard_failed in zip(clean_rows, failed_rows):
+        for (wa, ma), (wb, mb) in zip(shard_clean, shard_failed):
+            assert np.array_equal(wa, wb) and np.array_equal(ma, mb)
+    assert failed["steps"] == clean["steps"] and failed["auc"] == clean["auc"]
+
+
 def test_a_dead_spare_is_replaced_and_a_later_recovery_adopts_its_successor(ray_local, small_data, tmp_path):
     raw = _config(tmp_path, small_data, "partial", "spare").model_dump()
     raw["training"]["epochs"] = 2  # room for two spare starts before the end
