@@ -72,6 +72,7 @@ def run(cfg, keep_timeline: Path | None = None) -> dict:
         job.close()
     if keep_timeline is not None:
         shutil.copy(Path(cfg.run_dir) / "timeline.png", keep_timeline)
+    shutil.rmtree(Path(cfg.run_dir) / "checkpoints", ignore_errors=True)  # the report is all that is kept
     return report
 
 
@@ -177,6 +178,8 @@ def part_emulation(args, root: Path) -> dict:
     base = base.model_copy(update={"training": base.training.model_copy(update={"microbatch_rows": args.microbatch_rows})})
     data = _data(root, args.rows)
     out: dict = {"sweep": [], "rows": [], "clean": {}}
+    tr = base.training
+    out["total_steps"] = data.train_rows // (tr.microbatch_rows * tr.microbatches_per_step)
 
     def emulated(name: str, seed: int, recovery: str, policy: str, pls_target: float, timeline: Path | None = None) -> dict:
         cfg = _with(base, root, data, name, seed=seed, recovery=recovery,
@@ -264,7 +267,10 @@ def write_real(args, res: dict, header: str) -> list[str]:
 
 def write_emulation(args, res: dict, header: str) -> list[str]:
     fit = res["fit"]
-    p = load_config(args.emulation_config).emulation
+    ecfg = load_config(args.emulation_config)
+    p = ecfg.emulation
+    total_steps = res.get("total_steps") or args.rows // (args.microbatch_rows * ecfg.training.microbatches_per_step)
+    step_h = p.duration_h / total_steps
     lines = [
         "# CPR trade-off in the production-scale emulation", "", header, "",
         f"Config `{Path(args.emulation_config).name}` (2 trainers, 4 shards) on {args.rows:,} synthetic rows, "
@@ -286,7 +292,7 @@ def write_emulation(args, res: dict, header: str) -> list[str]:
         + (f" (used: {fit['pls_target_used']:.4f}, clamped to [0.005, 0.5])" if abs(fit['pls_target_used'] - fit['implied_pls_target']) > 1e-9 else "")
         + ".", "",
         "## Full recovery (Young/Daly) against CPR (PLS-target interval)", "",
-        "| recovery | policy | interval (h) | failures | overhead total | save | load | lost computation | rescheduling | tracking | first-order model | PLS | AUC change |",
+        "| recovery | policy | interval: policy's (h) / used (steps, h) | failures | overhead total | save | load | lost computation | rescheduling | tracking | first-order model | PLS | AUC change |",
         "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for recovery, policy in (("full", "full"), ("partial", "full"), ("partial", "mfu"), ("partial", "ssu")):
@@ -294,7 +300,8 @@ def write_emulation(args, res: dict, header: str) -> list[str]:
         if not rs:
             continue
         lines.append(
-            f"| {recovery} | {policy} | {rs[0]['interval_h']:.1f} | {_mm(rs, lambda r: r['failures'])} | "
+            f"| {recovery} | {policy} | {rs[0]['interval_h']:.1f} / {rs[0]['every_steps']}, "
+            f"{rs[0]['every_steps'] * step_h:.1f} | {_mm(rs, lambda r: r['failures'])} | "
             f"{_mm(rs, lambda r: r['overhead_total_pct'])} | "
             + " | ".join(_mm(rs, lambda r, k=k: r["overhead_pct"][k]) for k in COMPONENTS)
             + f" | {_mm(rs, lambda r: r['expected_overhead_pct'])} | "
@@ -319,7 +326,18 @@ def main() -> None:
     parser.add_argument("--auc-budget", type=float, default=0.001)
     parser.add_argument("--policies", nargs="+", default=["full", "mfu", "ssu"], choices=["full", "mfu", "ssu"])
     parser.add_argument("--recoveries", nargs="+", default=["partial", "full", "auto"], choices=["partial", "full", "auto"])
+    parser.add_argument("--render-only", action="store_true", help="rewrite the .md from the part's .json")
     args = parser.parse_args()
+    out = RESULTS / f"cpr_tradeoff_{args.part}"
+    if args.render_only:
+        saved = json.loads(out.with_suffix(".json").read_text())
+        args = argparse.Namespace(**saved.pop("args"))
+        command, machine = saved.pop("command"), saved.pop("machine")
+        saved["clean"] = {int(k): v for k, v in saved.get("clean", {}).items()}
+        lines = (write_real if args.part == "real" else write_emulation)(args, saved, f"`{command}` on {machine}.")
+        out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+        print("\n".join(lines))
+        return
 
     import ray
 
@@ -337,7 +355,6 @@ def main() -> None:
     machine = f"{platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}"
     header = f"`{command}` on {machine}."
     lines = (write_real if args.part == "real" else write_emulation)(args, res, header)
-    out = RESULTS / f"cpr_tradeoff_{args.part}"
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     out.with_suffix(".json").write_text(json.dumps({"command": command, "machine": machine, "args": vars(args), **res}, indent=2))
     print("\n".join(lines))

@@ -68,7 +68,6 @@ def test_emulation_kills_shards_on_the_emulated_clock_and_charges_production_cos
     shard kills at the seed's failure times on the emulated clock, each recovered, and the
     emulated costs added up once."""
     from app.emulation import Emulation
-    from app.job import TrainingJob
 
     steps = 80
     cfg = config_from_dict(
@@ -88,13 +87,7 @@ def test_emulation_kills_shards_on_the_emulated_clock_and_charges_production_cos
     expected = Emulation.of(cfg, steps)
     scheduled = expected.failure_times_s()
     assert len(scheduled) == 3 and scheduled[-1] < 0.9 * expected.duration_s  # all three fall inside the run
-    job = TrainingJob(cfg, show_progress=False)
-    try:
-        job.start()
-        job.fit()
-        report = job.finish()
-    finally:
-        job.close()
+    report, *_ = _run(ray_local, cfg)
 
     emu = report["emulation"]
     assert emu["every_steps"] == expected.every_steps == int(2 * 0.1 * 30 * 2 / (100 / steps))
