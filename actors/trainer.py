@@ -538,12 +538,12 @@ def train_loop(loop_config: dict) -> None:
             # lost updates counted as PLS).
             done = manager.current_step()
             info = ray.get(supervisor.await_final.remote(generation, done), timeout=wait_s)
-            mine = float(info["stop"] or info["generation"] != generation)
-            seen = torch.tensor([mine])
+            changed_here = float(info["stop"] or info["generation"] != generation)
+            seen = torch.tensor([changed_here])
             if manager.errored() is None and manager.num_participants() > 1:
                 quorum_id = manager._quorum_id
                 if sum_over_trainers(pg, seen, lambda: ray.get(supervisor.group_broken.remote(quorum_id, done), timeout=wait_s)):
-                    seen.fill_(mine)  # a peer died meanwhile: go by this trainer's own answer
+                    seen.fill_(changed_here)  # a peer died meanwhile: go by this trainer's own answer
             if seen.item() > 0 and not info["stop"] and info["generation"] == generation:
                 info = ray.get(supervisor.await_shards.remote(generation, done), timeout=wait_s)  # a peer saw it first
             if info["stop"]:

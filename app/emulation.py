@@ -163,18 +163,32 @@ class Emulation:
             recovering = True
             next_s = next(times, None)
 
+    def _tracking_share(self, report: dict) -> float:
+        """Share of the real step time that MFU/SSU access tracking took, over all shards. Each
+        shard's counter covers only its own process (a respawned shard starts at 0), so the
+        rate per step comes from each shard process over the steps it served, times the
+        shards; summing the counters would drop the dead processes' share."""
+        wall_training_s = (report.get("wall_time_s") or {}).get("training_s") or 0.0
+        steps = report.get("steps") or 0
+        rates = []
+        for st in report.get("shards") or []:
+            served = (st.get("applied_step", -1) + 1) - (st.get("first_step_after_load") or 0)
+            if st.get("tracking_s") is not None and served > 0:
+                rates.append(st["tracking_s"] / served)
+        if not rates or wall_training_s <= 0 or steps <= 0:
+            return 0.0
+        return (sum(rates) / len(rates) * self.num_shards) / (wall_training_s / steps)
+
     def account(self, report: dict) -> dict:
         """The emulated overheads of a finished run, as seconds and as % of ``duration_h``.
         Each cost is counted once: saves from their events, load and rescheduling from the
         recoveries, redone steps from the full recoveries' counts, tracking from its measured
-        share of the real training time."""
+        share of the real step time (``_tracking_share``)."""
         p = self.params
         events = report.get("events", [])
         failures = report.get("failures", [])
         saves = [e for e in events if e["kind"] == "checkpoint_saved" and not e.get("final")]
-        wall_training_s = (report.get("wall_time_s") or {}).get("training_s") or 0.0
-        tracking_share = (report.get("overhead_s") or {}).get("tracking") or 0.0
-        tracking_share = tracking_share / wall_training_s if wall_training_s > 0 else 0.0
+        tracking_share = self._tracking_share(report)
         seconds = {
             "save": sum(p.save_s * self._share(e.get("rows")) for e in saves),
             "load": sum(p.load_s * self._share(f.get("rows_reloaded")) for f in failures),

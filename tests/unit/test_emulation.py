@@ -81,7 +81,15 @@ def test_account_charges_each_cost_once_from_the_runs_records():
             {"rows_reloaded": total_rows // 2, "lost_steps_recomputed": 0},
             {"rows_reloaded": total_rows, "lost_steps_recomputed": 3},
         ],
-        "overhead_s": {"tracking": 2.0},
+        # Shard 1 was respawned at step 60 and counts only its own 40 steps: the rate per
+        # step is what matters (0.005 s a step on each shard, 0.02 s over 4 shards).
+        "shards": [
+            {"applied_step": 99, "first_step_after_load": 0, "tracking_s": 0.5},
+            {"applied_step": 99, "first_step_after_load": 60, "tracking_s": 0.2},
+            {"applied_step": 99, "first_step_after_load": None, "tracking_s": 0.5},
+            {"applied_step": 99, "first_step_after_load": 0, "tracking_s": 0.5},
+        ],
+        "steps": 100,
         "wall_time_s": {"training_s": 40.0},
     }
     acc = e.account(report)
@@ -89,7 +97,7 @@ def test_account_charges_each_cost_once_from_the_runs_records():
     assert acc["overhead_s"] == {
         "save": pytest.approx(125.0), "load": pytest.approx(300.0), "lost_computation": pytest.approx(3 * step_s),
         "rescheduling": pytest.approx(100.0), "tracking": pytest.approx(0.05 * 100 * 3600, rel=1e-3),
-    }
+    }  # 0.02 s of tracking in a 0.4 s step: 5% of the 100 h
     total = 125 + 300 + 3 * step_s + 100 + 0.05 * 100 * 3600
     assert acc["overhead_total_pct"] == pytest.approx(100 * total / (100 * 3600), abs=1e-3)
 
