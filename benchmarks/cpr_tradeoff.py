@@ -42,9 +42,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from app.config import load_config  # noqa: E402
+from app.emulation import OVERHEADS as COMPONENTS  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
-COMPONENTS = ("save", "load", "lost_computation", "rescheduling", "tracking")
 
 
 def kill_schedule(seed: int, total_steps: int, mtbf_steps: float, num_shards: int) -> dict[str, list[int]]:
