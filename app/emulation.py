@@ -112,13 +112,18 @@ class Emulation:
     def _share(self, rows: int | None) -> float:
         return min(1.0, (rows or 0) / self.total_rows) if self.total_rows else 1.0
 
+    def _save_cost_s(self, rows: int | None) -> float:
+        return self.params.save_s * self._share(rows)
+
+    def _load_cost_s(self, rows: int | None) -> float:
+        return self.params.load_s * self._share(rows)
+
     def _event_cost_s(self, e: dict) -> float:
         """Emulated stall of an event, as it happens (for the clock that places failures)."""
-        p = self.params
         if e["kind"] == "checkpoint_saved" and not e.get("final"):
-            return p.save_s * self._share(e.get("rows"))
+            return self._save_cost_s(e.get("rows"))
         if e["kind"] in _RECOVERED:
-            return p.load_s * self._share(e.get("rows_reloaded")) + p.reschedule_s
+            return self._load_cost_s(e.get("rows_reloaded")) + self.params.reschedule_s
         return 0.0
 
     def drive(self, supervisor, stop: threading.Event, poll_s: float = 0.02) -> None:
@@ -190,8 +195,8 @@ class Emulation:
         saves = [e for e in events if e["kind"] == "checkpoint_saved" and not e.get("final")]
         tracking_share = self._tracking_share(report)
         seconds = {
-            "save": sum(p.save_s * self._share(e.get("rows")) for e in saves),
-            "load": sum(p.load_s * self._share(f.get("rows_reloaded")) for f in failures),
+            "save": sum(self._save_cost_s(e.get("rows")) for e in saves),
+            "load": sum(self._load_cost_s(f.get("rows_reloaded")) for f in failures),
             "lost_computation": sum(f.get("lost_steps_recomputed") or 0 for f in failures) * self.step_s,
             "rescheduling": p.reschedule_s * len(failures),
             "tracking": tracking_share * self.duration_s,

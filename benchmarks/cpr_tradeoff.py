@@ -223,16 +223,14 @@ def part_emulation(args, root: Path) -> dict:
     return out
 
 
-def _mm(rows: list[dict], key) -> str:
-    vals = [key(r) for r in rows]
-    s = summarize(vals)
-    return f"{s['mean']:.2f} ({s['min']:.2f}–{s['max']:.2f})"
+def _mm(rows: list[dict], key, spec: str = ".2f") -> str:
+    """Mean (min–max) of ``key`` over ``rows``."""
+    s = summarize([key(r) for r in rows])
+    return f"{s['mean']:{spec}} ({s['min']:{spec}}–{s['max']:{spec}})"
 
 
 def _mm4(rows: list[dict], key) -> str:
-    vals = [key(r) for r in rows]
-    s = summarize(vals)
-    return f"{s['mean']:+.4f} ({s['min']:+.4f}–{s['max']:+.4f})"
+    return _mm(rows, key, "+.4f")
 
 
 def write_real(args, res: dict, header: str) -> list[str]:
@@ -257,7 +255,7 @@ def write_real(args, res: dict, header: str) -> list[str]:
             modes = sorted({m for r in rs for m in r["modes_used"]})
             lines.append(
                 f"| {recovery} | {policy} | {', '.join(modes)} | {_mm(rs, lambda r: r['failures'])} | "
-                f"{summarize([r['pls'] for r in rs])['mean']:.4f} ({min(r['pls'] for r in rs):.4f}–{max(r['pls'] for r in rs):.4f}) | "
+                f"{_mm(rs, lambda r: r['pls'], '.4f')} | "
                 f"{_mm4(rs, lambda r: r['auc_change'])} | {_mm(rs, lambda r: r['overhead_total_pct'])} | "
                 + " | ".join(_mm(rs, lambda r, k=k: r["overhead_pct"][k]) for k in COMPONENTS)
                 + f" | {_mm(rs, lambda r: r['save_background_pct'])} | {_mm(rs, lambda r: r['extra_training_pct'])} |"

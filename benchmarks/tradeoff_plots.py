@@ -17,13 +17,18 @@ from __future__ import annotations
 
 import json
 import statistics
+import sys
 from pathlib import Path
 
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-RESULTS = Path(__file__).resolve().parent / "results"
-COMPONENTS = ("save", "load", "lost_computation", "rescheduling", "tracking")
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from app.emulation import OVERHEADS as COMPONENTS  # noqa: E402
+
+RESULTS = ROOT / "benchmarks" / "results"
 COLOURS = {"save": "tab:green", "load": "tab:blue", "lost_computation": "tab:red", "rescheduling": "tab:orange",
            "tracking": "tab:purple"}
 

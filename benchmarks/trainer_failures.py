@@ -46,8 +46,8 @@ def _healthy(ray, supervisor, killed: list[dict]) -> bool:
     )
 
 
-def _run(cfg, method: str, kills: int, healthy_s: float) -> dict:
-    """One training run with ``kills`` trainer failures of the given method."""
+def _run(cfg, kills: int, healthy_s: float) -> dict:
+    """One cpr training run with ``kills`` trainer failures, trainer ``i % n`` the i-th."""
     import time
 
     import ray
@@ -67,8 +67,7 @@ def _run(cfg, method: str, kills: int, healthy_s: float) -> dict:
             time.sleep(healthy_s)
             if not training.is_alive():
                 break
-            targets = [f"trainer:{i % n}"] if method == "a_replace_one" else [f"trainer:{k}" for k in range(n)]
-            killed += [kill_target(job.supervisor, t) for t in targets]
+            killed.append(kill_target(job.supervisor, f"trainer:{i % n}"))
         training.join()
         report = job.finish()
     finally:
@@ -121,7 +120,7 @@ def main() -> None:
                 }
             )
             if method == "a_cpr":
-                r = _run(cfg, "a_replace_one", kills, args.healthy_s)
+                r = _run(cfg, kills, args.healthy_s)
             else:
                 d = run_ddp(cfg, kills, args.healthy_s, args.checkpoint_every, Path(cfg.run_dir))
                 r = {
