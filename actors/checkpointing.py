@@ -22,8 +22,8 @@ from collections.abc import Callable
 
 import ray
 
-from actors.checkpoint import DATA_POSITION_FILE, DENSE_FILE, FULL, INCREMENTAL, CheckpointStore, write_blob
-from app.errors import ConfigError
+from core.checkpoint import DATA_POSITION_FILE, DENSE_FILE, FULL, INCREMENTAL, CheckpointStore, write_blob
+from core.errors import ConfigError
 from policies import IntervalController, OnlineCostModel, interval_steps
 
 __all__ = ["CheckpointCoordinator"]

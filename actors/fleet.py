@@ -21,8 +21,8 @@ import ray
 
 from actors.nodes import placement
 from actors.shard import EmbeddingShard
-from app.errors import ShardUnavailable
-from app.logs import LOG_DIR
+from core.errors import ShardUnavailable
+from core.logs import LOG_DIR
 
 __all__ = ["ShardFleet", "shard_name", "spare_name", "spare_target", "kill_run_shards"]
 

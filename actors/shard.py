@@ -16,8 +16,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from actors.checkpoint import CheckpointStore, ShardRows, warm_up, write_shard_file
-from actors.plan import TableSlice, shard_row_ids, slice_offsets
+from core.checkpoint import CheckpointStore, ShardRows, warm_up, write_shard_file
+from core.plan import TableSlice, shard_row_ids, slice_offsets
 from actors.shm import ShmArray, ShmReader
 
 __all__ = ["EmbeddingShard"]
@@ -113,9 +113,12 @@ class EmbeddingShard:
     ):
         """``shard_id`` None: a warm spare (``spare`` names it). It imports torch and fbgemm
         and then waits, holding no table memory, until ``adopt`` makes it a shard."""
-        from app.logs import configure_process_logging
+        import ray
 
-        configure_process_logging(log_dir, spare.rsplit("-", 1)[-1] if spare else f"shard-{shard_id}")
+        from core.logs import configure_process_logging
+
+        role = spare.rsplit("-", 1)[-1] if spare else f"shard-{shard_id}"
+        configure_process_logging(log_dir, role, ray.util.get_node_ip_address())
         import torch
         from fbgemm_gpu.split_embedding_configs import EmbOptimType
         from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocation

@@ -18,25 +18,25 @@ from pathlib import Path
 
 import ray
 
-from actors.accounting import chain_rows, count_lost_samples
+from core.accounting import chain_rows, count_lost_samples
 from actors.checkpointing import CheckpointCoordinator
-from actors.deadlines import Deadlines
+from core.deadlines import Deadlines
 from actors.faults import sigkill_on_node
 from actors.fleet import ShardFleet, shard_name, spare_name, spare_target
 from actors.nodes import HostWatch
-from actors.journal import Journal, RunLog
+from core.journal import Journal, RunLog
 from actors.machine import (
     EVERY_TRAINER_DIED, FULL_RECOVERY, RECOVERING, RESUME, TERMINAL, BudgetExceeded, Budgets, RecoveringShards,
     RespawnRetry, RollingBack, Running, ShardDied, WorkDone, state_from_dict, state_to_dict, transition,
 )
 from actors.metrics import RunMetrics
-from actors.plan import make_plan
+from core.plan import make_plan
 from actors.recovery import RecoveryExecutor, ShardsLost
 from actors.supervisor_api import RunApi
 from actors.supervisor_trainers import TrainerBook
-from actors.trainer import StepSchedule
-from app.config import config_from_dict
-from app.logs import LOG_DIR, configure_process_logging
+from core.schedule import StepSchedule
+from core.config import config_from_dict
+from core.logs import LOG_DIR, configure_process_logging
 from policies import OnlineCostModel, RecoveryMode, decide_recovery
 
 __all__ = ["Supervisor", "supervisor_name", "shard_name"]
@@ -55,7 +55,7 @@ class Supervisor(RunApi, TrainerBook):
         self.cfg = cfg = config_from_dict(config)
         self.run_id = run_id
         self.run_dir = Path(cfg.run_dir).resolve()
-        configure_process_logging(self.run_dir / LOG_DIR, "supervisor")
+        configure_process_logging(self.run_dir / LOG_DIR, "supervisor", ray.util.get_node_ip_address())
         self.plan = make_plan(cfg.embeddings.sharding, cfg.model.rows_per_table, cfg.embeddings.num_shards)
         tr = cfg.training
         self.samples_per_step = tr.microbatches_per_step * tr.microbatch_rows

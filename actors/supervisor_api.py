@@ -1,7 +1,7 @@
 """What trainers, the driver and the chaos tool ask of the supervisor.
 
 A mixin of ``Supervisor``: every method here reads the core's state under its lock, changes
-it only through ``_transition``, and waits with a deadline (``actors.deadlines``) so that a
+it only through ``_transition``, and waits with a deadline (``core.deadlines``) so that a
 caller's own timeout is always the longer one.
 """
 
@@ -14,14 +14,14 @@ import time
 
 import ray
 
-from actors.checkpoint import DATA_POSITION_FILE, DENSE_FILE
-from actors.deadlines import Deadline
+from core.checkpoint import DATA_POSITION_FILE, DENSE_FILE
+from core.deadlines import Deadline
 from actors.fleet import kill_run_shards, spare_target
 from actors.machine import (
     RECOVERING, TERMINAL, ResumeRequested, RollingBack, Running, StopRequested, TrainersAllDied,
     replacement_at_checkpoint, state_to_dict,
 )
-from app.errors import ConfigError, ShardUnavailable, TrainerConflict
+from core.errors import ConfigError, ShardUnavailable, TrainerConflict
 
 __all__ = ["RunApi"]
 

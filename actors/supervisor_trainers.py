@@ -14,7 +14,7 @@ import time
 import numpy as np
 import ray
 
-from actors.accounting import trainer_failures
+from core.accounting import trainer_failures
 from actors.machine import BudgetExceeded
 
 __all__ = ["TrainerBook"]

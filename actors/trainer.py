@@ -21,43 +21,9 @@ from urllib.parse import urlsplit
 
 import numpy as np
 
-__all__ = ["train_loop", "StepSchedule", "ShardCallFailed", "StaleStep", "GroupBroken", "sum_over_trainers"]
+from core.schedule import StepSchedule
 
-
-@dataclass(frozen=True)
-class StepSchedule:
-    """Which cached microbatch is microbatch ``m`` of step ``s``: a per-epoch permutation."""
-
-    num_microbatches: int
-    microbatches_per_step: int
-    total_steps: int
-    seed: int
-
-    @property
-    def steps_per_epoch(self) -> int:
-        return self.num_microbatches // self.microbatches_per_step
-
-    @classmethod
-    def from_config(cls, num_microbatches: int, m: int, epochs: float, max_steps: int | None, seed: int):
-        per_epoch = num_microbatches // m
-        if per_epoch < 1:
-            raise ValueError(
-                f"the training data holds {num_microbatches} microbatches, fewer than "
-                f"microbatches_per_step={m}: lower training.microbatch_rows or add data"
-            )
-        total = max(1, math.floor(epochs * per_epoch))
-        if max_steps is not None:
-            total = min(total, max_steps)
-        return cls(num_microbatches, m, total, seed)
-
-    def microbatch(self, step: int, m: int) -> int:
-        epoch, pos = divmod(step, self.steps_per_epoch)
-        perm = np.random.default_rng([self.seed, epoch]).permutation(self.num_microbatches)
-        return int(perm[pos * self.microbatches_per_step + m])
-
-    def assignment(self, step: int, rank: int, live: int) -> list[int]:
-        """Microbatch positions 0..M-1 of ``step`` that participant ``rank`` of ``live`` runs."""
-        return [m for m in range(self.microbatches_per_step) if m % live == rank]
+__all__ = ["train_loop", "ShardCallFailed", "StaleStep", "GroupBroken", "sum_over_trainers"]
 
 
 class _PhaseTimer:
@@ -304,7 +270,7 @@ def _evaluate(model, client: _ShardClient, eval_file, table_rows) -> dict:
     import torch
     from torchmetrics.functional.classification import binary_auroc
 
-    from app.data import sparse_to_rows
+    from core.data import sparse_to_rows
 
     preds, labels = [], []
     model.eval()
@@ -379,31 +345,31 @@ def train_loop(loop_config: dict) -> None:
     import ray
     import ray.train
 
-    from app.logs import configure_process_logging
+    from core.logs import configure_process_logging
 
     rank = ray.train.get_context().get_world_rank()
     # First, so that library imports' lines land there too. torchft's quorum and commit
     # lines (a few a step) go to the run's log files, and to the console only with
     # `cpr train -v` (the driver's log_to_driver).
-    configure_process_logging(loop_config.get("log_dir"), f"trainer-{rank}")
+    configure_process_logging(loop_config.get("log_dir"), f"trainer-{rank}", ray.util.get_node_ip_address())
     import torch
     from torchft import Manager
     from torchft.checkpointing.pg_transport import PGTransport
 
-    from actors.deadlines import Deadlines
+    from core.deadlines import Deadlines
     from actors.gloo import ReconfigurableGloo
-    from app.cache import MicrobatchFile
-    from app.config import config_from_dict
-    from app.data import NUM_DENSE, NUM_SPARSE, sparse_to_rows
-    from app.errors import ConfigError, TrainerConflict
-    from app.model import DenseAdagrad, DenseModel
-    from app.storage import problems
+    from core.cache import MicrobatchFile
+    from core.config import config_from_dict
+    from core.data import NUM_DENSE, NUM_SPARSE, sparse_to_rows
+    from core.errors import ConfigError, TrainerConflict
+    from core.model import DenseAdagrad, DenseModel
+    from core.storage import problems
 
     marks = {"process": _process_start(), "train_fn": entered, "imports": time.time()}
     cfg = config_from_dict(loop_config["config"])
     tr = cfg.training
     supervisor = ray.get_actor(loop_config["supervisor"], namespace=cfg.ray.namespace)
-    # Waits on the supervisor are longer than the longest wait inside it (actors.deadlines).
+    # Waits on the supervisor are longer than the longest wait inside it (core.deadlines).
     wait_s = Deadlines(cfg.embeddings.call_timeout_s).trainer_wait_s
     setup = ray.get(supervisor.trainer_setup.remote(), timeout=wait_s)
     marks["setup"] = time.time()

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from app.errors import ConfigError
+from core.errors import ConfigError
 
 __all__ = ["FaultSchedule", "kill_target", "run_schedule", "find_supervisor", "write_run_info"]
 

@@ -8,7 +8,7 @@ import sys
 import click
 import yaml
 
-from app.errors import CprError
+from core.errors import CprError
 
 __all__ = ["main"]
 
@@ -39,7 +39,7 @@ def main(verbose: bool) -> None:
 @click.option("--vocab-rows", type=click.IntRange(2), default=100_000, help="Distinct values per feature.")
 def datagen(rows: int, eval_rows: int | None, out: str, fmt: str, seed: int, vocab_rows: int) -> None:
     """Writes deterministic synthetic Criteo-format data (train + eval files)."""
-    from app.data import generate
+    from core.data import generate
 
     s = generate(out, rows, eval_rows or max(1, rows // 10), fmt=fmt, seed=seed, vocab_rows=vocab_rows)
     click.echo(f"wrote {s.train_rows:,} rows to {s.train_path} and {s.eval_rows:,} rows to {s.eval_path}")
@@ -61,7 +61,7 @@ def train(
     no_progress: bool, verbose: bool,
 ) -> None:
     """Trains a model as the config says and writes report.json and summary.txt."""
-    from app.config import load_config
+    from core.config import load_config
     from app.job import resume_config, run_training
     from app.report import format_summary
 
@@ -93,7 +93,7 @@ def emulate(config_path: str, sets: tuple[str, ...], no_progress: bool) -> None:
     """Trains as the config says on an emulated production clock (the config's emulation
     section, or its defaults): the checkpoint interval and shard failures come from the
     production figures, and the overheads are reported as shares of failure-free time."""
-    from app.config import EmulationConfig, load_config
+    from core.config import EmulationConfig, load_config
     from app.job import run_training
     from app.report import format_summary
 
@@ -108,7 +108,7 @@ def emulate(config_path: str, sets: tuple[str, ...], no_progress: bool) -> None:
 @main.command("config-docs")
 def config_docs() -> None:
     """Prints the config reference (markdown) from the config models."""
-    from app.config import config_reference
+    from core.config import config_reference
 
     click.echo(config_reference())
 

@@ -28,8 +28,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from app.config import EmulationConfig, RunConfig
-from app.errors import ConfigError
+from core.config import EmulationConfig, RunConfig
+from core.errors import ConfigError
 from policies import CostInputs, decide_recovery, interval_steps
 
 __all__ = ["Emulation", "OVERHEADS"]

@@ -14,10 +14,10 @@ from pathlib import Path
 
 import numpy as np
 
-from actors.checkpoint import DENSE_FILE, FULL, CheckpointInfo, CheckpointStore
-from app.config import RunConfig, load_config
-from app.data import NUM_DENSE, SPARSE_COLUMNS
-from app.errors import CheckpointCorrupt, CheckpointNotFound, CprError
+from core.checkpoint import DENSE_FILE, FULL, CheckpointInfo, CheckpointStore
+from core.config import RunConfig, load_config
+from core.data import NUM_DENSE, SPARSE_COLUMNS
+from core.errors import CheckpointCorrupt, CheckpointNotFound, CprError
 
 __all__ = ["ExportError", "ExportResult", "build_dlrm", "export_model", "MODEL_JSON", "MODEL_PT"]
 
@@ -224,7 +224,7 @@ def build_dlrm(doc: dict, device: str = "cpu"):
 
 def _dlrm_state(cfg: RunConfig, tables: list[np.ndarray], dense: dict, step: int) -> dict:
     """DLRM's state_dict: our DenseModel has DLRM's DenseArch and OverArch parameters under
-    the same attribute names (app.model), so its keys are DLRM's as they are. SparseArch stacks the pooled tables
+    the same attribute names (core.model), so its keys are DLRM's as they are. SparseArch stacks the pooled tables
     in the order of the EBC's feature names, C1..C26, the order the shards' pooled output
     has for DenseModel (a shard slice's table index is the Criteo column)."""
     import torch

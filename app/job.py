@@ -15,10 +15,10 @@ from pathlib import Path
 
 import yaml
 
-from app.cache import build_cache
-from app.config import RunConfig
-from app.config import load_config
-from app.errors import CheckpointNotFound, ConfigError, RunFailed
+from core.cache import build_cache
+from core.config import RunConfig
+from core.config import load_config
+from core.errors import CheckpointNotFound, ConfigError, RunFailed
 from app.logs import LOG_DIR, configure_driver_logging, link_ray_session_logs
 from app.report import hosts_lost
 
@@ -34,7 +34,7 @@ _LOOPBACK = "127.0.0.1"
 
 def prepare_data(cfg: RunConfig) -> dict:
     """Generates synthetic data if configured and missing, then builds the microbatch caches."""
-    from app.data import generate
+    from core.data import generate
 
     missing = [p for p in cfg.data.train + cfg.data.eval if not Path(p).exists()]
     ceiling_auc = None
@@ -350,7 +350,7 @@ class TrainingJob:
 
         cfg = self.cfg
         if cfg.checkpoint.stored and not self.resume:
-            from actors.checkpoint import CheckpointStore
+            from core.checkpoint import CheckpointStore
 
             existing = CheckpointStore(cfg.checkpoint_uri).list_committed()
             if existing:
@@ -532,7 +532,7 @@ class TrainingJob:
                         timeout=self.cfg.embeddings.call_timeout_s)
 
     def _total_steps(self) -> int:
-        from actors.trainer import StepSchedule
+        from core.schedule import StepSchedule
 
         tr = self.cfg.training
         return StepSchedule.from_config(

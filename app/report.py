@@ -9,10 +9,10 @@ import json
 import logging
 from pathlib import Path
 
-from actors import accounting
-from actors.journal import EVENTS_FILE, PROGRESS_FILE, STATE_FILE
-from app.config import RunConfig, load_config
-from app.errors import CprError
+from core import accounting
+from core.journal import EVENTS_FILE, PROGRESS_FILE, STATE_FILE
+from core.config import RunConfig, load_config
+from core.errors import CprError
 from policies import expected_pls
 
 __all__ = ["build_report", "write_report", "format_summary", "render", "load_run", "rebuild_report", "ReportError"]

@@ -10,7 +10,7 @@ import logging
 from collections import defaultdict
 from pathlib import Path
 
-from app.config import RunConfig
+from core.config import RunConfig
 
 __all__ = ["check_run", "leftovers", "soak_config"]
 
@@ -20,7 +20,7 @@ logger = logging.getLogger(__name__)
 def soak_config(base: RunConfig, run_dir: str, seed: int, kills: int, mtbf_s: float) -> RunConfig:
     """``base`` with random kills of shards, trainers, every trainer and the supervisor,
     kills aimed at a save and at a recovery, and the audit log on."""
-    from app.config import config_from_dict
+    from core.config import config_from_dict
 
     raw = base.model_dump()
     raw.update(run_dir=run_dir, audit_log=True)
@@ -46,7 +46,7 @@ def _lines(path: Path) -> list[dict]:
 
 def check_run(cfg: RunConfig, report: dict, injected: list[dict], train_cache: str) -> list[str]:
     """Every invariant the run violated, as sentences; [] when it is sound."""
-    from actors.checkpoint import CheckpointStore
+    from core.checkpoint import CheckpointStore
 
     v: list[str] = []
     run_dir = Path(cfg.run_dir)
@@ -130,11 +130,11 @@ def _check_dense(audit: Path, m: int, total: int) -> list[str]:
 def _recount_lost(cfg: RunConfig, report: dict, audit: Path, cache: str) -> float:
     """PLS numerator again, from the audit: a partially recovered actor's updates from its
     first applied step up to the first step its successors applied, minus what its chain saved."""
-    from actors.accounting import chain_rows, count_lost_samples
-    from actors.checkpoint import CheckpointStore
-    from actors.plan import make_plan
-    from actors.trainer import StepSchedule
-    from app.cache import MicrobatchFile
+    from core.accounting import chain_rows, count_lost_samples
+    from core.checkpoint import CheckpointStore
+    from core.plan import make_plan
+    from core.schedule import StepSchedule
+    from core.cache import MicrobatchFile
 
     partial = [f for f in report["failures"] if f["recovery"] == "partial"]
     if not partial:
@@ -169,7 +169,7 @@ def run_soak(config_path: str, run_dir: str, seed: int, kills: int, mtbf_s: floa
 
     import ray
 
-    from app.config import load_config
+    from core.config import load_config
     from app.job import TrainingJob
 
     from app.job import connect_ray

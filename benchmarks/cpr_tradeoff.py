@@ -41,7 +41,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from app.config import load_config  # noqa: E402
+from core.config import load_config  # noqa: E402
 from app.emulation import OVERHEADS as COMPONENTS  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
@@ -102,7 +102,7 @@ def summarize(values: list[float]) -> dict:
 
 
 def _data(root: Path, rows: int):
-    from app.data import generate
+    from core.data import generate
 
     return generate(str(root / "data"), rows, rows // 10, seed=0)
 

@@ -15,14 +15,14 @@ mechanism ReCoVer (and cpr's method (a)) is compared against:
   checkpoint load) is paid on every failure.
 
 It trains on the same data as cpr, in the same order: the microbatch cache that cpr's
-driver builds with ``app.job.prepare_data`` (``app.data.CriteoReader``, ``log1p`` dense
+driver builds with ``app.job.prepare_data`` (``core.data.CriteoReader``, ``log1p`` dense
 features, raw ids folded into the tables with ``sparse_to_rows``) and cpr's
 ``StepSchedule`` (a step is ``microbatches_per_step`` microbatches, permuted per epoch by the
 run's seed). Each worker takes an even share of the rows of every step, so the global batch
 is the same whatever the number of workers, and a restart from step ``s`` replays exactly
 the data of steps ``s, s+1, ...``. The optimizers mirror cpr's: row-wise Adagrad (as
 fbgemm's fused one on cpr's shards) for the embedding tables, whose gradients are sparse,
-and ``app.model.DenseAdagrad`` for the dense arches.
+and ``core.model.DenseAdagrad`` for the dense arches.
 
 The kill schedule is the one of cpr's method (a) in ``trainer_failures.py``: ``kills``
 times, wait until the worker group trains (a step completed in the current attempt), wait
@@ -54,7 +54,7 @@ if str(ROOT) not in sys.path:
 # default in Ray 2.60, set anyway before ray.train is first imported.
 os.environ.setdefault("RAY_TRAIN_V2_ENABLED", "1")
 
-import app.config  # noqa: E402
+import core.config  # noqa: E402
 
 __all__ = ["run_ddp", "main"]
 
@@ -105,11 +105,11 @@ def _train_loop(loop_config: dict) -> None:
     from torch import nn
     from torch.nn.parallel import DistributedDataParallel
 
-    from actors.trainer import StepSchedule
-    from app.cache import MicrobatchFile
-    from app.config import config_from_dict
-    from app.data import NUM_DENSE, NUM_SPARSE, _auc, sparse_to_rows
-    from app.model import DenseAdagrad, DenseModel
+    from core.schedule import StepSchedule
+    from core.cache import MicrobatchFile
+    from core.config import config_from_dict
+    from core.data import NUM_DENSE, NUM_SPARSE, _auc, sparse_to_rows
+    from core.model import DenseAdagrad, DenseModel
 
     torch.set_num_threads(1)
     cfg = config_from_dict(loop_config["config"])
@@ -288,7 +288,7 @@ def _group_training(workdir: Path, n: int, attempt: int) -> bool:
     return True
 
 
-def run_ddp(cfg: app.config.RunConfig, kills: int, healthy_s: float, checkpoint_every: int, workdir: Path) -> dict:
+def run_ddp(cfg: core.config.RunConfig, kills: int, healthy_s: float, checkpoint_every: int, workdir: Path) -> dict:
     """Trains ``cfg``'s DLRM with plain DDP on Ray Train, SIGKILLing a worker ``kills``
     times (each ``healthy_s`` after the group trains again); Ray Train restarts the whole
     group from the last checkpoint (saved every ``checkpoint_every`` steps). Needs Ray
@@ -298,7 +298,7 @@ def run_ddp(cfg: app.config.RunConfig, kills: int, healthy_s: float, checkpoint_
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig
 
-    from actors.trainer import StepSchedule
+    from core.schedule import StepSchedule
     from app.job import prepare_data
 
     if __name__ != "__main__":  # ship this module's code to the workers whatever their sys.path
@@ -427,8 +427,8 @@ def main() -> None:
 
     import ray
 
-    from app.config import load_config
-    from app.data import generate
+    from core.config import load_config
+    from core.data import generate
     from app.job import connect_ray
 
     base = load_config(args.config)

@@ -31,7 +31,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from app.config import load_config  # noqa: E402
+from core.config import load_config  # noqa: E402
 
 PARTS = ("detection_s", "adoption_s", "load_s", "serving_s")
 
@@ -40,7 +40,7 @@ def _run(cfg, spares: int) -> dict:
     import ray
     from ray._common.test_utils import wait_for_condition
 
-    from actors.checkpoint import CheckpointStore
+    from core.checkpoint import CheckpointStore
     from app.chaos import kill_target
     from app.job import TrainingJob
 

@@ -42,9 +42,9 @@ sys.path.insert(0, str(ROOT))
 os.environ.setdefault("RAY_AUTH_MODE", "token")
 os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
 
-from app.cache import MicrobatchFile  # noqa: E402
-from app.config import RunConfig, load_config  # noqa: E402
-from app.data import NUM_DENSE, NUM_SPARSE, sparse_to_rows  # noqa: E402
+from core.cache import MicrobatchFile  # noqa: E402
+from core.config import RunConfig, load_config  # noqa: E402
+from core.data import NUM_DENSE, NUM_SPARSE, sparse_to_rows  # noqa: E402
 
 WORKLOADS = {"demo": ("configs/local.yaml", 90), "ref": ("configs/dlrm_ref.yaml", 40)}
 PHASES = ("quorum", "data", "lookup", "dense", "push", "allreduce", "commit")
@@ -59,8 +59,8 @@ def single_process(cfg: RunConfig, train_cache: str, steps: int) -> dict:
     from torchrec.optim import RowWiseAdagrad
     from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-    from actors.trainer import StepSchedule
-    from app.model import torchrec_dense_model
+    from core.schedule import StepSchedule
+    from core.model import torchrec_dense_model
 
     torch.set_num_threads(os.cpu_count() or 1)
     torch.manual_seed(cfg.seed)
@@ -159,7 +159,7 @@ def checkpoint_write_rate(shard_rows: int, dim: int, reps: int) -> dict:
     the same bytes, both into the page cache of the same disk (no fsync, as in a run).
     The order alternates, and dirty pages are flushed before each write, so neither pays
     the other's writeback."""
-    from actors.checkpoint import ShardRows, write_shard_file
+    from core.checkpoint import ShardRows, write_shard_file
 
     rng = np.random.default_rng(0)
     data = ShardRows(

@@ -32,7 +32,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from app.config import load_config  # noqa: E402
+from core.config import load_config  # noqa: E402
 
 
 def _healthy(ray, supervisor, killed: list[dict]) -> bool:
@@ -97,7 +97,7 @@ def main() -> None:
 
     import ray
 
-    from app.data import generate
+    from core.data import generate
     from app.job import connect_ray
     from benchmarks.ddp_baseline import run_ddp
 

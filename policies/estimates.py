@@ -8,7 +8,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from app.errors import ConfigError
 from policies._checks import (
     check_finite,
     check_int,
@@ -69,7 +68,7 @@ class OnlineCostModel:
     def _advance(self, name: str, t_s: float) -> float:
         t_s = check_finite(name, t_s)
         if t_s < self._clock_s:
-            raise ConfigError(
+            raise ValueError(
                 f"{name} must be >= the latest observed time {self._clock_s:.6g} s "
                 f"(timestamps are monotonic), got {t_s:.6g}"
             )
@@ -182,7 +181,7 @@ class IntervalController:
             self.mode = RecoveryMode(mode)
         except ValueError:
             allowed = ", ".join(m.value for m in RecoveryMode)
-            raise ConfigError(f"mode must be one of {allowed}, got {mode!r}") from None
+            raise ValueError(f"mode must be one of {allowed}, got {mode!r}") from None
         self.model = model
         self.num_shards = check_int("num_shards", num_shards, 1)
         self.pls_target = check_open_unit("pls_target", pls_target)

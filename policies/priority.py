@@ -13,7 +13,6 @@ from typing import ClassVar
 import numpy as np
 import numpy.typing as npt
 
-from app.errors import ConfigError
 from policies._checks import check_int, check_unit_half_open
 
 __all__ = [
@@ -137,13 +136,13 @@ class PriorityPolicy(ABC):
         if arr.size == 0:
             return np.empty(0, dtype=_ROW_DTYPE)
         if arr.dtype.kind not in "iu":
-            raise ConfigError(
+            raise ValueError(
                 f"{name} must be integer row ids in [0, {self.num_rows}), got dtype {arr.dtype}"
             )
         arr = arr.reshape(-1)
         lo, hi = int(arr.min()), int(arr.max())
         if lo < 0 or hi >= self.num_rows:
-            raise ConfigError(
+            raise ValueError(
                 f"{name} must be row ids in [0, {self.num_rows}), got values in [{lo}, {hi}]"
             )
         return arr.astype(_ROW_DTYPE, copy=False)
@@ -406,4 +405,4 @@ def make_policy(
         return MfuPolicy(num_rows, r, full_every)
     if name == "ssu":
         return SsuPolicy(num_rows, r, sample_rate, seed, full_every)
-    raise ConfigError(f"name must be one of {', '.join(POLICY_NAMES)}, got {name!r}")
+    raise ValueError(f"name must be one of {', '.join(POLICY_NAMES)}, got {name!r}")

@@ -8,7 +8,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 
-from app.errors import ConfigError
 from policies._checks import check_int, check_non_negative, check_open_unit, check_positive
 from policies.interval import (
     expected_pls,
@@ -130,7 +129,7 @@ def decide_recovery(requested: RecoveryMode | str, inputs: CostInputs) -> Recove
         requested = RecoveryMode(requested)
     except ValueError:
         allowed = ", ".join(m.value for m in RecoveryMode)
-        raise ConfigError(f"requested must be one of {allowed}, got {requested!r}") from None
+        raise ValueError(f"requested must be one of {allowed}, got {requested!r}") from None
     c = inputs
 
     t_full_raw_s = young_daly_interval_s(c.save_cost_s, c.mtbf_s)

@@ -38,7 +38,7 @@ def small_data(tmp_path_factory):
     One epoch of it at 128-row microbatches, M=4, is 234 steps and reaches a held-out AUC
     of about 0.75 (ceiling 0.80); more epochs overfit the rare ids of this generator.
     """
-    from app.data import generate
+    from core.data import generate
 
     out = tmp_path_factory.mktemp("data")
     summary = generate(str(out), 120_000, 8_000, fmt="tsv", seed=1, vocab_rows=5_000)

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 
-from actors.checkpoint import CheckpointStore
-from app.config import config_from_dict
+from core.checkpoint import CheckpointStore
+from core.config import config_from_dict
 from app.job import TrainingJob
 from app.soak import check_run
 

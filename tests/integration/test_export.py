@@ -18,14 +18,14 @@ import torch
 import yaml
 from click.testing import CliRunner
 
-from actors.checkpoint import DENSE_FILE, FULL, INCREMENTAL, CheckpointStore, ShardRows, write_blob, write_shard_file
-from actors.plan import make_plan
+from core.checkpoint import DENSE_FILE, FULL, INCREMENTAL, CheckpointStore, ShardRows, write_blob, write_shard_file
+from core.plan import make_plan
 from app.cli import main
-from app.config import config_from_dict
-from app.data import CriteoReader
-from app.errors import CheckpointCorrupt, CheckpointNotFound, CprError
+from core.config import config_from_dict
+from core.data import CriteoReader
+from core.errors import CheckpointCorrupt, CheckpointNotFound, CprError
 from app.export import ExportError, export_model
-from app.model import DenseModel
+from core.model import DenseModel
 
 pytestmark = [pytest.mark.timeout(300)]
 

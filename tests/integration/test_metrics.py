@@ -10,7 +10,7 @@ import urllib.request
 
 import pytest
 
-from app.config import config_from_dict
+from core.config import config_from_dict
 from app.job import TrainingJob, metrics_url
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]

@@ -7,8 +7,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from actors.checkpoint import CheckpointStore
-from app.config import config_from_dict
+from core.checkpoint import CheckpointStore
+from core.config import config_from_dict
 
 from .test_shard_recovery import _local, _looked_up, _run
 

@@ -15,7 +15,7 @@ import pytest
 import yaml
 from ray._common.test_utils import wait_for_condition
 
-from actors.checkpoint import CheckpointStore
+from core.checkpoint import CheckpointStore
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 

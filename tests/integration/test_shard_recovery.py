@@ -8,12 +8,12 @@ import numpy as np
 import pytest
 from ray._common.test_utils import wait_for_condition
 
-from actors.checkpoint import CheckpointStore
-from actors.trainer import StepSchedule
-from app.cache import MicrobatchFile
+from core.checkpoint import CheckpointStore
+from core.schedule import StepSchedule
+from core.cache import MicrobatchFile
 from app.chaos import kill_target
-from app.config import config_from_dict
-from app.data import sparse_to_rows
+from core.config import config_from_dict
+from core.data import sparse_to_rows
 from app.job import TrainingJob
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from app.config import config_from_dict
+from core.config import config_from_dict
 from app.job import TrainingJob
 from app.soak import check_run, leftovers
 

@@ -69,7 +69,7 @@ def test_shared_memory_transport_trains_exactly_as_ray_calls(ray_local, clean_ru
 
     import torch
 
-    from actors.checkpoint import DENSE_FILE, CheckpointStore
+    from core.checkpoint import DENSE_FILE, CheckpointStore
 
     cfg, (report, final_rows, states, _, _, _, _) = clean_run
     assert all(s["shm_reads"] > 0 for s in states), states  # the default run did use shared memory

@@ -8,7 +8,7 @@ import pytest
 from ray._common.test_utils import wait_for_condition
 
 from app.chaos import kill_target
-from app.config import config_from_dict
+from core.config import config_from_dict
 from app.job import TrainingJob
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]

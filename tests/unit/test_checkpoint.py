@@ -1,4 +1,4 @@
-"""Tests of actors.checkpoint on real files: round trip, manifest gating, corruption
+"""Tests of core.checkpoint on real files: round trip, manifest gating, corruption
 fallback, retention and incremental restore chains."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from actors.checkpoint import (
+from core.checkpoint import (
     DATA_POSITION_FILE,
     DENSE_FILE,
     FULL,
@@ -25,7 +25,7 @@ from actors.checkpoint import (
     write_blob,
     write_shard_file,
 )
-from app.errors import CheckpointCorrupt, CheckpointNotFound
+from core.errors import CheckpointCorrupt, CheckpointNotFound
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -476,7 +476,7 @@ def test_shard_chain_falls_back_past_its_own_corrupt_files(tmp_path: Path, caplo
     store.commit(40, save(store.uri, 40), kind=INCREMENTAL, base_step=30)
     flip_byte(file_path(tmp_path, 30, shard_file_name(0)))
     fresh = CheckpointStore(str(tmp_path))
-    with caplog.at_level(logging.WARNING, logger="actors.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="core.checkpoint"):
         steps, parts = fresh.shard_chain(0)
     # Its full of step 30 is corrupt: the incremental built on it is unusable too.
     assert steps == [10] and len(parts) == 1

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 import ray
 
-from actors.checkpoint import FULL, INCREMENTAL, CheckpointStore, ShardRows, write_blob, write_shard_file
+from core.checkpoint import FULL, INCREMENTAL, CheckpointStore, ShardRows, write_blob, write_shard_file
 from actors.checkpointing import CheckpointCoordinator
-from app.config import config_from_dict
+from core.config import config_from_dict
 from policies import OnlineCostModel
 
 pytestmark = pytest.mark.timeout(60)

@@ -32,7 +32,7 @@ def test_the_schema_check_catches_a_broken_config():
 
 
 def test_shipped_run_configs_validate():
-    from app.config import load_config
+    from core.config import load_config
 
     for path in sorted((ROOT / "configs").glob("*.yaml")):
         load_config(path)

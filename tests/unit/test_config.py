@@ -2,8 +2,8 @@
 
 import pytest
 
-from app.config import config_from_dict, load_config
-from app.errors import ConfigError
+from core.config import config_from_dict, load_config
+from core.errors import ConfigError
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -92,7 +92,7 @@ def test_readme_config_reference_is_current():
     import re
     from pathlib import Path
 
-    from app.config import config_reference
+    from core.config import config_reference
 
     readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
     table = re.search(r"<!-- config-reference:start -->\n(.*)\n<!-- config-reference:end -->", readme, re.S)

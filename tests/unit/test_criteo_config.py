@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from app.config import load_config
-from app.memory import dense_parameters, memory_estimate
+from core.config import load_config
+from core.memory import dense_parameters, memory_estimate
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -79,7 +79,7 @@ def test_memory_fits_the_budget_the_comments_state(cfg):
 
 
 def test_dense_parameters_match_the_model():
-    from app.model import DenseModel
+    from core.model import DenseModel
 
     for dense_arch, over_arch in (([128, 64, 16], [256, 128, 1]), ([64, 16], [64, 1]), ([8], [4, 1])):
         model = DenseModel(13, 26, dense_arch, over_arch)

@@ -1,4 +1,4 @@
-"""Tests of app.data: the Criteo reader (formats, exact error lines, skipping) and the
+"""Tests of core.data: the Criteo reader (formats, exact error lines, skipping) and the
 synthetic data generator (layout, determinism, skew, known ceiling AUC)."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from app.data import (
+from core.data import (
     COLUMNS,
     NUM_DENSE,
     NUM_SPARSE,
@@ -30,8 +30,8 @@ from app.data import (
     preprocess_dense,
     sparse_to_rows,
 )
-from app.cache import build_cache
-from app.errors import ConfigError, DataFormatError, InsufficientData
+from core.cache import build_cache
+from core.errors import ConfigError, DataFormatError, InsufficientData
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -187,7 +187,7 @@ def test_ceiling_auc_is_the_rank_auc(tmp_path):
     from torchmetrics.functional.classification import binary_auroc
     import torch
 
-    from app.data import _auc
+    from core.data import _auc
 
     rng = np.random.default_rng(0)
     scores = rng.integers(0, 20, 500) / 20.0  # many ties
@@ -213,7 +213,7 @@ def test_categorical_values_are_zipf_skewed(tmp_path):
 def test_categorical_features_carry_most_of_the_signal(tmp_path):
     """What a model learns from embeddings must matter: per-value click rates from train
     rank eval rows much better than a linear model on the dense features alone."""
-    from app.data import _auc
+    from core.data import _auc
 
     s = generate(str(tmp_path), 20_000, 10_000, fmt="parquet", seed=1, vocab_rows=1000)
     train, _, _ = read_all([s.train_path], batch_rows=20_000)

@@ -6,9 +6,9 @@ import math
 
 import pytest
 
-from app.config import EmulationConfig, config_from_dict
+from core.config import EmulationConfig, config_from_dict
 from app.emulation import Emulation
-from app.errors import ConfigError
+from core.errors import ConfigError
 
 
 def _cfg(recovery: str = "partial", **emulation) -> dict:

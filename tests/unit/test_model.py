@@ -1,11 +1,11 @@
-"""app.model's arches against torchrec's: same parameters from the same seed, same
+"""core.model's arches against torchrec's: same parameters from the same seed, same
 state-dict keys, same outputs and gradients."""
 
 import copy
 
 import torch
 
-from app.model import DenseModel, torchrec_dense_model
+from core.model import DenseModel, torchrec_dense_model
 
 
 def test_dense_model_matches_torchrecs_arches():
@@ -42,7 +42,7 @@ def test_over_arch_needs_two_layers():
 
 
 def test_dense_adagrad_steps_and_state_match_torchs_adagrad_bit_for_bit():
-    from app.model import DenseAdagrad, DenseModel
+    from core.model import DenseAdagrad, DenseModel
 
     torch.manual_seed(3)
     ours_model = DenseModel(13, 26, [32, 8], [16, 1])

@@ -4,7 +4,7 @@ plus scatter reproduce an unsharded lookup."""
 import numpy as np
 import pytest
 
-from actors.plan import make_plan
+from core.plan import make_plan
 
 pytestmark = pytest.mark.timeout(60)
 

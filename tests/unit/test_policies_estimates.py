@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 
-from app.errors import ConfigError
 from policies.estimates import IntervalController, OnlineCostModel
 from policies.recovery import RecoveryMode
 
@@ -74,7 +73,7 @@ def test_costs_are_emas() -> None:
     ],
 )
 def test_invalid_args(call, arg: str) -> None:
-    with pytest.raises(ConfigError, match=rf"\b{arg}\b"):
+    with pytest.raises(ValueError, match=rf"\b{arg}\b"):
         call()
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from app.errors import ConfigError
 from policies.priority import (
     DEFAULT_FULL_EVERY,
     FullPolicy,
@@ -202,7 +201,7 @@ def test_ssu_is_deterministic_given_a_seed(zipf_stream: np.ndarray) -> None:
     ],
 )
 def test_invalid_args_raise_config_error(call, arg: str) -> None:
-    with pytest.raises(ConfigError, match=rf"\b{arg}\b"):
+    with pytest.raises(ValueError, match=rf"\b{arg}\b"):
         call()
 
 

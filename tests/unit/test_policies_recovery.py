@@ -7,7 +7,6 @@ import math
 
 import pytest
 
-from app.errors import ConfigError
 from policies.recovery import CostInputs, RecoveryDecision, RecoveryMode, decide_recovery
 
 pytestmark = pytest.mark.timeout(60)
@@ -208,10 +207,10 @@ def test_mode_parses_from_string() -> None:
     ],
 )
 def test_invalid_cost_inputs(over: dict, arg: str) -> None:
-    with pytest.raises(ConfigError, match=arg):
+    with pytest.raises(ValueError, match=arg):
         _inputs(**over)
 
 
 def test_invalid_requested_mode() -> None:
-    with pytest.raises(ConfigError, match="requested must be one of full, partial, auto"):
+    with pytest.raises(ValueError, match="requested must be one of full, partial, auto"):
         decide_recovery("sometimes", _inputs())

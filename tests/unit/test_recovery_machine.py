@@ -8,8 +8,8 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from actors.accounting import lost_accesses, saved_at_rows
-from actors.deadlines import Deadlines
+from core.accounting import lost_accesses, saved_at_rows
+from core.deadlines import Deadlines
 from actors.machine import (
     EVERY_TRAINER_DIED, FULL_RECOVERY, RESUME, BudgetExceeded, Budgets, Failed, Finished, RecoveringShards,
     RespawnRetry, ResumeRequested, RollingBack, Running, ShardDied, StopRequested, TrainersAllDied, WorkDone,
@@ -127,7 +127,7 @@ def test_lost_samples_after_a_rollback_to_the_chains_own_full_need_no_read():
     # Seen in the soak: a partial recovery from chain [226, 232], then every trainer died
     # and everything rolled back to 226, fencing 232. Trainers redo from 226, so nothing
     # is lost and the fenced incremental is never read (the store here cannot be read).
-    from actors.accounting import chain_rows
+    from core.accounting import chain_rows
 
     failure = {"shard": 0, "chain": [226, 232], "first_step": 200, "failed_at_step": 226}
     assert chain_rows(None, None, failure) == []

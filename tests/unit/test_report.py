@@ -12,8 +12,8 @@ import yaml
 from click.testing import CliRunner
 
 from app.cli import main, run
-from app.config import config_from_dict
-from app.errors import CprError
+from core.config import config_from_dict
+from core.errors import CprError
 from app.report import ReportError, build_report, format_summary, rebuild_report, write_report
 from policies import CostInputs, decide_recovery
 

@@ -5,7 +5,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from actors.plan import make_plan
+from core.plan import make_plan
 from actors.shard import EmbeddingShard
 
 pytestmark = pytest.mark.timeout(120)
@@ -102,7 +102,7 @@ def test_mfu_counts_clear_only_when_the_save_is_confirmed_committed(tmp_path):
     # Defect 4 (two-phase saves): rows written for a save whose manifest never committed
     # stay counted, so the next incremental writes them again; a confirmed save clears them,
     # except for accesses that came after its snapshot.
-    from actors.checkpoint import FULL, INCREMENTAL, CheckpointStore
+    from core.checkpoint import FULL, INCREMENTAL, CheckpointStore
 
     plan = make_plan("table_wise", TABLE_ROWS, 1)
     prio = {"policy": "mfu", "r": 0.02, "sample_rate": 1.0, "full_every": 100}
@@ -152,7 +152,7 @@ def test_mfu_counts_clear_only_when_the_save_is_confirmed_committed(tmp_path):
 
 @pytest.mark.parametrize("kind", ["table_wise", "row_wise"])
 def test_checkpoint_round_trip_restores_rows_and_adagrad_state_bit_for_bit(tmp_path, kind):
-    from actors.checkpoint import CheckpointStore
+    from core.checkpoint import CheckpointStore
 
     plan = make_plan(kind, TABLE_ROWS, 2)
     uri = str(tmp_path / "ckpt")
@@ -186,7 +186,7 @@ def test_mfu_incremental_checkpoint_restores_row_by_row(tmp_path):
     """MFU: a full save, more training, an incremental save of the top r rows; a fresh shard
     restored from the chain holds the incremental's rows as trained and the others as in
     the full checkpoint."""
-    from actors.checkpoint import FULL, INCREMENTAL, CheckpointStore
+    from core.checkpoint import FULL, INCREMENTAL, CheckpointStore
 
     plan = make_plan("table_wise", TABLE_ROWS, 1)
     uri = str(tmp_path / "ckpt")

@@ -8,7 +8,7 @@ import uuid
 import numpy as np
 import pytest
 
-from actors.plan import make_plan
+from core.plan import make_plan
 from actors.shard import EmbeddingShard
 from actors.shm import SHM_DIR, ShmArray, ShmReader, ShmSlab, remove_run_files, shm_available
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from actors.checkpoint import local_path
-from app.storage import expected_files, problems
+from core.checkpoint import local_path
+from core.storage import expected_files, problems
 
 
 def test_the_driver_sees_what_it_wrote_and_a_host_with_other_files_does_not(tmp_path):

@@ -13,7 +13,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from app.errors import ConfigError
+from core.errors import ConfigError
 
 __all__ = ["RunConfig", "load_config", "config_from_dict", "config_reference"]
 

@@ -22,7 +22,7 @@ import pyarrow.compute as pc
 import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 
-from app.errors import ConfigError, DataFormatError
+from core.errors import ConfigError, DataFormatError
 
 __all__ = [
     "NUM_DENSE",

@@ -79,7 +79,7 @@ def chain_rows(plan, store, failure: dict) -> list[tuple[int, np.ndarray]]:
     ``(step, shard-row ids)``: what ``count_lost_samples`` reads from the store. Only the
     incrementals before the redo step matter (a rollback may have fenced later ones: the
     chain then ends at or before the rollback's full checkpoint)."""
-    from actors.plan import slice_offsets
+    from core.plan import slice_offsets
 
     k, chain, redo = failure["shard"], failure["chain"], failure["failed_at_step"]
     if failure["first_step"] is None or not chain or redo <= chain[0]:
@@ -98,9 +98,9 @@ def count_lost_samples(cfg, plan, schedule, train_cache: str, failure: dict, inc
     ``failure['first_step']`` that its restored chain does not hold and that trainers do not
     redo (from ``failure['failed_at_step']`` on). ``incrementals`` is ``chain_rows()`` of
     the failure; the microbatches come from the data cache; a lost access is 1/26 of a sample."""
-    from actors.plan import shard_row_ids, slice_offsets
-    from app.cache import MicrobatchFile
-    from app.data import sparse_to_rows
+    from core.plan import shard_row_ids, slice_offsets
+    from core.cache import MicrobatchFile
+    from core.data import sparse_to_rows
 
     k, chain = failure["shard"], failure["chain"]
     if failure["first_step"] is None:

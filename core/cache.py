@@ -15,8 +15,8 @@ from typing import Sequence
 import numpy as np
 import pyarrow as pa
 
-from app.data import NUM_DENSE, NUM_SPARSE, CriteoReader
-from app.errors import InsufficientData
+from core.data import NUM_DENSE, NUM_SPARSE, CriteoReader
+from core.errors import InsufficientData
 
 __all__ = ["CacheInfo", "MicrobatchFile", "build_cache"]
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from app.config import RunConfig
+from core.config import RunConfig
 
 __all__ = ["ShardMemory", "MemoryEstimate", "memory_estimate", "dense_parameters"]
 
@@ -94,7 +94,7 @@ class MemoryEstimate:
 
 def dense_parameters(num_dense: int, num_sparse: int, dense_arch: list[int], over_arch: list[int]) -> int:
     """Weights and biases of DLRM's DenseArch (``num_dense`` -> dense_arch) and OverArch
-    (D + F(F+1)/2 interaction features -> over_arch), as app.model builds them."""
+    (D + F(F+1)/2 interaction features -> over_arch), as core.model builds them."""
     dim = dense_arch[-1]
     params = 0
     for width_in, width_out in zip([num_dense, *dense_arch], dense_arch):
@@ -107,8 +107,8 @@ def dense_parameters(num_dense: int, num_sparse: int, dense_arch: list[int], ove
 
 def memory_estimate(cfg: RunConfig) -> MemoryEstimate:
     """The peak memory of ``cfg``'s model state, shard by shard as its sharding plan splits the tables."""
-    from actors.plan import make_plan
-    from app.data import NUM_DENSE, NUM_SPARSE
+    from core.plan import make_plan
+    from core.data import NUM_DENSE, NUM_SPARSE
 
     dim = cfg.model.embedding_dim
     table_rows = cfg.model.rows_per_table

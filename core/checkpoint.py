@@ -23,7 +23,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.fs as pafs
 
-from app.errors import CheckpointCorrupt, CheckpointNotFound, ConfigError
+from core.errors import CheckpointCorrupt, CheckpointNotFound, ConfigError
 
 __all__ = [
     "CHECKSUM_ALGO",
