@@ -1,0 +1,433 @@
+"""The typed messages our processes exchange through Ray calls, and the records the supervisor
+journals. Every one is a frozen dataclass: a field that is misspelt or missing fails where it
+is made, not three processes later.
+
+Shard -> supervisor / trainer: ``ShardInfo``, ``Snapshot``, ``WrittenPart``, ``LoadResult``,
+``ShardState``, ``PushResult``. Trainer -> supervisor: ``TrainerStart``, ``CommitRecord``,
+``StepFailure``, ``Progress``, ``SaveRequest``, ``EvalResult``. Supervisor -> trainer:
+``TrainerSetup``, ``RunStatus``, ``FleetView`` (with its ``Rollback``), ``FinalView``,
+``SaveResult``. Supervisor -> driver: ``StartInfo``, ``RunSummary``, ``Target``. Journaled:
+``DeathCause``, ``FailureRecord``, ``KillRecord``.
+
+The event log (``events.jsonl``) is the exception: its records are JSON lines of many kinds,
+written for people and reports, and cross to the driver as such.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+import numpy as np
+
+from core.checkpoint import FileEntry
+from core.plan import ShardingPlan
+from core.schedule import StepSchedule
+from policies import CostInputs, RecoveryDecision
+
+__all__ = [
+    "ShardInfo", "Target", "Snapshot", "WrittenPart", "CheckpointFallback", "LoadResult", "ShardState", "PushResult",
+    "StartMarks", "TrainerStart", "CommitRecord", "StepFailure", "PhaseTimes", "Progress", "SaveRequest", "SaveResult",
+    "EvalResult", "ResumePoint", "TrainerSetup", "RunStatus", "Rollback", "FleetView", "FinalView", "StartInfo",
+    "KillRecord", "DeathCause", "FailureRecord", "TrainerFailure", "StateView", "StepCommit", "RecoveryModes",
+    "CheckpointPolicyView", "RunSummary",
+]
+
+
+# --------------------------------------------------------------------------- shards
+
+
+@dataclass(frozen=True)
+class ShardInfo:
+    """Who answers as a shard (or a warm spare): its process, node and size."""
+
+    shard_id: int | None  # None: a warm spare not adopted yet
+    spare: str | None  # the spare's name, when the process started as one
+    generation: int
+    pid: int
+    node_id: str
+    node_ip: str
+    rows: int
+    device: str
+    adopt_s: float | None = None  # how long ``adopt`` took, when this answers it
+
+
+@dataclass(frozen=True)
+class Target:
+    """A process of the run that chaos may kill: its pid (None while being replaced) and node."""
+
+    pid: int | None
+    node_id: str | None
+    node_ip: str | None = None
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """Phase one of a save in a shard: the rows copied at the step boundary."""
+
+    rows: int
+    bytes: int
+    full: bool
+    reason: str
+    tracked_rows: int  # rows MFU/SSU tracked as candidates before this save
+    snapshot_s: float
+
+
+@dataclass(frozen=True)
+class WrittenPart:
+    """A shard's file of a save, written and synced: the manifest's entry for it."""
+
+    entry: FileEntry
+    write_s: float
+
+
+@dataclass(frozen=True)
+class CheckpointFallback:
+    """A checkpoint refused while loading (``reason``), and so passed over for an older one."""
+
+    step: int
+    reason: str
+
+
+@dataclass(frozen=True)
+class LoadResult:
+    """What a shard loaded: the chain it used (it may fall back past a corrupt file of its own)
+    and, per incremental, the shard rows it held (for lost-sample accounting)."""
+
+    rows: int
+    bytes: int
+    chain: tuple[int, ...]
+    incremental_rows: tuple[tuple[int, np.ndarray], ...] = ()
+    fallbacks: tuple[CheckpointFallback, ...] = ()
+    duration_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class ShardState:
+    """A shard's counters, for the report."""
+
+    shard_id: int | None
+    applied_step: int
+    compute_s: float
+    rows_updated_total: int
+    steps_dropped: int
+    first_step_after_load: int | None
+    tracking_s: float
+    tracking_bytes: int
+    shm_reads: int
+
+
+@dataclass(frozen=True)
+class PushResult:
+    """A pushed gradient chunk: ``applied`` once its step's update ran (now or before:
+    ``duplicate``); ``stale`` when a newer attempt of the step replaced this chunk."""
+
+    applied: bool
+    duplicate: bool = False
+    stale: bool = False
+
+
+# --------------------------------------------------------------------------- trainers
+
+
+@dataclass(frozen=True)
+class StartMarks:
+    """Wall times of a trainer process's start, for the report of where a replacement's time goes."""
+
+    process: float | None = None
+    train_fn: float | None = None
+    imports: float | None = None
+    setup: float | None = None
+    client: float | None = None
+    model: float | None = None
+    manager: float | None = None
+
+
+@dataclass(frozen=True)
+class TrainerStart:
+    rank: int
+    pid: int
+    node_id: str
+    marks: StartMarks = StartMarks()
+
+
+@dataclass(frozen=True)
+class CommitRecord:
+    """A trainer's share of a committed dense step: its microbatch ids, the step's microbatch
+    total as the all-reduce summed it, and the fleet generation it trained on."""
+
+    step: int
+    rank: int
+    microbatches: tuple[int, ...]
+    total: int
+    participants: int
+    time: float
+    generation: int | None = None
+
+
+@dataclass(frozen=True)
+class StepFailure:
+    """Trainer ``rank`` did not commit ``step``; ``broken_quorum``: the quorum whose all-reduce
+    failed on that trainer (a member died), if that is why."""
+
+    step: int
+    rank: int
+    time: float
+    cause: str
+    broken_quorum: int | None = None
+
+
+@dataclass(frozen=True)
+class PhaseTimes:
+    """Seconds a trainer spent in each phase of its steps since its last progress record."""
+
+    quorum: float = 0.0
+    data: float = 0.0
+    lookup: float = 0.0
+    dense: float = 0.0
+    push: float = 0.0
+    allreduce: float = 0.0
+    commit: float = 0.0
+    checkpoint: float = 0.0
+
+
+@dataclass(frozen=True)
+class Progress:
+    step: int
+    total_steps: int
+    loss: float
+    samples_per_s: float
+    trainers: int
+    phase_s: PhaseTimes = PhaseTimes()
+    time: float = 0.0  # set by the supervisor when it records it
+
+
+@dataclass(frozen=True)
+class SaveRequest:
+    """The saving trainer's dense state after ``step`` committed steps; ``final``: the run's
+    last step (a full checkpoint whatever the schedule)."""
+
+    step: int
+    dense: bytes
+    final: bool = False
+
+
+@dataclass(frozen=True)
+class SaveResult:
+    saved: bool
+    next_step: int | None
+    duration_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class EvalResult:
+    auc: float
+    log_loss: float
+    eval_rows: int
+    positive_rate: float
+    eval_s: float
+    steps: int
+
+
+@dataclass(frozen=True)
+class ResumePoint:
+    """Where a trainer starts: a committed step and its dense state (None: step 0's)."""
+
+    step: int
+    dense: bytes | None
+
+
+@dataclass(frozen=True)
+class TrainerSetup:
+    """What a trainer needs to start; ``finished``: nothing to do (the run is over, or its
+    shards failed to start)."""
+
+    finished: bool
+    shards: tuple = ()
+    generation: int = 0
+    plan: ShardingPlan | None = None
+    schedule: StepSchedule | None = None
+    train_cache: str = ""
+    eval_cache: str = ""
+    train_cache_bytes: int = 0
+    resume: ResumePoint | None = None
+    training_started: bool = False
+    next_checkpoint_step: int | None = None
+    audit_dir: str | None = None
+
+
+@dataclass(frozen=True)
+class RunStatus:
+    """Polled by trainers every step: stop, or when the next save is due."""
+
+    stop: bool
+    state: str
+    next_checkpoint: int | None
+
+
+@dataclass(frozen=True)
+class Rollback:
+    """After a full recovery: every trainer goes back to ``step`` with its dense state
+    (None: step 0's initial state). ``generation``: the fleet that rolled back."""
+
+    generation: int
+    step: int
+    dense: bytes | None = None
+
+
+@dataclass(frozen=True)
+class FleetView:
+    """The shards a trainer trains with now, their generation, and what else it must do."""
+
+    generation: int
+    shards: tuple
+    rollback: Rollback | None = None
+    stop: bool = False
+    next_checkpoint: int | None = None
+
+
+@dataclass(frozen=True)
+class FinalView:
+    """``await_final``'s answer: the fleet after the last step, and whether the run's final
+    full checkpoint is committed (if not, the trainers save it again)."""
+
+    fleet: FleetView
+    final_saved: bool
+
+
+# --------------------------------------------------------------------------- the run's books
+
+
+@dataclass(frozen=True)
+class StartInfo:
+    shards: tuple[ShardInfo, ...]
+    startup_s: float
+    total_steps: int
+
+
+@dataclass(frozen=True)
+class KillRecord:
+    """A kill about to happen, recorded by whoever sends the signal."""
+
+    target: str
+    time: float
+    pid: int | None = None
+    trigger: str = "chaos"
+
+
+@dataclass(frozen=True)
+class DeathCause:
+    """What the supervisor knew of a shard's death when it decided its recovery."""
+
+    actor: str
+    shard: int
+    generation: int
+    cause: str
+    detected_at: float
+    killed_at: float | None
+    detection_s: float | None
+    first_step: int | None  # the first step the dead actor applied
+
+
+@dataclass(frozen=True)
+class FailureRecord:
+    """One recovered shard death, as the report shows it. ``failed_at_step`` (from which step
+    trainers redid work on the replacement) and ``lost_samples`` are filled in later."""
+
+    actor: str
+    shard: int
+    generation: int
+    cause: str
+    detected_at: float
+    killed_at: float | None
+    detection_s: float | None
+    first_step: int | None
+    recovery: str  # partial or full
+    decision: RecoveryDecision | None
+    generation_after: int
+    spare: str | None
+    adoption_s: float
+    reschedule_s: float
+    load_s: float
+    recovery_s: float
+    serving_s: float | None
+    restored_step: int
+    chain: tuple[int, ...]
+    rows_reloaded: int
+    bytes_reloaded: int
+    failed_at_step: int | None = None
+    lost_samples: float | None = None
+    lost_steps_recomputed: int | None = None
+    lost_samples_error: str | None = None
+
+
+@dataclass(frozen=True)
+class TrainerFailure:
+    """One killed trainer: detection, steps with fewer trainers, the replacement's heal."""
+
+    actor: str
+    cause: str | None
+    killed_at: float
+    detection_s: float | None
+    steps_with_fewer_trainers: int
+    heal_s: float | None
+    rejoined_s: float | None
+    replacement_joined_at_step: int | None
+
+
+@dataclass(frozen=True)
+class StateView:
+    """The supervisor's state as the report shows it: its name, and why it ended."""
+
+    state: str
+    reason: str | None = None  # Failed
+    how: str | None = None  # Finished: completed or interrupted
+
+
+@dataclass(frozen=True)
+class StepCommit:
+    """A committed dense step: the microbatch ids its trainers held, the total the all-reduce
+    summed (M on every step: ReCoVer's invariant) and how many trainers took part."""
+
+    microbatches: tuple[int, ...]
+    total: int
+    participants: int
+    time: float
+
+
+@dataclass(frozen=True)
+class RecoveryModes:
+    requested: str
+    used: tuple[str, ...]
+    decisions: tuple[RecoveryDecision | None, ...]
+
+
+@dataclass(frozen=True)
+class CheckpointPolicyView:
+    policy: str
+    interval_steps: int | None
+    interval_s: float | None
+    estimates: CostInputs
+
+
+@dataclass(frozen=True)
+class RunSummary:
+    """Everything the report needs, from the supervisor's books (every attempt of the run)."""
+
+    run_id: str
+    state: StateView
+    events: tuple[dict, ...]
+    progress: tuple[Progress, ...]
+    failures: tuple[FailureRecord, ...]
+    eval: EvalResult | None
+    shards: tuple[ShardState, ...]
+    shards_error: str | None
+    total_steps: int
+    resumed_from_step: int | None
+    last_checkpoint_step: int
+    final_checkpoint_step: int | None
+    recovery_mode: RecoveryModes
+    checkpoint_policy: CheckpointPolicyView
+    faults_injected: tuple[KillRecord, ...]
+    supervisor_restarts: int
+    attempts: int
+    trainer_failures: tuple[TrainerFailure, ...]
+    commits: dict[int, StepCommit] = field(default_factory=dict)

@@ -1,0 +1,108 @@
+"""The layers run one way, and the code stays readable in pieces.
+
+From the ground up: ``policies`` (standard library and numpy) <- ``core`` (no Ray) <-
+``actors`` (Ray mechanism) <- ``app`` (the drivers). Every import of every module is read
+with ``ast``, imports inside functions included; an import inside a function is allowed
+only with a comment on its line or the line above that says ``import cost`` (a measured
+cost of loading the module where it is not needed). No module over 400 lines, no function
+over 80.
+"""
+
+from __future__ import annotations
+
+import ast
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.timeout(60)
+
+ROOT = Path(__file__).resolve().parents[2]
+LAYERS = ("policies", "core", "actors", "app")  # each may import only itself and those before it
+PROJECT = set(LAYERS)
+THIRD_PARTY_ALLOWED = {"policies": {"numpy"}}  # None: any third-party package
+THIRD_PARTY_FORBIDDEN = {"core": {"ray"}, "policies": set()}
+MAX_FILE_LINES = 400
+MAX_FUNCTION_LINES = 80
+COST_MARK = "import cost"
+
+
+def _modules() -> list[Path]:
+    return sorted(p for layer in LAYERS for p in (ROOT / layer).rglob("*.py"))
+
+
+def _imports(tree: ast.AST) -> list[tuple[ast.stmt, str, bool]]:
+    """(node, imported top module path, inside a function) for every import statement."""
+    out: list[tuple[ast.stmt, str, bool]] = []
+
+    def visit(node: ast.AST, in_function: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            nested = in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
+            if isinstance(child, ast.Import):
+                out.extend((child, alias.name, in_function) for alias in child.names)
+            elif isinstance(child, ast.ImportFrom) and child.level == 0 and child.module:
+                out.append((child, child.module, in_function))
+            visit(child, nested)
+
+    visit(tree, False)
+    return out
+
+
+def _violations(path: Path) -> list[str]:
+    layer = path.relative_to(ROOT).parts[0]
+    rank = LAYERS.index(layer)
+    source = path.read_text()
+    lines = source.splitlines()
+    where = path.relative_to(ROOT)
+    found = []
+    for node, module, in_function in _imports(ast.parse(source)):
+        top = module.split(".")[0]
+        line = f"{where}:{node.lineno}: import {module}"
+        if top in PROJECT:
+            if LAYERS.index(top) > rank:
+                found.append(f"{line}: {layer}/ must not import {top}/ (layers: {' <- '.join(LAYERS)})")
+        elif top not in sys.stdlib_module_names and top != "__future__":
+            allowed = THIRD_PARTY_ALLOWED.get(layer)
+            if allowed is not None and top not in allowed:
+                found.append(f"{line}: {layer}/ may import only the standard library and {sorted(allowed)}")
+            if top in THIRD_PARTY_FORBIDDEN.get(layer, ()):
+                found.append(f"{line}: {layer}/ must not import {top}")
+        if in_function:
+            context = " ".join(lines[max(0, node.lineno - 2): node.end_lineno])
+            if COST_MARK not in context:
+                found.append(f"{line}: inside a function without a '# {COST_MARK}: ...' comment saying why")
+    return found
+
+
+def test_imports_run_one_way_and_none_hides_in_a_function_without_a_reason():
+    found = [v for path in _modules() for v in _violations(path)]
+    assert not found, "\n".join(found)
+
+
+def test_no_module_over_400_lines_and_no_function_over_80():
+    found = []
+    for path in _modules():
+        source = path.read_text()
+        where = path.relative_to(ROOT)
+        if len(source.splitlines()) > MAX_FILE_LINES:
+            found.append(f"{where}: {len(source.splitlines())} lines (max {MAX_FILE_LINES})")
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                n = node.end_lineno - node.lineno + 1
+                if n > MAX_FUNCTION_LINES:
+                    found.append(f"{where}:{node.lineno}: {node.name} is {n} lines (max {MAX_FUNCTION_LINES})")
+    assert not found, "\n".join(found)
+
+
+def test_the_rule_itself_catches_an_upward_import(tmp_path, monkeypatch):
+    # The checker must fail on what it forbids, or its passing means nothing.
+    bad = ROOT / "core" / "_layer_probe_for_test.py"
+    bad.write_text("import ray\n\n\ndef f():\n    from app import cli\n")
+    try:
+        found = _violations(bad)
+    finally:
+        bad.unlink()
+    assert any("must not import ray" in v for v in found), found
+    assert any("core/ must not import app/" in v for v in found), found
+    assert any("without a '# import cost" in v for v in found), found
