@@ -1,52 +1,136 @@
-"""Fault injection by SIGKILL of an actor's process on its node, with the kill recorded first.
-
-Used by ``cpr chaos``, by a run's ``faults:`` schedule, and by the supervisor for kills at
-named points (``faults.at_points``, like torchft's ``EventInjector.fail_at``) and at training
-steps (``faults.at_steps``).
+"""Fault injection: SIGKILL of an actor's process on its node (the kill recorded first), and
+the hook that fires a run's configured faults at named points of the supervisor's work
+(``faults.at_points``, like torchft's ``EventInjector.fail_at``: a kill, or an unexpected
+error) and after training steps (``faults.at_steps``). Used by ``cpr chaos``, by a run's
+``faults:`` schedule, and by the supervisor; a run without faults has no such hook at all.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
+import threading
 import time
+from collections.abc import Callable
 
-__all__ = ["POINTS", "sigkill_on_node", "kill_process"]
+import numpy as np
+import ray
 
-# The named points where the supervisor can inject a kill (faults.at_points).
-POINTS = (
-    "save.snapshotted",  # every shard copied its rows to save; their files are being written
-    "save.files_written",  # every shard file of a checkpoint is written, the manifest is not
-    "recovery.spawned",  # a recovery's new shard actors answer, nothing is loaded yet
-    "recovery.loaded",  # a recovery's shards are loaded, the fleet is not committed yet
-    "rollback.loaded",  # a rollback loaded every shard, checkpoints are not fenced yet
-)
+from actors.nodes import pinned
+from actors.supervisor.hooks import RunHooks
+from core.config import FaultsConfig
+from core.books import KillRecord
+from core.records import Target
+
+__all__ = ["sigkill_on_node", "kill_process", "InjectedFault", "FaultInjector", "Killer"]
+
+logger = logging.getLogger(__name__)
 
 
 def kill_process(supervisor, target: str, pid: int, trigger: str) -> float | None:
     """Runs on the target's node: records the kill with the supervisor, then SIGKILLs ``pid``.
     The time is taken right before the kill, so detection latency starts there."""
-    import ray
-
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return None  # already dead (e.g. being recovered): nothing to record
     now = time.time()
-    ray.get(supervisor.record_kill.remote(target, now, pid, trigger), timeout=30)
+    ray.get(supervisor.record_kill.remote(KillRecord(target, now, pid, trigger)), timeout=30)
     os.kill(pid, signal.SIGKILL)
     return now
 
 
-def sigkill_on_node(supervisor, target: str, info: dict, trigger: str, timeout_s: float = 30.0) -> float | None:
-    """SIGKILLs ``info['pid']`` on ``info['node_id']``; returns the kill time. From this process
+def sigkill_on_node(supervisor, target: str, info: Target, trigger: str, timeout_s: float = 30.0) -> float | None:
+    """SIGKILLs ``info.pid`` on ``info.node_id``; returns the kill time. From this process
     when the target runs on this node: a task may first need a new worker process (1-3 s on a
     busy node), and a kill tied to a training step would land many steps late."""
-    import ray
+    if info.node_id == ray.get_runtime_context().get_node_id():
+        return kill_process(supervisor, target, info.pid, trigger)
+    killer = pinned(kill_process, info.node_id)
+    return ray.get(killer.remote(supervisor, target, info.pid, trigger), timeout=timeout_s)
 
-    from actors.nodes import pinned
 
-    if info["node_id"] == ray.get_runtime_context().get_node_id():
-        return kill_process(supervisor, target, info["pid"], trigger)
-    killer = pinned(kill_process, info["node_id"])
-    return ray.get(killer.remote(supervisor, target, info["pid"], trigger), timeout=timeout_s)
+class InjectedFault(RuntimeError):
+    """An error raised on purpose at a named point (``faults.at_points[].error``): to the code
+    around it, an unexpected exception like any bug."""
+
+
+class Killer:
+    """Kills a run's actor from inside the supervisor: itself by its own pid, ``all_trainers``
+    as each trainer, anything else on its node (``sigkill_on_node``)."""
+
+    def __init__(self, targets: Callable[[], dict[str, Target]], record_kill: Callable[[KillRecord], None],
+                 timeout_s: float):
+        self.targets = targets
+        self.record_kill = record_kill
+        self.timeout_s = timeout_s
+
+    def __call__(self, target: str, trigger: str) -> None:
+        if target == "supervisor":
+            self.record_kill(KillRecord("supervisor", time.time(), os.getpid(), trigger))
+            os.kill(os.getpid(), signal.SIGKILL)
+        me = ray.get_runtime_context().current_actor
+        targets = self.targets()
+        names = sorted(t for t in targets if t.startswith("trainer:")) if target == "all_trainers" else [target]
+        for name in names:
+            if name in targets and targets[name].pid is not None:
+                try:
+                    sigkill_on_node(me, name, targets[name], trigger, timeout_s=self.timeout_s)
+                except Exception as err:  # noqa: BLE001 - a target already gone is not an error of the run
+                    logger.warning("injected kill of %s failed: %s", name, err)
+
+
+class FaultInjector(RunHooks):
+    """Fires each configured fault once, ever: claimed (and journaled) before it fires, so
+    concurrent triggers (every trainer reports the same commit) and a restarted supervisor
+    never repeat it."""
+
+    def __init__(self, faults: FaultsConfig, lock: threading.RLock, persist: Callable[[], None],
+                 kill: Callable[[str, str], None], start_thread: Callable[..., threading.Thread],
+                 num_shards: int, num_trainers: int):
+        self.faults = faults
+        self._lock = lock
+        self._persist = persist
+        self._kill = kill
+        self._start_thread = start_thread
+        self._counts = {"shard": num_shards, "trainer": num_trainers}
+        self._fired: list[str] = []
+        self._steps_done = 0
+
+    def _claim(self, key: str) -> bool:
+        with self._lock:
+            if key in self._fired:
+                return False
+            self._fired.append(key)
+            self._persist()
+            return True
+
+    def at_point(self, point: str) -> None:
+        for spec in self.faults.at_points:
+            if spec.at != point or self._steps_done < spec.after_step:
+                continue
+            action = spec.kill or f"error {spec.error}"
+            if not self._claim(f"{point}->{action}"):
+                continue
+            if spec.error is not None:
+                raise InjectedFault(f"{spec.error} (injected at {point})")
+            self._kill(spec.kill, f"at {point}")
+
+    def after_commit(self, step: int) -> None:
+        """``faults.at_steps``: kill a target once ``step`` committed."""
+        with self._lock:
+            self._steps_done = max(self._steps_done, step + 1)
+        for kind, steps in self.faults.at_steps.items():
+            if step not in steps or not self._claim(f"step {step}->{kind}"):
+                continue
+            target = kind
+            if kind in self._counts:
+                target = f"{kind}:{int(np.random.default_rng([self.faults.seed, step]).integers(self._counts[kind]))}"
+            self._start_thread("fault-at-step", self._kill, target, f"at step {step}")
+
+    def doc(self) -> list[str]:
+        return list(self._fired)
+
+    def load(self, fired: list[str]) -> None:
+        self._fired = list(fired)

@@ -23,6 +23,7 @@ from actors.nodes import placement
 from actors.shard import EmbeddingShard
 from core.errors import ShardUnavailable
 from core.logs import LOG_DIR
+from core.records import ShardInfo
 
 __all__ = ["ShardFleet", "shard_name", "spare_name", "spare_target", "kill_run_shards"]
 
@@ -60,9 +61,16 @@ def kill_run_shards(run_id: str, namespace: str) -> list[str]:
     return killed
 
 
+def _plain_thread(name: str, fn: Callable, *args) -> threading.Thread:
+    thread = threading.Thread(target=fn, args=args, name=name, daemon=True)
+    thread.start()
+    return thread
+
+
 class ShardFleet:
     """Creates, finds and watches the shards of one run. ``on_death(k, gen, cause, t)`` is
-    called from the watcher thread when a watched shard's process is gone."""
+    called from the watcher thread when a watched shard's process is gone. The watcher runs
+    under ``start_thread`` (the supervisor's guard) and calls ``tick()`` on every pass."""
 
     def __init__(
         self,
@@ -74,7 +82,11 @@ class ShardFleet:
         on_spare_death: Callable[[str, str, float], None] | None = None,
         occupied: Callable[[set], list] | None = None,
         avoid: Callable[[], set] | None = None,
+        start_thread: Callable[..., threading.Thread] | None = None,
+        tick: Callable[[], None] = lambda: None,
     ):
+        self.start_thread = start_thread or (lambda name, fn, *a: _plain_thread(name, fn, *a))
+        self.tick = tick
         self.cfg = cfg
         self.plan = plan
         self.run_id = run_id
@@ -182,7 +194,7 @@ class ShardFleet:
                 lost.append(k)
         return out, lost
 
-    def ready(self, handles: list) -> list[dict]:
+    def ready(self, handles: list) -> list[ShardInfo]:
         try:
             return ray.get([h.ready.remote() for h in handles], timeout=self.timeout_s)
         except ray.exceptions.GetTimeoutError:
@@ -207,15 +219,15 @@ class ShardFleet:
         ref = handle.watch.options(concurrency_group="watch").remote()
         with self._lock:
             self._watch[ref] = (k, generation)
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._loop, name="shard-watch", daemon=True)
-            self._thread.start()
+            if self._thread is None:
+                self._thread = self.start_thread("shard-watch", self._loop)
 
     def stop(self) -> None:
         self._stop.set()
 
     def _loop(self) -> None:
         while not self._stop.is_set():
+            self.tick()
             with self._lock:
                 refs = list(self._watch)
             if not refs:
@@ -230,7 +242,7 @@ class ShardFleet:
                     cause = "watch returned"
                 except ray.exceptions.RayActorError as err:
                     cause = type(err).__name__
-                except Exception as err:  # an unexpected error still means the shard is gone
+                except ray.exceptions.RayError as err:  # any other failure of the call: the shard is gone too
                     cause = repr(err)
                 if self._stop.is_set():
                     continue

@@ -10,8 +10,14 @@ counter over it to get the run's total.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
-__all__ = ["RunMetrics"]
+from ray.util.metrics import Counter, Gauge, Histogram
+
+from actors.supervisor.hooks import RunHooks
+from core.records import Progress
+
+__all__ = ["RunMetrics", "MetricsHook"]
 
 logger = logging.getLogger(__name__)
 
@@ -22,8 +28,6 @@ class RunMetrics:
     """Records progress and events as metrics; never raises into the run."""
 
     def __init__(self, run_id: str, samples_per_step: int):
-        from ray.util.metrics import Counter, Gauge, Histogram
-
         self.samples_per_step = samples_per_step
         self.tags = {"run_id": run_id}
         run = ("run_id",)
@@ -59,14 +63,14 @@ class RunMetrics:
     def _tags(self, **extra: object) -> dict[str, str]:
         return {**self.tags, **{k: str(v) for k, v in extra.items()}}
 
-    def progress(self, record: dict) -> None:
+    def progress(self, record: Progress) -> None:
         try:
-            self._last_step = int(record["step"])
-            self.step.set(record["step"], tags=self.tags)
-            self.total_steps.set(record["total_steps"], tags=self.tags)
-            self.samples_per_s.set(record["samples_per_s"], tags=self.tags)
-            self.loss.set(record["loss"], tags=self.tags)
-            self.trainers.set(record["trainers"], tags=self.tags)
+            self._last_step = int(record.step)
+            self.step.set(record.step, tags=self.tags)
+            self.total_steps.set(record.total_steps, tags=self.tags)
+            self.samples_per_s.set(record.samples_per_s, tags=self.tags)
+            self.loss.set(record.loss, tags=self.tags)
+            self.trainers.set(record.trainers, tags=self.tags)
             self._set_pls()
         except Exception:  # metrics must never stop training
             logger.exception("recording progress metrics failed")
@@ -124,3 +128,22 @@ class RunMetrics:
         trained = self._last_step * self.samples_per_step
         if trained:
             self.pls.set(self._lost_total / trained, tags=self.tags)
+
+
+class MetricsHook(RunHooks):
+    """The run's Prometheus metrics (``actors.metrics``). ``trainer_failure_of(event)``: the
+    trainer failure a ``trainer_healed`` event ended, for its recovery time."""
+
+    def __init__(self, metrics: RunMetrics, trainer_failure_of: Callable[[dict], dict | None]):
+        self.metrics = metrics
+        self.trainer_failure_of = trainer_failure_of
+
+    def on_event(self, event: dict) -> None:
+        healed = self.trainer_failure_of(event) if event["kind"] == "trainer_healed" else None
+        self.metrics.event(event, healed)
+
+    def on_progress(self, record: Progress) -> None:
+        self.metrics.progress(record)
+
+    def on_trainer_detected(self, detection_s: float) -> None:
+        self.metrics.trainer_detected(detection_s)

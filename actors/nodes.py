@@ -15,14 +15,20 @@ the loss of a whole host.
 from __future__ import annotations
 
 import logging
+import os
 import socket
 import threading
 import time
 from collections.abc import Callable, Iterable
 
 import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-__all__ = ["cpu_nodes", "other_nodes", "pinned", "least_loaded", "placement", "interface_for", "HostWatch"]
+import psutil  # noqa: E402 - Ray's vendored copy, on the path once ray is imported
+
+__all__ = [
+    "cpu_nodes", "other_nodes", "pinned", "pid_alive_on", "least_loaded", "placement", "interface_for", "HostWatch",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -42,11 +48,26 @@ def other_nodes() -> list[str]:
 def pinned(fn: Callable, node_id: str):
     """``fn`` as a Ray task that runs on node ``node_id`` and nowhere else, needing no CPU and
     never retried: the checks, probes and kills the run does on a given host."""
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
     return ray.remote(num_cpus=0, max_retries=0)(fn).options(
         scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False)
     )
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+
+
+def pid_alive_on(pid: int, node_id: str, timeout_s: float) -> bool:
+    """Whether process ``pid`` runs on node ``node_id``. A node that is gone cannot run the
+    probe: its processes are gone too (False), never an error for the caller."""
+    try:
+        return bool(ray.get(pinned(_pid_alive, node_id).remote(pid), timeout=timeout_s))
+    except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError, ValueError):
+        return False
 
 
 def least_loaded(nodes: list[str], taken: list, avoid: set | frozenset = frozenset()) -> str | None:
@@ -64,15 +85,11 @@ def placement(taken: list, avoid: set | frozenset = frozenset()) -> tuple[str | 
     least = least_loaded(nodes, taken, avoid)
     if len(nodes) <= 1 or least is None:
         return None, {}
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
     return least, {"scheduling_strategy": NodeAffinitySchedulingStrategy(least, soft=True)}
 
 
 def interface_for(ip: str) -> str | None:
     """The network interface that holds address ``ip`` on this machine, or None."""
-    import psutil
-
     for name, addresses in psutil.net_if_addrs().items():
         if any(a.family == socket.AF_INET and a.address == ip for a in addresses):
             return name
@@ -90,7 +107,10 @@ class HostWatch:
     cut off."""
 
     def __init__(self, watched: Callable[[], Iterable[str]], on_lost: Callable[[dict], None],
-                 period_s: float = 0.25, probe_timeout_s: float = 0.2):
+                 period_s: float = 0.25, probe_timeout_s: float = 0.2,
+                 start_thread: Callable[..., threading.Thread] | None = None, tick: Callable[[], None] = lambda: None):
+        self.start_thread = start_thread
+        self.tick = tick
         self.watched = watched
         self.on_lost = on_lost
         self.period_s = period_s
@@ -102,9 +122,13 @@ class HostWatch:
         self._thread: threading.Thread | None = None
 
     def start(self) -> None:
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._loop, name="host-watch", daemon=True)
-            self._thread.start()
+        with self._lock:
+            if self._thread is None:
+                if self.start_thread is not None:
+                    self._thread = self.start_thread("host-watch", self._loop)
+                else:
+                    self._thread = threading.Thread(target=self._loop, name="host-watch", daemon=True)
+                    self._thread.start()
 
     def stop(self) -> None:
         self._stop.set()
@@ -173,7 +197,8 @@ class HostWatch:
 
     def _loop(self) -> None:
         while not self._stop.wait(self.period_s):
+            self.tick()
             try:
                 self.poll()
-            except Exception as err:  # a GCS hiccup must not end the watch
+            except (ray.exceptions.RayError, OSError, TimeoutError) as err:  # a GCS hiccup must not end the watch
                 logger.warning("host watch: %r", err)

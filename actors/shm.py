@@ -24,6 +24,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import ray
+
+from actors.nodes import other_nodes, pinned
 
 logger = logging.getLogger(__name__)
 
@@ -76,10 +79,6 @@ def remove_run_files(run_id: str) -> int:
 def remove_run_files_everywhere(run_id: str, timeout_s: float = 30.0) -> int:
     """``remove_run_files`` on this node and, on a cluster, on every other alive node (a
     task there), since killed trainers leave their slabs on their own hosts."""
-    import ray
-
-    from actors.nodes import other_nodes, pinned
-
     n = remove_run_files(run_id)
     refs = [pinned(remove_run_files, node).remote(run_id) for node in other_nodes()]
     try:

@@ -14,10 +14,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import ray
 
+from actors.client import SupervisorClient
+from actors.faults import sigkill_on_node
+from actors.supervisor.actor import supervisor_name
+from core.deadlines import Deadlines
 from core.errors import ConfigError
 
-__all__ = ["FaultSchedule", "kill_target", "run_schedule", "find_supervisor", "write_run_info"]
+__all__ = ["FaultSchedule", "kill_target", "run_schedule", "find_supervisor", "write_run_info", "as_client"]
 
 logger = logging.getLogger(__name__)
 
@@ -32,12 +37,15 @@ def write_run_info(run_dir: Path, run_id: str, namespace: str, address: str, met
     )
 
 
-def find_supervisor(run_dir: str):
+def as_client(supervisor, timeout_s: float = 30.0) -> SupervisorClient:
+    """``supervisor`` as a client: a client already, or the actor's handle (tests hold one)."""
+    if isinstance(supervisor, SupervisorClient):
+        return supervisor
+    return SupervisorClient(supervisor, Deadlines(timeout_s))
+
+
+def find_supervisor(run_dir: str) -> SupervisorClient:
     """Connects to the run's Ray cluster (if not connected) and returns its supervisor."""
-    import ray
-
-    from actors.supervisor import supervisor_name
-
     path = Path(run_dir) / "run.json"
     if not path.exists():
         raise ConfigError(f"{run_dir}: no run.json; is a run going on in this run directory?")
@@ -45,7 +53,7 @@ def find_supervisor(run_dir: str):
     if not ray.is_initialized():
         ray.init(address=os.environ.get("RAY_ADDRESS", info["address"]), namespace=info["namespace"], log_to_driver=False)
     try:
-        return ray.get_actor(supervisor_name(info["run_id"]), namespace=info["namespace"])
+        return as_client(ray.get_actor(supervisor_name(info["run_id"]), namespace=info["namespace"]))
     except ValueError:
         raise ConfigError(f"run {info['run_id']} has no live supervisor; has it finished?") from None
 
@@ -56,21 +64,18 @@ def kill_target(supervisor, target: str, timeout_s: float = 30.0, trigger: str =
     The kill is recorded with the supervisor first (a ``fault_injected`` event), so detection
     latency is measured from the kill. Returns what was killed.
     """
-    import ray
-
-    from actors.faults import sigkill_on_node
-
-    targets = ray.get(supervisor.targets.remote(), timeout=timeout_s)
+    client = as_client(supervisor, timeout_s)
+    targets = client.targets()
     if target not in targets:
         raise ConfigError(f"unknown target {target!r}; this run has {sorted(targets)}")
     info = targets[target]
-    if info["pid"] is None:
+    if info.pid is None:
         raise ConfigError(f"{target} is being recovered; it has no process to kill yet")
-    now = sigkill_on_node(supervisor, target, info, trigger, timeout_s)
+    now = sigkill_on_node(client.handle, target, info, trigger, timeout_s)
     if now is None:
-        raise ConfigError(f"{target} (pid {info['pid']}) is already dead")
-    logger.warning("killed %s (pid %d) at %.3f", target, info["pid"], now)
-    return {"target": target, "pid": info["pid"], "time": now}
+        raise ConfigError(f"{target} (pid {info.pid}) is already dead")
+    logger.warning("killed %s (pid %d) at %.3f", target, info.pid, now)
+    return {"target": target, "pid": info.pid, "time": now}
 
 
 _KILL_ATTEMPTS = 10
@@ -118,9 +123,8 @@ class FaultSchedule:
 
 def run_schedule(supervisor, schedule: FaultSchedule, stop: threading.Event, on_kill=None) -> list[dict]:
     """Kills per ``schedule`` until it is done or ``stop`` is set; returns the kills."""
-    import ray
-
-    targets = ray.get(supervisor.targets.remote(), timeout=30)
+    supervisor = as_client(supervisor)
+    targets = supervisor.targets()
     start = time.monotonic()
     kills = []
     for at_s, target in schedule.plan(list(targets)):
@@ -135,26 +139,24 @@ def run_schedule(supervisor, schedule: FaultSchedule, stop: threading.Event, on_
     return kills
 
 
-def _kill_retrying(supervisor, target: str, stop: threading.Event) -> list[dict] | None:
+def _kill_retrying(supervisor: SupervisorClient, target: str, stop: threading.Event) -> list[dict] | None:
     """Kills ``target`` (every trainer for ``all_trainers``). A target that is being replaced
     has no process yet, so it is tried again for a few seconds and the schedule's kills all
     land. Returns the kills that landed; None if none did before training ended (a kill then
     would only disturb the shutdown) or ``stop`` was set."""
-    import ray
-
     landed: list[dict] = []
     for attempt in range(_KILL_ATTEMPTS):
-        if ray.get(supervisor.is_finished.remote(), timeout=30):
+        if supervisor.is_finished():
             return landed or None
         try:
             if target != "all_trainers":
                 landed.append(kill_target(supervisor, target, trigger="schedule"))
                 return landed
             # Every trainer at once: Ray Train restarts the whole group from the checkpoint.
-            for t in sorted(x for x in ray.get(supervisor.targets.remote(), timeout=30) if x.startswith("trainer:")):
+            for t in sorted(x for x in supervisor.targets() if x.startswith("trainer:")):
                 landed.append(kill_target(supervisor, t, trigger="schedule"))
             return landed
-        except Exception as err:  # the run may be ending; a failed kill must not kill the run
+        except (ConfigError, ray.exceptions.RayError, TimeoutError) as err:  # the run may be ending: try again
             logger.warning("could not kill %s (attempt %d): %s", target, attempt + 1, err)
             if stop.wait(1.0):
                 return landed or None

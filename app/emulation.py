@@ -27,8 +27,10 @@ import threading
 from dataclasses import dataclass, field
 
 import numpy as np
+import ray
 
 from core.config import EmulationConfig, RunConfig
+from app.chaos import kill_target
 from core.errors import ConfigError
 from policies import CostInputs, decide_recovery, interval_steps
 
@@ -130,18 +132,14 @@ class Emulation:
         """Kills a shard each time the emulated clock reaches the next failure. The clock is
         the steps executed (redone ones too) times ``step_s``, plus the emulated cost of the
         saves and recoveries so far. One failure at a time: the next waits for the recovery."""
-        import ray
-
-        from app.chaos import kill_target
-
         times = iter(self.failure_times_s())
         next_s = next(times, None)
         pick = np.random.default_rng([self.params.seed, 1])
         executed, last_step, cursor, overhead_s, recovering = 0, 0, 0, 0.0, False  # progress counts steps done
         while next_s is not None and not stop.wait(poll_s):
             try:
-                progress = ray.get(supervisor.progress.remote(), timeout=10)
-                events = ray.get(supervisor.events_since.remote(cursor), timeout=10)
+                progress = supervisor.progress()
+                events = supervisor.events_since(cursor)
             except (ray.exceptions.RayError, TimeoutError):
                 continue
             cursor += len(events)
@@ -149,7 +147,7 @@ class Emulation:
                 overhead_s += self._event_cost_s(e)
                 recovering = recovering and e["kind"] not in _RECOVERED
             if progress is not None:
-                step = progress["step"]
+                step = progress.step
                 if step > last_step:
                     executed += step - last_step
                 last_step = step

@@ -12,10 +12,13 @@ Ray Train and torch.
 
 from __future__ import annotations
 
+import glob
+import importlib.util
 import logging
 import os
 
 import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 __all__ = ["Lighthouse", "start_lighthouse"]
 
@@ -37,9 +40,6 @@ def _lighthouse_server_class():
     """torchft's LighthouseServer, from its native extension alone. ``import torchft`` would
     import torch first (1.5-2 s of CPU, measured: the whole lighthouse process took 2.0 s of
     CPU to start, 0.4 s this way); the server is Rust and needs none of it."""
-    import glob
-    import importlib.util
-
     try:
         spec = importlib.util.find_spec("torchft")
         native = glob.glob(os.path.join(os.path.dirname(spec.origin), "_torchft*.so"))[0]
@@ -50,6 +50,7 @@ def _lighthouse_server_class():
         return module.LighthouseServer
     except Exception as err:  # another layout of torchft: the regular import
         logger.info("loading torchft's extension alone failed (%s); importing torchft", err)
+        # import cost: torchft imports torch, 1.5-2 s of CPU (above), paid only on this fallback.
         from torchft.coordination import LighthouseServer
 
         return LighthouseServer
@@ -58,8 +59,6 @@ def _lighthouse_server_class():
 def start_lighthouse(name: str, namespace: str, lighthouse_kwargs: dict):
     """Starts the lighthouse actor on this node (Ray Train pins it to the controller's node
     the same way); returns its handle without waiting for it."""
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
     return (
         ray.remote(Lighthouse)
         .options(

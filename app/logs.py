@@ -13,6 +13,9 @@ import logging
 import os
 from pathlib import Path
 
+import ray
+import ray._private.worker
+
 from core.logs import LOG_DIR, RUN_LOG_HANDLER, file_handler
 
 __all__ = ["LOG_DIR", "configure_driver_logging", "link_ray_session_logs"]
@@ -49,8 +52,6 @@ def configure_driver_logging(run_dir: str | os.PathLike, verbose: bool) -> Path:
 def link_ray_session_logs(run_dir: str | os.PathLike) -> Path | None:
     """``RUN_DIR/logs/ray`` -> this node's Ray session log directory (every Ray worker's
     stdout and stderr, the raylet's and Ray Train's controller's logs)."""
-    import ray
-
     try:
         session = Path(ray._private.worker.global_worker.node.get_session_dir_path())
     except AttributeError:  # not connected, or a client connection without a local node

@@ -31,6 +31,7 @@ _CHECKPOINT_FAILED = "tab:olive"
 # Kill labels beyond this many overlap into a smear; the markers alone still count them.
 _MAX_KILL_LABELS = 12
 _STRIP_ROWS = ("checkpoints", "kills", "recoveries", "rollbacks")
+_ROW = {name: i for i, name in enumerate(_STRIP_ROWS)}
 
 
 def write_plots(run_dir: str | Path, report: dict) -> list[Path]:
@@ -103,8 +104,30 @@ def draw_timeline(report: dict) -> Figure:
     fig = Figure(figsize=(11, 7), layout="constrained")
     loss_ax, rate_ax, strip = fig.subplots(3, 1, sharex=True, gridspec_kw={"height_ratios": [3, 3, 1.6]})
     fig.suptitle(f"run {report.get('run_id', '?')}: {_status(report)}")
+    # Legend entries in the order they are drawn; one per kind of mark.
     handles: dict[str, object] = {}
+    _plot_progress(loss_ax, rate_ax, progress, t0, handles)
+    curves = (loss_ax, rate_ax)
+    _mark_recoveries(curves, strip, events, t0, handles)
+    _mark_kills(curves, strip, events, t0, handles)
+    _mark_rollbacks(curves, strip, events, t0, handles)
+    _mark_checkpoints(strip, events, t0, handles)
+    _mark_training_span(curves, strip, events, t0, handles)
 
+    strip.set_yticks(range(len(_STRIP_ROWS)), _STRIP_ROWS, fontsize=8)
+    strip.set_ylim(-0.6, len(_STRIP_ROWS) - 0.2)
+    strip.invert_yaxis()
+    strip.set_xlim(left=0)
+    strip.set_xlabel("seconds since the run's first event")
+    for ax in (loss_ax, rate_ax, strip):
+        ax.grid(axis="x", alpha=0.3)
+    if handles:
+        fig.legend(list(handles.values()), list(handles), loc="outside lower center", ncols=min(len(handles), 4), fontsize=8)
+    return fig
+
+
+def _plot_progress(loss_ax, rate_ax, progress: list[dict], t0: float, handles: dict) -> None:
+    """The loss and samples/s curves, and the live trainers on a second axis of the latter."""
     xs = [p["time"] - t0 for p in progress]
     loss = [(x, p["loss"]) for x, p in zip(xs, progress) if p.get("loss") is not None]
     rate = [(x, p["samples_per_s"]) for x, p in zip(xs, progress) if p.get("samples_per_s") is not None]
@@ -126,28 +149,36 @@ def draw_timeline(report: dict) -> Figure:
         twin.yaxis.get_major_locator().set_params(integer=True)
         handles["live trainers"] = Line2D([], [], color="gray", ls=":")
 
-    row = {name: i for i, name in enumerate(_STRIP_ROWS)}
+
+def _mark_recoveries(curves: tuple, strip, events: list[dict], t0: float, handles: dict) -> None:
+    """Each recovery shaded over the curves and as a bar on the strip."""
     # Shard, trainer and supervisor recoveries overlap in time: each gets its own lane.
     lane = {"shard": -0.25, "trainer": 0.0, "supervisor": 0.25}
     for start, end, colour, kind in _recovery_spans(events):
-        for ax in (loss_ax, rate_ax):
+        for ax in curves:
             ax.axvspan(start - t0, end - t0, color=colour, alpha=0.12, lw=0)
-        strip.broken_barh([(start - t0, max(end - start, 0.0))], (row["recoveries"] + lane[kind] - 0.12, 0.24),
+        strip.broken_barh([(start - t0, max(end - start, 0.0))], (_ROW["recoveries"] + lane[kind] - 0.12, 0.24),
                           color=colour, alpha=0.7)
         handles[f"{kind} recovery (kill to back)"] = Patch(color=colour, alpha=0.35)
 
+
+def _mark_kills(curves: tuple, strip, events: list[dict], t0: float, handles: dict) -> None:
+    """Each kill as a dashed line over the curves and a labelled cross on the strip."""
     kills = [e for e in events if e["kind"] == "fault_injected"]
     for e in kills:
         x = _kill_time(e) - t0
-        for ax in (loss_ax, rate_ax):
+        for ax in curves:
             ax.axvline(x, color=_KILL, ls="--", lw=0.9, alpha=0.8)
-        strip.plot([x], [row["kills"]], marker="x", color=_KILL, ms=7, mew=2)
+        strip.plot([x], [_ROW["kills"]], marker="x", color=_KILL, ms=7, mew=2)
         if len(kills) <= _MAX_KILL_LABELS:
-            strip.annotate(str(e.get("target", "")), (x, row["kills"]), xytext=(3, 4),
+            strip.annotate(str(e.get("target", "")), (x, _ROW["kills"]), xytext=(3, 4),
                            textcoords="offset points", fontsize=7, color=_KILL)
     if kills:
         handles["kill (fault injected)"] = Line2D([], [], color=_KILL, ls="--", marker="x")
 
+
+def _mark_rollbacks(curves: tuple, strip, events: list[dict], t0: float, handles: dict) -> None:
+    """Each rollback over the curves, and on the strip with the step it went back to."""
     rollbacks = {
         "all_trainers_failed": ("rollback (every trainer died)", "-", "fallback_step"),
         "checkpoint_fallback": ("checkpoint fallback", ":", "step"),
@@ -156,45 +187,40 @@ def draw_timeline(report: dict) -> Figure:
     for i, e in enumerate(e for e in events if e["kind"] in rollbacks):
         label, style, step_key = rollbacks[e["kind"]]
         x = e["time"] - t0
-        for ax in (loss_ax, rate_ax):
+        for ax in curves:
             ax.axvline(x, color=_ROLLBACK, ls=style, lw=1.5)
-        strip.plot([x], [row["rollbacks"]], marker="v", color=_ROLLBACK, ms=7)
+        strip.plot([x], [_ROW["rollbacks"]], marker="v", color=_ROLLBACK, ms=7)
         if e.get(step_key) is not None:
             # Alternately above and below the marker, so neighbours do not overprint.
-            strip.annotate(f"to step {e[step_key]}", (x, row["rollbacks"]), xytext=(4, 5 if i % 2 == 0 else -11),
+            strip.annotate(f"to step {e[step_key]}", (x, _ROW["rollbacks"]), xytext=(4, 5 if i % 2 == 0 else -11),
                            textcoords="offset points", fontsize=7, color=_ROLLBACK)
         handles[label] = Line2D([], [], color=_ROLLBACK, ls=style, marker="v")
 
+
+def _mark_checkpoints(strip, events: list[dict], t0: float, handles: dict) -> None:
+    """Checkpoints saved and failed, on the strip."""
     saved = [e["time"] - t0 for e in events if e["kind"] == "checkpoint_saved"]
     failed = [e["time"] - t0 for e in events if e["kind"] == "checkpoint_failed"]
     if saved:
-        strip.plot(saved, [row["checkpoints"]] * len(saved), ls="", marker="|", ms=12, mew=1.5, color=_CHECKPOINT)
+        strip.plot(saved, [_ROW["checkpoints"]] * len(saved), ls="", marker="|", ms=12, mew=1.5, color=_CHECKPOINT)
         handles["checkpoint saved"] = Line2D([], [], ls="", marker="|", ms=10, mew=1.5, color=_CHECKPOINT)
     if failed:
-        strip.plot(failed, [row["checkpoints"]] * len(failed), ls="", marker="x", ms=7, color=_CHECKPOINT_FAILED)
+        strip.plot(failed, [_ROW["checkpoints"]] * len(failed), ls="", marker="x", ms=7, color=_CHECKPOINT_FAILED)
         handles["checkpoint failed"] = Line2D([], [], ls="", marker="x", color=_CHECKPOINT_FAILED)
 
+
+def _mark_training_span(curves: tuple, strip, events: list[dict], t0: float, handles: dict) -> None:
+    """The start and end of training on every axis, and the startup before it shaded."""
     for kind in ("training_started", "training_finished"):
         for e in (e for e in events if e["kind"] == kind):
             x = e.get("wall_time", e["time"]) - t0
-            for ax in (loss_ax, rate_ax, strip):
+            for ax in (*curves, strip):
                 ax.axvline(x, color="black", ls=":", lw=0.9)
             handles["training start / end"] = Line2D([], [], color="black", ls=":")
             if kind == "training_started" and x > 0:
-                for ax in (loss_ax, rate_ax):
+                for ax in curves:
                     ax.axvspan(0, x, color="gray", alpha=0.08, lw=0)
                 handles["startup (before the first step)"] = Patch(color="gray", alpha=0.2)
-
-    strip.set_yticks(range(len(_STRIP_ROWS)), _STRIP_ROWS, fontsize=8)
-    strip.set_ylim(-0.6, len(_STRIP_ROWS) - 0.2)
-    strip.invert_yaxis()
-    strip.set_xlim(left=0)
-    strip.set_xlabel("seconds since the run's first event")
-    for ax in (loss_ax, rate_ax, strip):
-        ax.grid(axis="x", alpha=0.3)
-    if handles:
-        fig.legend(list(handles.values()), list(handles), loc="outside lower center", ncols=min(len(handles), 4), fontsize=8)
-    return fig
 
 
 def _seconds(value) -> str:

@@ -1,16 +1,39 @@
-"""Ray Train's torchft backend with the driver's prestarted lighthouse (``app.lighthouse``).
-
-Kept apart from ``app.lighthouse`` because importing Ray Train imports torch (1.7 s).
+"""The trainers as a Ray Train worker group: ``TorchTrainer`` with the torchft backend (each
+trainer its own replica group) using the driver's prestarted lighthouse (``app.lighthouse``),
+without the helper actors that cannot serve the run, and ``fit`` started again when Ray Train's
+controller gives up after a second trainer death. Importing Ray Train imports torch (3.0 s
+here), so the driver loads this module on a thread while it prepares the data.
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
+from pathlib import Path
 
 import ray
+from ray.train import ControllerError, FailureConfig, ScalingConfig
+from ray.train import RunConfig as TrainRunConfig
+from ray.train.torch import TorchTrainer
+from ray.train.v2._internal.callbacks.datasets import DatasetsCallback
+from ray.train.v2._internal.callbacks.placement_group_callback import PlacementGroupCleanerCallback
+from ray.train.v2.api.exceptions import WorkerGroupError
 from ray.train.v2.torch.torchft_config import TorchftConfig, _TorchftBackend
+from ray.util.state import list_nodes
 
-__all__ = ["PrestartedLighthouseConfig"]
+from actors.client import SupervisorClient
+from actors.supervisor.actor import supervisor_name
+from actors.trainer import train_loop
+from core.config import RunConfig
+from core.errors import CprError
+from core.logs import LOG_DIR
+from policies import Budget, FailurePolicy
+
+__all__ = ["PrestartedLighthouseConfig", "TrainerGroup", "TrainersFailed", "fit_with_restarts", "trainer_class"]
+
+
+class TrainersFailed(CprError):
+    """The trainers failed past ``budgets.max_trainer_failures``; the message says how."""
 
 logger = logging.getLogger(__name__)
 
@@ -40,3 +63,102 @@ class _PrestartedLighthouseBackend(_TorchftBackend):
             except (ValueError, ray.exceptions.RayActorError) as err:
                 logger.warning("the prestarted lighthouse is not available (%s); starting one", err)
         return super()._maybe_create_lighthouse_actor(backend_config)
+
+
+# ----------------------------------------------------------------------------- the worker group
+
+
+@dataclass(frozen=True)
+class TrainerGroup:
+    """What the trainers' worker group needs: the run's config and names, and the lighthouse
+    the driver started (used by the first group; a group started again gets a new one)."""
+
+    cfg: RunConfig
+    run_id: str
+    run_dir: Path
+    lighthouse_name: str | None
+    lighthouse_kwargs: dict
+
+
+def make_torch_trainer(group: TrainerGroup, attempt: int) -> TorchTrainer:
+    cfg = group.cfg
+    return trainer_class()(
+        train_loop_per_worker=train_loop,
+        train_loop_config={
+            "config": cfg.model_dump(), "supervisor": supervisor_name(group.run_id), "run_id": group.run_id,
+            "lighthouse_host": ray.util.get_node_ip_address(), "log_dir": str(group.run_dir / LOG_DIR),
+        },
+        # Trainers on different hosts where the cluster has them: one host's loss takes one
+        # trainer, and the others go on.
+        scaling_config=ScalingConfig(num_workers=cfg.training.num_trainers, use_gpu=False, placement_strategy="SPREAD"),
+        torch_config=PrestartedLighthouseConfig(
+            lighthouse_name=group.lighthouse_name if attempt == 0 else None, lighthouse_namespace=cfg.ray.namespace,
+            lighthouse_kwargs=group.lighthouse_kwargs, backend="gloo",
+        ),
+        # A failure replaces only the dead trainer's replica group (TorchftConfig); the whole
+        # group restarts only when every trainer died.
+        run_config=TrainRunConfig(
+            name=f"cpr-{group.run_id}" + (f"-{attempt}" if attempt else ""),
+            storage_path=str(group.run_dir / "ray_train"),
+            failure_config=FailureConfig(max_failures=cfg.budgets.max_trainer_failures),
+        ),
+    )
+
+
+def fit_with_restarts(group: TrainerGroup, supervisor: SupervisorClient) -> None:
+    """Ray Train's ``fit()``, started again when its controller gave up because a second
+    trainer died while it replaced the first (Ray Train 2.60 raises a non-retryable
+    ControllerError from ``replace_replica_group``; the worker group is gone then). The new
+    group is the every-trainer-died case: it falls back to the last checkpoint. Restarts count
+    against ``budgets.max_trainer_failures``; Ray Train's own giving up (its
+    ``WorkerGroupError`` past ``max_failures``) raises ``TrainersFailed`` naming that budget."""
+    policy = FailurePolicy(group.cfg.budgets.limits())
+    attempt = 0
+    while True:
+        try:
+            make_torch_trainer(group, attempt).fit()
+            return
+        except ControllerError as err:
+            if not isinstance(err.controller_failure, ray.exceptions.RayActorError) or supervisor.status().stop:
+                raise
+            attempt += 1
+            reason = str(err.controller_failure).splitlines()[0][:200]
+            over = policy.exceeded(Budget.TRAINER_FAILURES, attempt, f"Ray Train's controller stopped: {reason}")
+            if over is not None:
+                raise TrainersFailed(over) from err
+            logger.warning("Ray Train's controller stopped (%s); starting the trainers again (%d)", reason, attempt)
+            supervisor.record_group_restarted(attempt, reason)
+        except WorkerGroupError as err:
+            limit = group.cfg.budgets.max_trainer_failures
+            detail = f"Ray Train gave up on the trainers: {str(err).splitlines()[0][:200]}"
+            raise TrainersFailed(policy.check(Budget.TRAINER_FAILURES, limit + 1).message(detail)) from err
+
+
+def trainer_class() -> type:
+    """``TorchTrainer`` without the helper actors that cannot serve this run.
+
+    - Ray Data's callback: trainers read the microbatch cache themselves and pass no
+      ``datasets``, yet Ray Train 2.60 starts a DatasetManager actor (a process importing
+      Ray Data, about 2 s of CPU) for every worker group and every replaced trainer.
+    - The PlacementGroupCleaner, where Ray's state API does not answer (a Ray without a
+      dashboard, such as the embedded one): it watches the controller through that API only,
+      so there it can never clean anything and polls and fails every second for the whole run.
+    On a 2-core machine each of these is CPU taken from the trainers' own start.
+    """
+    unused = (DatasetsCallback,) if _state_api_answers() else (DatasetsCallback, PlacementGroupCleanerCallback)
+
+    class Trainer(TorchTrainer):
+        def _create_default_callbacks(self):
+            return [cb for cb in super()._create_default_callbacks() if not isinstance(cb, unused)]
+
+    return Trainer
+
+
+def _state_api_answers() -> bool:
+    try:
+        list_nodes(limit=1, timeout=10)
+        return True
+    except Exception as err:  # noqa: BLE001 - no dashboard: its API server is not there
+        logger.info("Ray's state API does not answer (%s); Ray Train runs without its PlacementGroupCleaner",
+                    str(err).splitlines()[0][:120])
+        return False

@@ -7,10 +7,22 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import shutil
+import time
 from collections import defaultdict
 from pathlib import Path
 
-from core.config import RunConfig
+import ray
+
+from app.job import TrainingJob
+from app.rayenv import connect_ray
+from core.accounting import LostSpan, chain_rows, count_lost_samples
+from core.cache import MicrobatchFile
+from core.checkpoint import CheckpointStore
+from core.config import RunConfig, config_from_dict, load_config
+from core.plan import make_plan
+from core.schedule import StepSchedule
 
 __all__ = ["check_run", "leftovers", "soak_config"]
 
@@ -20,8 +32,6 @@ logger = logging.getLogger(__name__)
 def soak_config(base: RunConfig, run_dir: str, seed: int, kills: int, mtbf_s: float) -> RunConfig:
     """``base`` with random kills of shards, trainers, every trainer and the supervisor,
     kills aimed at a save and at a recovery, and the audit log on."""
-    from core.config import config_from_dict
-
     raw = base.model_dump()
     raw.update(run_dir=run_dir, audit_log=True)
     raw["data"]["cache_dir"] = base.cache_dir
@@ -46,8 +56,6 @@ def _lines(path: Path) -> list[dict]:
 
 def check_run(cfg: RunConfig, report: dict, injected: list[dict], train_cache: str) -> list[str]:
     """Every invariant the run violated, as sentences; [] when it is sound."""
-    from core.checkpoint import CheckpointStore
-
     v: list[str] = []
     run_dir = Path(cfg.run_dir)
     m = cfg.training.microbatches_per_step
@@ -130,12 +138,6 @@ def _check_dense(audit: Path, m: int, total: int) -> list[str]:
 def _recount_lost(cfg: RunConfig, report: dict, audit: Path, cache: str) -> float:
     """PLS numerator again, from the audit: a partially recovered actor's updates from its
     first applied step up to the first step its successors applied, minus what its chain saved."""
-    from core.accounting import chain_rows, count_lost_samples
-    from core.checkpoint import CheckpointStore
-    from core.plan import make_plan
-    from core.schedule import StepSchedule
-    from core.cache import MicrobatchFile
-
     partial = [f for f in report["failures"] if f["recovery"] == "partial"]
     if not partial:
         return 0.0
@@ -157,23 +159,14 @@ def _recount_lost(cfg: RunConfig, report: dict, audit: Path, cache: str) -> floa
         for e in later:
             if e["event"] == "load" and e.get("why") == "rollback":
                 redo = min(redo, e["chain"][-1] if e["chain"] else 0)
-        failure = {**f, "first_step": first, "failed_at_step": redo}
-        lost += count_lost_samples(cfg, plan, schedule, cache, failure, chain_rows(plan, store, failure))
+        span = LostSpan(k, tuple(f["chain"]), first, redo)
+        lost += count_lost_samples(cfg, plan, schedule, cache, span, chain_rows(plan, store, span))
     return lost
 
 
 def run_soak(config_path: str, run_dir: str, seed: int, kills: int, mtbf_s: float, timeout_s: float = 1200.0) -> dict:
     """One soak run: train ``config_path`` under the soak's faults, then check it. A run that
     does not finish within ``timeout_s`` counts as wedged."""
-    import shutil
-
-    import ray
-
-    from core.config import load_config
-    from app.job import TrainingJob
-
-    from app.job import connect_ray
-
     shutil.rmtree(run_dir, ignore_errors=True)
     cfg = soak_config(load_config(config_path), run_dir, seed, kills, mtbf_s)
     started_ray = connect_ray(cfg)  # owned here, so the leftover check can still ask Ray
@@ -192,7 +185,7 @@ def run_soak(config_path: str, run_dir: str, seed: int, kills: int, mtbf_s: floa
             report = job.finish()
         except Exception as err:
             error = error or repr(err)
-        pids = ray.get(job.supervisor.targets.remote(), timeout=60) if report else {}
+        pids = job.client.targets() if report else {}
     finally:
         job.close()
     violations = [f"wedged: not finished within {timeout_s:.0f}s"] if wedged else []
@@ -220,20 +213,15 @@ def run_soak(config_path: str, run_dir: str, seed: int, kills: int, mtbf_s: floa
 
 def leftovers(pids: dict, run_id: str, namespace: str, wait_s: float = 30.0) -> list[str]:
     """No process or named actor of the run may outlive it (checked on this node)."""
-    import os
-    import time
-
-    import ray
-
     deadline = time.monotonic() + wait_s
     while True:
         alive = []
         for target, info in pids.items():
-            if target == "supervisor" or info["pid"] is None:
+            if target == "supervisor" or info.pid is None:
                 continue
             try:
-                os.kill(info["pid"], 0)
-                alive.append(f"{target} (pid {info['pid']})")
+                os.kill(info.pid, 0)
+                alive.append(f"{target} (pid {info.pid})")
             except ProcessLookupError:
                 pass
         names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)

@@ -339,7 +339,7 @@ def main() -> None:
 
     import ray
 
-    from app.job import connect_ray
+    from app.rayenv import connect_ray
 
     root = Path(tempfile.mkdtemp(prefix=f"cpr-bench-{args.part}-"))
     RESULTS.mkdir(parents=True, exist_ok=True)

@@ -270,7 +270,7 @@ def _trainer_class():
     """cpr's TorchTrainer without the helper actors this run does not use (app.job), so that
     both methods pay the same per-group start; plain TorchTrainer if that is not there."""
     try:
-        from app.job import _trainer_class as cpr_trainer_class
+        from app.raytrain import trainer_class as cpr_trainer_class
 
         return cpr_trainer_class()
     except Exception:
@@ -299,7 +299,7 @@ def run_ddp(cfg: core.config.RunConfig, kills: int, healthy_s: float, checkpoint
     from ray.train.torch import TorchConfig
 
     from core.schedule import StepSchedule
-    from app.job import prepare_data
+    from core.cache import prepare_data
 
     if __name__ != "__main__":  # ship this module's code to the workers whatever their sys.path
         ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -429,7 +429,7 @@ def main() -> None:
 
     from core.config import load_config
     from core.data import generate
-    from app.job import connect_ray
+    from app.rayenv import connect_ray
 
     base = load_config(args.config)
     root = Path(tempfile.mkdtemp(prefix="cpr-bench-ddp-"))

@@ -87,7 +87,7 @@ def main() -> None:
 
     import ray
 
-    from app.job import connect_ray
+    from app.rayenv import connect_ray
 
     base = load_config(args.config)
     root = Path(tempfile.mkdtemp(prefix="cpr-bench-recovery-"))

@@ -203,7 +203,7 @@ def _spread(xs: list[float]) -> str:
 
 
 def run_workload(name: str, args, runs_root: Path) -> dict:
-    from app.job import prepare_data
+    from core.cache import prepare_data
 
     config, default_steps = WORKLOADS[name]
     steps = args.steps or default_steps
@@ -342,7 +342,7 @@ def main() -> None:
 
     import ray
 
-    from app.job import connect_ray
+    from app.rayenv import connect_ray
 
     runs_root = Path(tempfile.mkdtemp(prefix="cpr-bench-"))
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)

@@ -98,7 +98,7 @@ def main() -> None:
     import ray
 
     from core.data import generate
-    from app.job import connect_ray
+    from app.rayenv import connect_ray
     from benchmarks.ddp_baseline import run_ddp
 
     base = load_config(args.config)

@@ -1,12 +1,15 @@
 """The preprocessed microbatch cache: Criteo records streamed once through the reader,
 validated, preprocessed and written as an Arrow IPC file whose record batch ``i`` is
 microbatch ``i``. Trainers memory-map it and read any microbatch by id without parsing.
+``prepare_data`` makes a run's data ready: synthetic files generated if configured and
+missing, then the train and eval caches.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,10 +18,13 @@ from typing import Sequence
 import numpy as np
 import pyarrow as pa
 
-from core.data import NUM_DENSE, NUM_SPARSE, CriteoReader
-from core.errors import InsufficientData
+from core.config import RunConfig
+from core.data import NUM_DENSE, NUM_SPARSE, CriteoReader, generate
+from core.errors import ConfigError, InsufficientData
 
-__all__ = ["CacheInfo", "MicrobatchFile", "build_cache"]
+__all__ = ["CacheInfo", "MicrobatchFile", "build_cache", "prepare_data"]
+
+logger = logging.getLogger(__name__)
 
 _FORMAT_VERSION = 1
 
@@ -160,3 +166,32 @@ class MicrobatchFile:
         dense = b.column(1).values.to_numpy().reshape(-1, NUM_DENSE)
         sparse = b.column(2).values.to_numpy().reshape(-1, NUM_SPARSE)
         return labels, dense, sparse
+
+
+def prepare_data(cfg: RunConfig) -> dict:
+    """Generates synthetic data if configured and missing, then builds the microbatch caches."""
+    missing = [p for p in cfg.data.train + cfg.data.eval if not Path(p).exists()]
+    ceiling_auc = None
+    if missing:
+        gen = cfg.data.generate
+        if gen is None:
+            raise ConfigError(f"data files not found: {missing} (set data.generate to create synthetic data)")
+        out_dir = Path(cfg.data.train[0]).parent
+        logger.info("generating %d + %d synthetic rows into %s", gen.train_rows, gen.eval_rows, out_dir)
+        summary = generate(
+            str(out_dir), gen.train_rows, gen.eval_rows, fmt=gen.format, seed=gen.seed, vocab_rows=gen.vocab_rows
+        )
+        produced = {summary.train_path, summary.eval_path}
+        if not all(str(Path(p)) in {str(Path(q)) for q in produced} for p in cfg.data.train + cfg.data.eval):
+            raise ConfigError(
+                f"data.generate wrote {sorted(produced)} but data.train/data.eval name {cfg.data.train + cfg.data.eval}"
+            )
+    datagen_json = Path(cfg.data.train[0]).parent / "datagen.json"
+    if datagen_json.exists():
+        ceiling_auc = json.loads(datagen_json.read_text()).get("ceiling_auc")
+    tr = cfg.training
+    train = build_cache(cfg.data.train, cfg.cache_dir, "train", tr.microbatch_rows, cfg.data.skip_bad_lines)
+    evaluation = build_cache(
+        cfg.data.eval, cfg.cache_dir, "eval", tr.microbatch_rows, cfg.data.skip_bad_lines, keep_tail=True
+    )
+    return {"train": train, "eval": evaluation, "ceiling_auc": ceiling_auc}

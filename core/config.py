@@ -11,18 +11,16 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 
+from core.config_failures import BudgetsConfig, EmulationConfig, FaultPoint, FaultsConfig, Section as _Section
 from core.errors import ConfigError
 
-__all__ = ["RunConfig", "load_config", "config_from_dict", "config_reference"]
+__all__ = [
+    "RunConfig", "load_config", "config_from_dict", "BudgetsConfig", "EmulationConfig", "FaultPoint", "FaultsConfig",
+]
 
 NUM_SPARSE = 26
-
-
-class _Section(BaseModel):
-    # Unknown keys are typos; failing on them beats silently ignoring a setting.
-    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
 
 
 class GenerateConfig(_Section):
@@ -157,8 +155,6 @@ class TrainingConfig(_Section):
     heartbeat_timeout_s: float = Field(2.0, ge=0.2, le=600.0)
     """A trainer whose heartbeats (every 0.1 s) stop for this long is dropped from the torchft
     quorum: after a trainer dies, the survivors wait this long before they go on without it."""
-    max_trainer_failures: int = Field(20, ge=-1)
-    """Trainer deaths Ray Train replaces before the run fails (-1: no limit)."""
 
     @model_validator(mode="after")
     def _check_timeouts(self) -> "TrainingConfig":
@@ -213,85 +209,6 @@ class CheckpointConfig(_Section):
     def stored(self) -> bool:
         """Whether the run writes checkpoints at all (periodic ones or the final one)."""
         return self.enabled or self.final
-
-
-class FaultPoint(_Section):
-    """A kill at a named point of the supervisor's work (like torchft's EventInjector.fail_at)."""
-
-    at: Literal["save.snapshotted", "save.files_written", "recovery.spawned", "recovery.loaded", "rollback.loaded"]
-    """save.snapshotted: every shard copied the rows to save, files being written in the background;
-    save.files_written: shard files written, manifest not; recovery.spawned: new shards answer, nothing
-    loaded; recovery.loaded: loaded, fleet not committed; rollback.loaded: every shard loaded, nothing fenced."""
-    kill: str = Field(..., pattern=r"^(supervisor|all_trainers|shard:\d+|trainer:\d+)$")
-    """What to kill there, once: supervisor, all_trainers, shard:K or trainer:K."""
-
-
-class FaultsConfig(_Section):
-    """Injected failures, so that a run with failures is reproducible."""
-
-    targets: list[Literal["shards", "trainers", "supervisor", "all_trainers"]] = ["shards"]
-    """Which actors may be killed (SIGKILL of the actor's process); all_trainers kills every trainer at once."""
-    mtbf_s: float = Field(20.0, gt=0.0)
-    """Mean time between injected failures."""
-    distribution: Literal["exponential", "fixed"] = "exponential"
-    """Inter-failure times: exponential with mean mtbf_s (memoryless, as real failures), or fixed."""
-    seed: int = Field(0, ge=0)
-    """Seed of the schedule: which actor dies and when."""
-    max_failures: int = Field(3, ge=0)
-    """Stop injecting after this many kills."""
-    start_after_s: float = Field(0.0, ge=0.0)
-    """Injection starts this long after the first training step."""
-    at_steps: dict[str, list[int]] = {}
-    """Kills once a training step committed, e.g. ``{trainer: [40], shard: [70]}``; keys: shard, trainer
-    (one chosen by the seed), shard:K, trainer:K, supervisor, all_trainers. Independent of machine speed."""
-    at_points: list[FaultPoint] = []
-    """Kills at named points of the supervisor's work, each once (see faults.at_points[].at)."""
-
-    @field_validator("at_steps")
-    @classmethod
-    def _check_at_steps(cls, v: dict[str, list[int]]) -> dict[str, list[int]]:
-        import re
-
-        for key, steps in v.items():
-            if not re.fullmatch(r"shard|trainer|supervisor|all_trainers|shard:\d+|trainer:\d+", key):
-                raise ValueError(f"key {key!r} must be shard, trainer, shard:K, trainer:K, supervisor or all_trainers")
-            if any(s < 0 for s in steps):
-                raise ValueError(f"{key}: steps must be >= 0, got {steps}")
-        return v
-
-
-class EmulationConfig(_Section):
-    """The CPR paper's production-scale emulation: real training, failures and costs on an emulated clock."""
-
-    node_mtbf_h: float = Field(6335.0, gt=0.0, le=10_000_000.0)
-    """Mean time between failures of one host, in hours. Default: Llama 3's pre-training, 419 unexpected
-    interruptions in 54 days on 16,384 GPUs = 2,048 hosts of 8 (Dubey et al. 2024, section 3.3.4)."""
-    nodes: int = Field(128, ge=1, le=1_000_000)
-    """Hosts of the emulated job; its MTBF is node_mtbf_h / nodes (49.5 h by default)."""
-    duration_h: float = Field(240.0, gt=0.0, le=1_000_000.0)
-    """Failure-free production training time the run stands for; each step is duration_h / steps of it."""
-    save_s: float = Field(600.0, gt=0.0, le=86_400.0)
-    """Training stall of one full checkpoint save (o_save); a prioritized save costs its share of the rows."""
-    load_s: float = Field(600.0, ge=0.0, le=86_400.0)
-    """Loading the whole model from a checkpoint (o_load); a partial recovery pays the dead shard's share."""
-    reschedule_s: float = Field(300.0, ge=0.0, le=86_400.0)
-    """Getting a replacement host and process running (o_res), per failure."""
-    seed: int = Field(0, ge=0)
-    """Seed of the failure schedule (times on the emulated clock, and which shard fails)."""
-    max_failures: int = Field(100, ge=0, le=10_000)
-    """Stop placing failures after this many."""
-
-
-class BudgetsConfig(_Section):
-    """Failure budgets (like Ray Train's FailureConfig): past one the run stops with an error
-    naming the budget and the counts, writes its report, and ``--resume`` continues it."""
-
-    max_shard_recoveries: int = Field(100, ge=-1)
-    """Embedding-shard deaths recovered before the run stops (-1: no limit)."""
-    max_step_redos: int = Field(20, ge=-1)
-    """Times one training step may fail and be redone before the run stops (-1: no limit)."""
-    max_supervisor_restarts: int = Field(20, ge=-1)
-    """Supervisor restarts before the run stops (-1: no limit)."""
 
 
 class RayConfig(_Section):
@@ -401,38 +318,3 @@ def load_config(path: str | os.PathLike, overrides: dict[str, Any] | None = None
             node = node.setdefault(p, {})
         node[leaf] = value
     return config_from_dict(raw)
-
-
-def _allowed(info) -> str:
-    parts = []
-    for m in info.metadata:
-        for attr, sym in (("ge", ">="), ("gt", ">"), ("le", "<="), ("lt", "<")):
-            v = getattr(m, attr, None)
-            if v is not None:
-                parts.append(f"{sym} {v}")
-    return ", ".join(parts)
-
-
-def config_reference() -> str:
-    """The config reference as a markdown table, from the models' field docstrings."""
-    rows = ["| field | type | default | allowed | meaning |", "|---|---|---|---|---|"]
-
-    def walk(model: type[BaseModel], prefix: str) -> None:
-        for name, info in model.model_fields.items():
-            ann = info.annotation
-            sub = next(
-                (a for a in getattr(ann, "__args__", (ann,)) if isinstance(a, type) and issubclass(a, BaseModel)),
-                None,
-            )
-            if sub is not None:
-                doc = (sub.__doc__ or "").strip().splitlines()[0]
-                rows.append(f"| **{prefix}{name}** | section | | | {doc} |")
-                walk(sub, f"{prefix}{name}.")
-                continue
-            type_s = str(ann).replace("typing.", "").replace("<class '", "").replace("'>", "").replace("|", "\\|")
-            default = "required" if info.is_required() else repr(info.default)
-            desc = " ".join((info.description or "").split())
-            rows.append(f"| `{prefix}{name}` | `{type_s}` | `{default}` | {_allowed(info)} | {desc} |")
-
-    walk(RunConfig, "")
-    return "\n".join(rows)

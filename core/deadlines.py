@@ -1,10 +1,14 @@
-"""Nested timeouts: every blocking call on a failure path has a deadline, and an outer wait
-is always longer than the longest inner one it contains.
+"""Nested timeouts: every blocking call on a failure path has a deadline, and a caller always
+waits longer than the longest wait inside the method it calls.
 
-    shard call            T = embeddings.call_timeout_s
-    supervisor method     supervisor_wait_s = 4 T: waits for a recovery (respawn T, load T,
-                          one retry) and probes shards within this, then answers or raises
-    trainer -> supervisor trainer_wait_s = supervisor_wait_s + T
+    shard call                T = embeddings.call_timeout_s
+    a recovery                supervisor_wait_s = 4 T (a respawn T, a load T, one retry of each)
+    the save in flight        save_drain_s = 2 T (its background write and commit)
+    a supervisor method       inner_s(method): what it waits for, at most (the table below)
+    its caller                caller_s(method) = inner_s(method) + T
+
+``SupervisorClient`` (``actors.client``) passes ``caller_s`` to every call; the supervisor's
+methods bound their own waits by ``inner_s``.
 """
 
 from __future__ import annotations
@@ -12,7 +16,23 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-__all__ = ["Deadlines", "Deadline"]
+__all__ = ["Deadlines", "Deadline", "BLOCKING"]
+
+# How many shard-call timeouts (T) each blocking supervisor method may wait, at most. Any
+# method not listed answers from memory at once (counted as one T for its caller: the
+# supervisor may be busy restarting).
+BLOCKING = {
+    "start": 1,  # every shard answers ready()
+    "restore": 4 + 1,  # a rollback (4 T), after verifying the checkpoint it goes to (1 T)
+    "trainer_setup": 4,  # the shards start
+    "await_shards": 4,  # a recovery in flight, then a probe of every shard
+    "fallback_to_checkpoint": 4 + 1,  # a liveness probe of the trainers (1 T), a rollback (4 T)
+    "save_checkpoint": 2 + 1,  # the previous save drains (2 T), every shard snapshots (1 T)
+    "await_final": 2 + 4,  # the final save drains (2 T), then as await_shards (4 T)
+    "record_eval": 2,  # the final save drains
+    "summary": 2 + 1 + 1,  # the last save drains, lost samples are counted (1 T), shards answer (1 T)
+    "shutdown": 2,  # the last save drains
+}
 
 
 @dataclass(frozen=True)
@@ -21,11 +41,21 @@ class Deadlines:
 
     @property
     def supervisor_wait_s(self) -> float:
+        """A recovery (respawn, load, one retry of each) as a waiter sees it."""
         return 4 * self.shard_call_s
 
     @property
-    def trainer_wait_s(self) -> float:
-        return self.supervisor_wait_s + self.shard_call_s
+    def save_drain_s(self) -> float:
+        """The save in flight: its shards' files, the dense state, the manifest."""
+        return 2 * self.shard_call_s
+
+    def inner_s(self, method: str) -> float:
+        """The longest a supervisor method waits before it answers (0: it answers at once)."""
+        return BLOCKING.get(method, 0) * self.shard_call_s
+
+    def caller_s(self, method: str) -> float:
+        """How long a caller waits for ``method``: longer than anything inside it."""
+        return self.inner_s(method) + self.shard_call_s
 
 
 class Deadline:

@@ -1,9 +1,13 @@
-"""The supervisor's write-ahead journal: one JSON document in ``<run_dir>/supervisor_state.json``.
+"""The supervisor's files in the run directory.
 
-It holds the state machine's current state (with the intent in flight: which shards, which
-generations, which chain), the committed fleet, the save schedule, failures and events.
-Every write replaces the file atomically (temp file + rename), so a supervisor killed at any
-point finds either the old or the new document, never half of one.
+- ``supervisor_state.json``, the write-ahead journal: one JSON document with a section per
+  part of the supervisor (the recovery state with its intent in flight, the committed fleet,
+  the save schedule, failures, events...). Every write replaces the file atomically (temp
+  file + rename), so a supervisor killed at any point finds the old or the new document.
+- ``trainer_book.jsonl``: the high-rate records (every commit, failed step and broken group),
+  appended instead of rewritten, replayed by a restarted or resumed supervisor.
+- ``events.jsonl`` and ``progress.jsonl``: appended as the run goes, for ``cpr report`` on a
+  run whose driver died. A resumed run appends to all of them.
 """
 
 from __future__ import annotations
@@ -12,9 +16,12 @@ import json
 import os
 from pathlib import Path
 
-__all__ = ["Journal", "RunLog", "STATE_FILE", "EVENTS_FILE", "PROGRESS_FILE"]
+from core.codec import encode
+
+__all__ = ["Journal", "AppendLog", "RunLog", "flat_view", "STATE_FILE", "BOOK_FILE", "EVENTS_FILE", "PROGRESS_FILE"]
 
 STATE_FILE = "supervisor_state.json"
+BOOK_FILE = "trainer_book.jsonl"
 EVENTS_FILE = "events.jsonl"
 PROGRESS_FILE = "progress.jsonl"
 
@@ -35,6 +42,53 @@ class Journal:
         os.replace(self._tmp, self.path)
 
 
+def flat_view(doc: dict) -> dict:
+    """What a reader of a crashed run needs from the journal, whatever its sections: run id,
+    attempt, state, events, progress, failures, kills, heals, evaluation, resume step,
+    supervisor restarts and the checkpoint interval in use. A journal of the first format
+    (one flat document) is already that."""
+    if doc.get("format") != 2:
+        return doc
+    controller, ledger, trainers = doc.get("controller") or {}, doc.get("ledger") or {}, doc.get("trainers") or {}
+    return {
+        "run_id": doc.get("run_id"), "attempt": doc.get("attempt"), "state": controller.get("state"),
+        "events": doc.get("events"), "progress": trainers.get("progress"), "failures": ledger.get("failures"),
+        "kills": ledger.get("kills"), "heals": trainers.get("heals"), "eval": doc.get("eval"),
+        "resume_step": controller.get("resume_step"), "supervisor_restarts": doc.get("supervisor_restarts"),
+        "schedule": {"interval_steps_in_use": (doc.get("checkpoints") or {}).get("interval_steps_in_use")},
+    }
+
+
+class AppendLog:
+    """A JSON-lines file appended one record at a time (flushed per line: a process killed by
+    a signal loses nothing written before). Reading tolerates a torn last line only, the
+    trace of a writer killed mid-line; a bad line before it is an error."""
+
+    def __init__(self, path: Path, fresh: bool = False):
+        self.path = Path(path)
+        self._file = open(self.path, "w" if fresh else "a", buffering=1)
+
+    def append(self, record: dict) -> None:
+        self._file.write(json.dumps(encode(record), default=str) + "\n")
+
+    def close(self) -> None:
+        self._file.close()
+
+    @staticmethod
+    def read(path: Path) -> list[dict]:
+        if not Path(path).exists():
+            return []
+        lines = Path(path).read_text().splitlines()
+        out = []
+        for n, line in enumerate(lines, 1):
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:
+                if n < len(lines):
+                    raise ValueError(f"{path}:{n}: not a JSON record, and not the last line") from None
+        return out
+
+
 class RunLog:
     """``events.jsonl`` and ``progress.jsonl`` in the run directory, appended as the run goes,
     so that ``cpr report`` can draw a run whose driver died before writing its report.
@@ -53,8 +107,8 @@ class RunLog:
     def event(self, event: dict) -> None:
         self._events.write(json.dumps(event, default=str) + "\n")
 
-    def progress(self, record: dict) -> None:
-        self._progress.write(json.dumps(record, default=str) + "\n")
+    def progress(self, record: object) -> None:
+        self._progress.write(json.dumps(encode(record), default=str) + "\n")
 
     def rewrite_events(self, events: list[dict]) -> None:
         tmp = self.events_path.with_name(f".{EVENTS_FILE}.tmp")

@@ -8,6 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from core.config import RunConfig
+from core.data import NUM_DENSE, NUM_SPARSE
+from core.plan import make_plan
 
 __all__ = ["ShardMemory", "MemoryEstimate", "memory_estimate", "dense_parameters"]
 
@@ -107,9 +109,6 @@ def dense_parameters(num_dense: int, num_sparse: int, dense_arch: list[int], ove
 
 def memory_estimate(cfg: RunConfig) -> MemoryEstimate:
     """The peak memory of ``cfg``'s model state, shard by shard as its sharding plan splits the tables."""
-    from core.plan import make_plan
-    from core.data import NUM_DENSE, NUM_SPARSE
-
     dim = cfg.model.embedding_dim
     table_rows = cfg.model.rows_per_table
     plan = make_plan(cfg.embeddings.sharding, table_rows, cfg.embeddings.num_shards)

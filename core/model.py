@@ -114,6 +114,8 @@ class DenseModel(nn.Module):
 def torchrec_dense_model(num_dense: int, num_sparse: int, dense_arch: list[int], over_arch: list[int]) -> nn.Module:
     """The same model built from torchrec's own arches (imports torchrec): the reference
     that the benchmark's single-process baseline and the tests use."""
+    # import cost: torchrec takes 3.1 s (it loads fbgemm), which trainers never pay: they train
+    # with the arches above.
     from torchrec.models.dlrm import DenseArch as TDenseArch
     from torchrec.models.dlrm import InteractionArch as TInteractionArch
     from torchrec.models.dlrm import OverArch as TOverArch

@@ -3,6 +3,7 @@
 Only Python and numpy; every decision is a frozen dataclass with its numbers and a reason.
 """
 
+from policies.budgets import Budget, BudgetCheck, BudgetLimits, FailurePolicy
 from policies.estimates import IntervalChange, IntervalController, OnlineCostModel
 from policies.interval import (
     expected_pls,
@@ -22,6 +23,10 @@ from policies.priority import (
 from policies.recovery import CostInputs, RecoveryDecision, RecoveryMode, decide_recovery
 
 __all__ = [
+    "Budget",
+    "BudgetCheck",
+    "BudgetLimits",
+    "FailurePolicy",
     "young_daly_interval_s",
     "pls_interval_s",
     "expected_pls",

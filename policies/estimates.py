@@ -20,6 +20,10 @@ from policies.recovery import CostInputs, RecoveryDecision, RecoveryMode, decide
 
 __all__ = ["OnlineCostModel", "IntervalChange", "IntervalController"]
 
+_COUNT_KEYS = ("failures_observed", "saves_observed", "loads_observed", "reschedules_observed")
+_STATE_KEYS = ("save_cost_s", "load_cost_s", "reschedule_cost_s", "exposure_s", "failure_weight",
+               "last_failure_s", "clock_s") + _COUNT_KEYS
+
 
 class OnlineCostModel:
     """MTBF and cost estimates seeded from config and updated from observations.
@@ -128,6 +132,51 @@ class OnlineCostModel:
     @property
     def reschedule_cost_s(self) -> float:
         return self._reschedule_cost_s
+
+    def state(self) -> dict[str, float | int]:
+        """Every number the model has learned, to continue from (a restarted supervisor
+        journals it). ``alpha`` and ``prior_weight`` are not in it: they are configuration,
+        which the restoring model takes from its own construction."""
+        return {
+            "save_cost_s": self._save_cost_s,
+            "load_cost_s": self._load_cost_s,
+            "reschedule_cost_s": self._reschedule_cost_s,
+            "exposure_s": self._exposure_s,
+            "failure_weight": self._failure_weight,
+            "last_failure_s": self._last_failure_s,
+            "clock_s": self._clock_s,
+            "failures_observed": self.failures_observed,
+            "saves_observed": self.saves_observed,
+            "loads_observed": self.loads_observed,
+            "reschedules_observed": self.reschedules_observed,
+        }
+
+    def restore(self, state: dict) -> None:
+        """Continues from another model's ``state()``. Every entry is checked before any is
+        taken, so a bad state (missing, unknown, non-finite or out-of-range entry) raises
+        ``ValueError`` and leaves this model as it was."""
+        missing = [k for k in _STATE_KEYS if k not in state]
+        unknown = [k for k in state if k not in _STATE_KEYS]
+        if missing or unknown:
+            raise ValueError(f"state must have exactly the keys {', '.join(_STATE_KEYS)}; "
+                             f"missing {missing}, unknown {unknown}")
+        clock_s = check_finite("clock_s", state["clock_s"])
+        last_failure_s = check_finite("last_failure_s", state["last_failure_s"])
+        if last_failure_s > clock_s:
+            raise ValueError(f"last_failure_s must be <= clock_s={clock_s!r}, got {last_failure_s!r}")
+        new = {
+            "_save_cost_s": check_positive("save_cost_s", state["save_cost_s"]),
+            "_load_cost_s": check_non_negative("load_cost_s", state["load_cost_s"]),
+            "_reschedule_cost_s": check_non_negative("reschedule_cost_s", state["reschedule_cost_s"]),
+            "_exposure_s": check_non_negative("exposure_s", state["exposure_s"]),
+            "_failure_weight": check_positive("failure_weight", state["failure_weight"]),
+            "_last_failure_s": last_failure_s,
+            "_clock_s": clock_s,
+        }
+        for key in _COUNT_KEYS:
+            new[key] = check_int(key, state[key], 0)
+        for name, value in new.items():
+            setattr(self, name, value)
 
     def inputs(self, num_shards: int, pls_target: float) -> CostInputs:
         """The current estimates as ``CostInputs`` for ``decide_recovery``."""

@@ -106,6 +106,75 @@ def _pct(frac: float) -> str:
     return f"{100.0 * frac:.3g}%"
 
 
+@dataclass(frozen=True)
+class _Options:
+    """Both modes' intervals and expected overheads, and partial's expected PLS, before a mode is chosen."""
+
+    t_full_s: float
+    t_part_raw_s: float
+    """The PLS-target interval before the clamp to one save."""
+    t_part_s: float
+    pls_part: float
+    pls_ok: bool
+    ovh_full: float
+    ovh_part: float
+
+
+def _options(c: CostInputs) -> _Options:
+    t_part_raw_s = pls_interval_s(c.pls_target, c.mtbf_s, c.num_shards)
+    t_part_s = feasible_interval_s(t_part_raw_s, c.save_cost_s)
+    t_full_s = feasible_interval_s(young_daly_interval_s(c.save_cost_s, c.mtbf_s), c.save_cost_s)
+    pls_part = expected_pls(t_part_s, c.mtbf_s, c.num_shards)
+    return _Options(
+        t_full_s=t_full_s,
+        t_part_raw_s=t_part_raw_s,
+        t_part_s=t_part_s,
+        pls_part=pls_part,
+        pls_ok=pls_part <= c.pls_target * (1.0 + _PLS_RELATIVE_SLACK),
+        ovh_full=_overhead_frac_full(t_full_s, c),
+        ovh_part=_overhead_frac_partial(t_part_s, c),
+    )
+
+
+def _reason(requested: RecoveryMode, mode: RecoveryMode, c: CostInputs, o: _Options) -> str:
+    """Why ``mode`` was chosen, then (in parentheses) every number the choice used."""
+    numbers = (
+        f"full: interval {o.t_full_s:.4g} s, overhead {_pct(o.ovh_full)}; "
+        f"partial: interval {o.t_part_s:.4g} s, overhead {_pct(o.ovh_part)}, "
+        f"expected PLS {o.pls_part:.4g} vs target {c.pls_target:.4g}; "
+        f"MTBF {c.mtbf_s:.4g} s, save {c.save_cost_s:.4g} s, load {c.load_cost_s:.4g} s, "
+        f"reschedule {c.reschedule_cost_s:.4g} s, {c.num_shards} shards"
+    )
+    if requested is RecoveryMode.AUTO:
+        if mode is RecoveryMode.PARTIAL:
+            why = (
+                f"auto -> partial: overhead {_pct(o.ovh_part)} < full {_pct(o.ovh_full)} and "
+                f"expected PLS {o.pls_part:.4g} <= target {c.pls_target:.4g}"
+            )
+        elif not o.pls_ok:
+            why = (
+                f"auto -> full: partial cannot keep PLS target {c.pls_target:.4g} "
+                f"(its interval would be {o.t_part_raw_s:.4g} s, below one save of "
+                f"{c.save_cost_s:.4g} s; at {o.t_part_s:.4g} s expected PLS is {o.pls_part:.4g})"
+            )
+        else:
+            why = f"auto -> full: overhead {_pct(o.ovh_full)} <= partial {_pct(o.ovh_part)}"
+    else:
+        why = f"{requested.value} requested"
+        if mode is RecoveryMode.PARTIAL and not o.pls_ok:
+            why += (
+                f"; WARNING: expected PLS {o.pls_part:.4g} exceeds target {c.pls_target:.4g} "
+                f"because the PLS interval {o.t_part_raw_s:.4g} s is shorter than one save"
+            )
+    chosen_ovh = o.ovh_part if mode is RecoveryMode.PARTIAL else o.ovh_full
+    if chosen_ovh >= 1.0:
+        why += (
+            f"; WARNING: expected overhead {_pct(chosen_ovh)} >= 100%: failures are about as "
+            "frequent as checkpoints, the first-order model does not hold"
+        )
+    return f"{why} ({numbers})"
+
+
 def decide_recovery(requested: RecoveryMode | str, inputs: CostInputs) -> RecoveryDecision:
     """Chooses full or partial recovery and its checkpoint interval.
 
@@ -131,68 +200,23 @@ def decide_recovery(requested: RecoveryMode | str, inputs: CostInputs) -> Recove
         allowed = ", ".join(m.value for m in RecoveryMode)
         raise ValueError(f"requested must be one of {allowed}, got {requested!r}") from None
     c = inputs
-
-    t_full_raw_s = young_daly_interval_s(c.save_cost_s, c.mtbf_s)
-    t_full_s = feasible_interval_s(t_full_raw_s, c.save_cost_s)
-    t_part_raw_s = pls_interval_s(c.pls_target, c.mtbf_s, c.num_shards)
-    t_part_s = feasible_interval_s(t_part_raw_s, c.save_cost_s)
-    pls_part = expected_pls(t_part_s, c.mtbf_s, c.num_shards)
-    pls_ok = pls_part <= c.pls_target * (1.0 + _PLS_RELATIVE_SLACK)
-    ovh_full = _overhead_frac_full(t_full_s, c)
-    ovh_part = _overhead_frac_partial(t_part_s, c)
-
+    o = _options(c)
     if requested is RecoveryMode.AUTO:
-        mode = RecoveryMode.PARTIAL if (pls_ok and ovh_part < ovh_full) else RecoveryMode.FULL
+        mode = RecoveryMode.PARTIAL if (o.pls_ok and o.ovh_part < o.ovh_full) else RecoveryMode.FULL
     else:
         mode = requested
-
-    numbers = (
-        f"full: interval {t_full_s:.4g} s, overhead {_pct(ovh_full)}; "
-        f"partial: interval {t_part_s:.4g} s, overhead {_pct(ovh_part)}, "
-        f"expected PLS {pls_part:.4g} vs target {c.pls_target:.4g}; "
-        f"MTBF {c.mtbf_s:.4g} s, save {c.save_cost_s:.4g} s, load {c.load_cost_s:.4g} s, "
-        f"reschedule {c.reschedule_cost_s:.4g} s, {c.num_shards} shards"
-    )
-    if requested is RecoveryMode.AUTO:
-        if mode is RecoveryMode.PARTIAL:
-            why = (
-                f"auto -> partial: overhead {_pct(ovh_part)} < full {_pct(ovh_full)} and "
-                f"expected PLS {pls_part:.4g} <= target {c.pls_target:.4g}"
-            )
-        elif not pls_ok:
-            why = (
-                f"auto -> full: partial cannot keep PLS target {c.pls_target:.4g} "
-                f"(its interval would be {t_part_raw_s:.4g} s, below one save of "
-                f"{c.save_cost_s:.4g} s; at {t_part_s:.4g} s expected PLS is {pls_part:.4g})"
-            )
-        else:
-            why = f"auto -> full: overhead {_pct(ovh_full)} <= partial {_pct(ovh_part)}"
-    else:
-        why = f"{requested.value} requested"
-        if mode is RecoveryMode.PARTIAL and not pls_ok:
-            why += (
-                f"; WARNING: expected PLS {pls_part:.4g} exceeds target {c.pls_target:.4g} "
-                f"because the PLS interval {t_part_raw_s:.4g} s is shorter than one save"
-            )
-    chosen_ovh = ovh_part if mode is RecoveryMode.PARTIAL else ovh_full
-    if chosen_ovh >= 1.0:
-        why += (
-            f"; WARNING: expected overhead {_pct(chosen_ovh)} >= 100%: failures are about as "
-            "frequent as checkpoints, the first-order model does not hold"
-        )
-
+    partial = mode is RecoveryMode.PARTIAL
     return RecoveryDecision(
         requested=requested,
         mode=mode,
-        interval_s=t_part_s if mode is RecoveryMode.PARTIAL else t_full_s,
-        interval_full_s=t_full_s,
-        interval_partial_s=t_part_s,
-        expected_overhead_frac_full=ovh_full,
-        expected_overhead_frac_partial=ovh_part,
-        expected_pls=pls_part if mode is RecoveryMode.PARTIAL else 0.0,
-        expected_pls_partial=pls_part,
-        pls_target_met=pls_ok,
-        reason=f"{why} ({numbers})",
+        interval_s=o.t_part_s if partial else o.t_full_s,
+        interval_full_s=o.t_full_s,
+        interval_partial_s=o.t_part_s,
+        expected_overhead_frac_full=o.ovh_full,
+        expected_overhead_frac_partial=o.ovh_part,
+        expected_pls=o.pls_part if partial else 0.0,
+        expected_pls_partial=o.pls_part,
+        pls_target_met=o.pls_ok,
+        reason=_reason(requested, mode, c, o),
         inputs=c,
     )
-

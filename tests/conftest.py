@@ -15,7 +15,7 @@ os.environ.setdefault("RAY_AUTH_MODE", "token")
 def ray_local():
     import ray
 
-    from app.job import keep_ray_on_loopback, ray_system_config, worker_env
+    from app.rayenv import keep_ray_on_loopback, ray_system_config, worker_env
 
     keep_ray_on_loopback()
     ray.init(

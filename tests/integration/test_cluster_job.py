@@ -80,7 +80,7 @@ def test_ray_job_submit_to_a_started_head(tmp_path, small_data):
         ]
         job_id = client.submit_job(
             entrypoint="python -m app train --config configs/cluster.yaml --no-progress " + " ".join(overrides),
-            runtime_env={"working_dir": str(ROOT), "excludes": [".venv", "runs", "data", ".git"]},
+            runtime_env={"working_dir": str(ROOT), "excludes": [".venv", "/runs", "/data", ".git"]},
         )
         terminal = {JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.STOPPED}
         wait_for_condition(lambda: client.get_job_status(job_id) in terminal, timeout=420, retry_interval_ms=1000)

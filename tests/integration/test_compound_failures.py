@@ -42,10 +42,10 @@ def _train(cfg):
         job.start(wait=False)
         training = job.fit_in_background()  # Ray Train starts while the shards do
         job.await_start()
-        before = {k: v["pid"] for k, v in _targets(job).items()}
+        before = {k: v.pid for k, v in _targets(job).items()}
         training.join(timeout_s=350)
         report = job.finish()
-        after = {k: v["pid"] for k, v in _targets(job).items()}
+        after = {k: v.pid for k, v in _targets(job).items()}
         violations = check_run(cfg, report, [], job.data["train"].path)
         return report, before, after, violations
     finally:

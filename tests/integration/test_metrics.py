@@ -11,7 +11,8 @@ import urllib.request
 import pytest
 
 from core.config import config_from_dict
-from app.job import TrainingJob, metrics_url
+from app.job import TrainingJob
+from app.rayenv import metrics_url
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 

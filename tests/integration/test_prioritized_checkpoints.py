@@ -53,7 +53,7 @@ def test_mfu_checkpoints_auto_interval_and_chain_restore(ray_local, small_data, 
 
     # The respawned shard holds the chain's rows except where trained after recovery.
     restored = store.read_chain(1, chain)
-    after_recovery = _looked_up(job, cfg, plan, range(states[1]["first_step_after_load"], 234))
+    after_recovery = _looked_up(job, cfg, plan, range(states[1].first_step_after_load, 234))
     for i, s in enumerate(plan.shards[1]):
         mask = restored.tables == s.table
         local = restored.rows[mask] - s.row_start

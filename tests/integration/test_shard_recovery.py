@@ -69,7 +69,8 @@ def _run(ray, cfg, kill: str | None = None, kill_after_step: int = 0, steps_past
                 # At least steps_past_checkpoint steps past the newest checkpoint, and as far from
                 # the next one (a save in flight at the kill could commit and leave nothing lost).
                 committed = [s for s in store.list_committed() if s > kill_after_step]
-                step = (ray.get(job.supervisor.progress.remote(), timeout=30) or {"step": 0})["step"]
+                progress = ray.get(job.supervisor.progress.remote(), timeout=30)
+                step = progress.step if progress is not None else 0
                 return bool(committed) and (
                     committed[-1] + steps_past_checkpoint <= step < committed[-1] + EVERY - steps_past_checkpoint
                 )
@@ -82,7 +83,7 @@ def _run(ray, cfg, kill: str | None = None, kill_after_step: int = 0, steps_past
         rows = ray.get([s.get_rows.remote() for s in shards], timeout=120)
         states = ray.get([s.state.remote() for s in shards], timeout=30)
         after = ray.get(job.supervisor.targets.remote(), timeout=30)
-        plan = ray.get(job.supervisor.trainer_setup.remote(), timeout=30)["plan"]
+        plan = ray.get(job.supervisor.trainer_setup.remote(0), timeout=30).plan
         return report, rows, states, before, after, plan, job
     finally:
         job.close()
@@ -160,9 +161,9 @@ def test_partial_recovery_respawns_only_the_dead_shard(ray_local, small_data, tm
 
     # Only shard 1 was replaced: by the warm spare (its process, adopted), and another
     # spare started in the background.
-    assert after["shard:0"]["pid"] == before["shard:0"]["pid"]
-    assert failure["spare"].endswith("spare0") and after["shard:1"]["pid"] == before["spare:0"]["pid"]
-    assert "spare:1" in after and after["spare:1"]["pid"] not in {before[t]["pid"] for t in before}
+    assert after["shard:0"].pid == before["shard:0"].pid
+    assert failure["spare"].endswith("spare0") and after["shard:1"].pid == before["spare:0"].pid
+    assert "spare:1" in after and after["spare:1"].pid not in {before[t].pid for t in before}
     assert failure["adoption_s"] < failure["recovery_s"] and failure["serving_s"] >= failure["recovery_s"]
 
     # The respawned shard: checkpoint rows plus only the updates applied after recovery.
@@ -200,9 +201,9 @@ def test_full_recovery_equals_a_run_without_the_failure(ray_local, small_data, t
     assert failure["recovery"] == "full" and failure["lost_samples"] == 0
     assert failure["lost_steps_recomputed"] == failure["failed_at_step"] - failure["restored_step"] >= 5
     assert failure["rows_reloaded"] == sum(plan.shard_rows(k) for k in range(2))
-    assert after["shard:0"]["pid"] != before["shard:0"]["pid"]
+    assert after["shard:0"].pid != before["shard:0"].pid
     # Full recovery uses the warm spare too.
-    assert failure["spare"].endswith("spare0") and after["shard:0"]["pid"] == before["spare:0"]["pid"]
+    assert failure["spare"].endswith("spare0") and after["shard:0"].pid == before["spare:0"].pid
     assert failed["steps"] == clean["steps"] == 234
     # Rolled back to a consistent checkpoint and redone: bit-identical to the clean run.
     for shard_clean, shard_failed in zip(clean_rows, failed_rows):
@@ -227,7 +228,7 @@ def test_a_shard_killed_after_the_last_step_is_rolled_back_and_the_steps_redone(
     [failure] = failed["failures"]
     assert failure["recovery"] == "full" and failure["failed_at_step"] == clean["steps"]
     assert failure["lost_steps_recomputed"] == clean["steps"] - failure["restored_step"] > 0
-    assert after["shard:0"]["pid"] != before["shard:0"]["pid"]
+    assert after["shard:0"].pid != before["shard:0"].pid
     for shard_clean, shard_failed in zip(clean_rows, failed_rows):
         for (wa, ma), (wb, mb) in zip(shard_clean, shard_failed):
             assert np.array_equal(wa, wb) and np.array_equal(ma, mb)
@@ -250,7 +251,7 @@ def test_a_dead_spare_is_replaced_and_a_later_recovery_adopts_its_successor(ray_
         wait_for_condition(lambda: "spare:0" in targets(), timeout=120, retry_interval_ms=100)
         kill_target(job.supervisor, "spare:0")
         wait_for_condition(lambda: "spare:1" in targets(), timeout=120, retry_interval_ms=100)
-        successor = targets()["spare:1"]["pid"]
+        successor = targets()["spare:1"].pid
         kill_target(job.supervisor, "shard:0")
         training.join(timeout_s=500)
         report = job.finish()
@@ -262,4 +263,4 @@ def test_a_dead_spare_is_replaced_and_a_later_recovery_adopts_its_successor(ray_
     assert [e["spare"].rsplit("-", 1)[1] for e in lost] == ["spare0"]
     [failure] = report["failures"]
     assert failure["actor"] == "shard:0" and failure["spare"].endswith("spare1")
-    assert after["shard:0"]["pid"] == successor
+    assert after["shard:0"].pid == successor

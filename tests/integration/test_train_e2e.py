@@ -72,7 +72,7 @@ def test_shared_memory_transport_trains_exactly_as_ray_calls(ray_local, clean_ru
     from core.checkpoint import DENSE_FILE, CheckpointStore
 
     cfg, (report, final_rows, states, _, _, _, _) = clean_run
-    assert all(s["shm_reads"] > 0 for s in states), states  # the default run did use shared memory
+    assert all(s.shm_reads > 0 for s in states), states  # the default run did use shared memory
     via_ray = cfg.model_copy(
         update={
             "run_dir": str(tmp_path / "via-ray"),
@@ -80,7 +80,7 @@ def test_shared_memory_transport_trains_exactly_as_ray_calls(ray_local, clean_ru
         }
     )
     report_ray, rows_ray, states_ray, _, _, _, _ = _run(ray_local, via_ray)
-    assert all(s["shm_reads"] == 0 for s in states_ray), states_ray
+    assert all(s.shm_reads == 0 for s in states_ray), states_ray
     assert report_ray["steps"] == report["steps"]
     for k, (ours, theirs) in enumerate(zip(final_rows, rows_ray)):
         for (w0, m0), (w1, m1) in zip(ours, theirs):

@@ -52,7 +52,7 @@ def _run_with_kills(ray, cfg, kill_plan):
 def _progress_at_least(ray, job, step):
     def check():
         p = ray.get(job.supervisor.progress.remote(), timeout=10)
-        return p is not None and p["step"] >= step
+        return p is not None and p.step >= step
 
     return check
 
@@ -87,7 +87,7 @@ def test_killing_a_trainer_then_another_while_the_first_heals(ray_local, small_d
 
         def replacement_started():
             t = ray_local.get(job.supervisor.targets.remote(), timeout=10)["trainer:1"]
-            return t["pid"] != old["pid"]
+            return t.pid != old["pid"]
 
         wait_for_condition(replacement_started, timeout=300, retry_interval_ms=50)
         kill_target(job.supervisor, "trainer:2")

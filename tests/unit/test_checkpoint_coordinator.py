@@ -9,9 +9,12 @@ import numpy as np
 import pytest
 import ray
 
-from core.checkpoint import FULL, INCREMENTAL, CheckpointStore, ShardRows, write_blob, write_shard_file
-from actors.checkpointing import CheckpointCoordinator
+from core.checkpoint import FULL, INCREMENTAL, CheckpointStore, DataPosition, ShardRows, write_blob, write_shard_file
+from actors.supervisor.checkpoints import CheckpointCoordinator
+from actors.supervisor.guard import start_guarded
+from actors.supervisor.hooks import HookList, RunHooks
 from core.config import config_from_dict
+from core.records import SaveRequest, SaveResult
 from policies import OnlineCostModel
 
 pytestmark = pytest.mark.timeout(60)
@@ -30,10 +33,20 @@ def _commit(store, uri, step, kind=FULL, base=None, save_index=0):
     store.commit(step, entries, kind=kind, base_step=base, meta={"save_index": save_index})
 
 
-def _coordinator(cfg, clock=lambda: 0.0, mtbf_s=100.0, start_s=0.0):
+POSITION = DataPosition(next_step=0, microbatches_per_step=4, microbatch_rows=8, num_microbatches=100, seed=0,
+                        samples_trained=0)
+
+
+def _coordinator(cfg, clock=lambda: 0.0, mtbf_s=100.0, start_s=0.0, hooks: RunHooks = HookList(), crashes=None):
     costs = OnlineCostModel(mtbf_s=mtbf_s, save_cost_s=1.0, load_cost_s=1.0, reschedule_cost_s=1.0, start_s=start_s)
     events = []
-    c = CheckpointCoordinator(cfg, 2, costs, lambda kind, **f: events.append({"kind": kind, **f}), lambda: 0.1, clock)
+    crashes = [] if crashes is None else crashes
+
+    def start_thread(name, fn, *args):
+        return start_guarded(name, fn, lambda thread, err: crashes.append((thread, err)), *args)
+
+    c = CheckpointCoordinator(cfg, 2, costs, lambda kind, **f: events.append({"kind": kind, **f}), lambda: 0.1,
+                              hooks, start_thread, clock=clock)
     return c, events
 
 
@@ -80,28 +93,29 @@ def test_saves_that_are_not_due_are_refused(tmp_path):
     cfg = _cfg(tmp_path, every_steps=10)
     c, _ = _coordinator(cfg)
     c.start(0)
-    out = c.save(5, b"", [], {"run_id": "r", "position": {}}, lambda point: None)
-    assert out == {"next_step": 10, "duration_s": 0.0, "saved": False}
-    assert json.dumps(c.to_doc())
+    out = c.save(SaveRequest(5, b""), [], "r", POSITION)
+    assert out == SaveResult(False, 10, 0.0)
+    assert json.dumps(c.doc())
 
 
 def test_a_save_snapshotted_when_the_supervisor_died_is_due_again_at_once(tmp_path):
     cfg = _cfg(tmp_path, every_steps=20)
-    c, events = _coordinator(cfg)
-    c.start(0)
     seen = {}
 
-    def at_point(point):
-        if point == "save.snapshotted":
-            seen["doc"] = c.to_doc()  # what the journal holds when a kill fires here
-            raise ray.exceptions.RayError("killed")  # the background thread goes no further
+    class KillAtSnapshot(RunHooks):
+        def at_point(self, point):
+            if point == "save.snapshotted":
+                seen["doc"] = c.doc()  # what the journal holds when a kill fires here
+                raise ray.exceptions.RayError("killed")  # the background thread goes no further
 
-    out = c.save(20, b"dense", [], {"run_id": "r", "position": {}}, at_point)
-    assert out["saved"] and out["next_step"] == 40
+    c, events = _coordinator(cfg, hooks=KillAtSnapshot())
+    c.start(0)
+    out = c.save(SaveRequest(20, b"dense"), [], "r", POSITION)
+    assert out.saved and out.next_step == 40
     c.drain()
     assert seen["doc"]["in_flight_step"] == 20
     restarted, _ = _coordinator(cfg)
-    restarted.load_doc(seen["doc"])
+    restarted.load(seen["doc"])
     # The restarted supervisor never commits step 20: the next save is due right away.
     assert restarted.next_checkpoint_step == 21 and restarted.in_flight_step is None
     assert CheckpointStore(cfg.checkpoint_uri).list_committed() == []

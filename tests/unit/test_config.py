@@ -92,7 +92,7 @@ def test_readme_config_reference_is_current():
     import re
     from pathlib import Path
 
-    from core.config import config_reference
+    from core.config_docs import config_reference
 
     readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
     table = re.search(r"<!-- config-reference:start -->\n(.*)\n<!-- config-reference:end -->", readme, re.S)

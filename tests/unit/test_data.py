@@ -26,6 +26,7 @@ from core.data import (
     NUM_SPARSE,
     CriteoReader,
     RawBatch,
+    auc,
     generate,
     preprocess_dense,
     sparse_to_rows,
@@ -187,14 +188,12 @@ def test_ceiling_auc_is_the_rank_auc(tmp_path):
     from torchmetrics.functional.classification import binary_auroc
     import torch
 
-    from core.data import _auc
-
     rng = np.random.default_rng(0)
     scores = rng.integers(0, 20, 500) / 20.0  # many ties
     labels = (rng.random(500) < scores).astype(np.int8)
     expected = binary_auroc(torch.tensor(scores), torch.tensor(labels)).item()
-    assert _auc(scores, labels) == pytest.approx(expected, abs=1e-6)
-    assert _auc(np.array([0.1, 0.4, 0.35, 0.8]), np.array([0, 0, 1, 1])) == pytest.approx(0.75)
+    assert auc(scores, labels) == pytest.approx(expected, abs=1e-6)
+    assert auc(np.array([0.1, 0.4, 0.35, 0.8]), np.array([0, 0, 1, 1])) == pytest.approx(0.75)
 
 
 def test_categorical_values_are_zipf_skewed(tmp_path):
@@ -213,8 +212,6 @@ def test_categorical_values_are_zipf_skewed(tmp_path):
 def test_categorical_features_carry_most_of_the_signal(tmp_path):
     """What a model learns from embeddings must matter: per-value click rates from train
     rank eval rows much better than a linear model on the dense features alone."""
-    from core.data import _auc
-
     s = generate(str(tmp_path), 20_000, 10_000, fmt="parquet", seed=1, vocab_rows=1000)
     train, _, _ = read_all([s.train_path], batch_rows=20_000)
     evaluation, _, _ = read_all([s.eval_path], batch_rows=20_000)
@@ -235,8 +232,8 @@ def test_categorical_features_carry_most_of_the_signal(tmp_path):
         p = 1 / (1 + np.exp(-(x @ w + b)))
         w -= 0.5 * x.T @ (p - train.labels) / len(x)
         b -= 0.5 * float(np.mean(p - train.labels))
-    dense_auc = _auc((evaluation.dense - mean) / std @ w, evaluation.labels)
-    cat_auc = _auc(cat_score, evaluation.labels)
+    dense_auc = auc((evaluation.dense - mean) / std @ w, evaluation.labels)
+    cat_auc = auc(cat_score, evaluation.labels)
     assert dense_auc > 0.55  # the dense features do carry some signal
     assert dense_auc + 0.05 < cat_auc < s.ceiling_auc
 
@@ -638,3 +635,9 @@ def test_cpr_train_with_every_line_skipped_fails_before_ray(tmp_path):
     result = run_cpr_train(tmp_path, train, eval_, "--skip-bad-lines")
     expected = f"error: train data: 1 of 1 file(s) hold no usable row; {train}: 5 lines read, 5 skipped as malformed"
     assert_one_error_line(result, expected)
+
+
+def test_the_old_name_of_auc_still_imports():
+    from core.data import _auc  # benchmarks/ddp_baseline.py imports it by this name
+
+    assert _auc is auc

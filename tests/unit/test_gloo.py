@@ -16,7 +16,7 @@ import torch
 from torch.distributed import ReduceOp, TCPStore
 
 from actors.gloo import ReconfigurableGloo
-from actors.trainer import GroupBroken, sum_over_trainers
+from actors.trainer.collective import GroupBroken, sum_over_trainers
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import math
+
 import pytest
 
 from policies.estimates import IntervalController, OnlineCostModel
@@ -112,3 +115,82 @@ def test_controller_reports_mode_flip_even_below_threshold() -> None:
     d1, ch = ctl.update()
     assert d1.mode is RecoveryMode.FULL
     assert ch is not None and ch.old_mode is RecoveryMode.PARTIAL and ch.new_mode is RecoveryMode.FULL
+
+
+def _observed(alpha: float = 0.3) -> OnlineCostModel:
+    m = _model(alpha=alpha, start_s=100.0)
+    for t in (150.0, 400.0, 420.0):
+        m.observe_failure(t)
+    m.observe_save(3.0)
+    m.observe_load(7.5)
+    m.observe_reschedule(12.0)
+    m.observe_time(900.0)  # a quiet stretch after the last failure: open exposure
+    return m
+
+
+def _same(a: OnlineCostModel, b: OnlineCostModel) -> None:
+    # Exact equality: a restored model is the same model, not an approximation of it.
+    assert a.state() == b.state()
+    assert (a.mtbf_s, a.save_cost_s, a.load_cost_s, a.reschedule_cost_s, a.clock_s) == (
+        b.mtbf_s, b.save_cost_s, b.load_cost_s, b.reschedule_cost_s, b.clock_s)
+    assert a.inputs(8, 0.01) == b.inputs(8, 0.01)
+
+
+def test_a_restored_model_continues_identically() -> None:
+    a = _observed()
+    state = a.state()
+    assert all(isinstance(v, (int, float)) and math.isfinite(v) for v in state.values())
+    # Built from other config numbers (same alpha), as a restarted supervisor builds it.
+    b = OnlineCostModel(
+        mtbf_s=50.0, save_cost_s=1.0, load_cost_s=1.0, reschedule_cost_s=1.0, alpha=0.3, start_s=5000.0
+    )
+    b.restore(json.loads(json.dumps(state)))  # as the journal stores it
+    _same(a, b)
+    assert b.failures_observed == 3 and b.saves_observed == b.loads_observed == b.reschedules_observed == 1
+    for m in (a, b):
+        m.observe_time(1000.0)
+        m.observe_failure(1200.0)
+        m.observe_save(2.5)
+        m.observe_load(4.0)
+        m.observe_reschedule(9.0)
+        m.observe_time(1500.0)
+    _same(a, b)
+    with pytest.raises(ValueError, match=r"\bnow_s\b"):  # the restored clock is the monotonic floor
+        b.observe_time(1400.0)
+
+
+_MISSING = object()
+
+
+def _bad(key: str, value) -> dict:
+    state = _observed().state()
+    if value is _MISSING:
+        del state[key]
+    else:
+        state[key] = value
+    return state
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "match"),
+    [
+        ("exposure_s", _MISSING, r"missing \['exposure_s'\]"),
+        ("failures_observed", _MISSING, r"missing \['failures_observed'\]"),
+        ("mtbf_s", 1.0, r"unknown \['mtbf_s'\]"),  # derived, not a state entry
+        ("save_cost_s", math.nan, r"^save_cost_s must be a finite number > 0, got nan"),
+        ("load_cost_s", math.inf, r"^load_cost_s must be a finite number >= 0, got inf"),
+        ("clock_s", -math.inf, r"^clock_s must be a finite number, got -inf"),
+        ("failure_weight", 0.0, r"^failure_weight must be a finite number > 0, got 0.0"),
+        ("reschedule_cost_s", -1.0, r"^reschedule_cost_s must be a finite number >= 0, got -1.0"),
+        ("saves_observed", -1, r"^saves_observed must be an integer >= 0, got -1"),
+        ("loads_observed", 2.0, r"^loads_observed must be an integer >= 0, got 2.0"),
+        ("reschedules_observed", True, r"^reschedules_observed must be an integer >= 0, got True"),
+        ("last_failure_s", 1e9, r"^last_failure_s must be <= clock_s=900.0, got 1000000000.0"),
+    ],
+)
+def test_restore_refuses_a_bad_state_and_keeps_its_own(key: str, value, match: str) -> None:
+    m = _model()
+    before = m.state()
+    with pytest.raises(ValueError, match=match):
+        m.restore(_bad(key, value))
+    assert m.state() == before

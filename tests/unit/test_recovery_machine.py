@@ -3,30 +3,35 @@ the pure pieces around it: lost-sample accounting, nested deadlines."""
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import numpy as np
 import pytest
 
-from core.accounting import lost_accesses, saved_at_rows
-from core.deadlines import Deadlines
-from actors.machine import (
-    EVERY_TRAINER_DIED, FULL_RECOVERY, RESUME, BudgetExceeded, Budgets, Failed, Finished, RecoveringShards,
-    RespawnRetry, ResumeRequested, RollingBack, Running, ShardDied, StopRequested, TrainersAllDied, WorkDone,
+from actors.supervisor.machine import (
+    EVERY_TRAINER_DIED, FULL_RECOVERY, RESUME, Fail, Failed, Finished, RecoveringShards, RespawnRetry,
+    ResumeRequested, RollingBack, Running, ShardDied, StopRequested, TrainersAllDied, TrainersCause, WorkDone,
     replacement_at_checkpoint, state_from_dict, state_to_dict, transition,
 )
+from core.accounting import LostSpan, chain_rows, lost_accesses, saved_at_rows
+from core.books import DeathCause
+from policies import BudgetLimits, CostInputs, FailurePolicy, decide_recovery
 
 pytestmark = pytest.mark.timeout(30)
 
 
-def died(k, gen=0, committed=0, next_gen=1, partial=True, chain=(50, 60), consistent=(50,)):
-    return ShardDied(k, gen, committed, next_gen, {"shard": k}, partial, {"mode": "partial" if partial else "full"},
-                     chain, consistent)
+def cause(k, gen=0):
+    return DeathCause(f"shard:{k}", k, gen, "ActorDiedError", 100.0, None, None, 0)
+
+
+DECISION = decide_recovery("partial", CostInputs(3600.0, 1.0, 1.0, 3.0, 2, 0.02))
+
+
+def died(k, gen=0, committed=0, next_gen=1, partial=True, chain=(50, 60), consistent=(50,), spare=None):
+    return ShardDied(k, gen, committed, next_gen, cause(k, gen), partial, DECISION, chain, consistent, spare)
 
 
 def test_partial_death_reserves_the_next_generation_and_keeps_the_chain():
     t = transition(Running(), died(1, next_gen=3))
-    assert t.state == RecoveringShards({1: 3}, (50, 60), ({"shard": 1},), {"mode": "partial"})
+    assert t.state == RecoveringShards({1: 3}, (50, 60), (cause(1),), DECISION)
 
 
 def test_full_death_rolls_back_to_the_consistent_chain():
@@ -69,7 +74,7 @@ def test_work_done_only_for_the_state_it_was_done_for():
 
 def test_every_trainer_dying_during_a_shard_recovery_becomes_one_rollback():
     state = transition(Running(), died(1)).state
-    t = transition(state, TrainersAllDied(50, (50,), {"ahead": 57}))
+    t = transition(state, TrainersAllDied(50, (50,), TrainersCause(57, 0)))
     assert isinstance(t.state, RollingBack) and t.state.why == EVERY_TRAINER_DIED and t.state.targets == {1: 1}
 
 
@@ -79,9 +84,9 @@ def test_resume_is_a_rollback():
 
 
 def test_budget_stops_the_run_with_the_counts():
-    t = transition(Running(), died(1), Budgets(shard_recoveries=3, max_shard_recoveries=3))
-    assert isinstance(t.state, Failed) and "max_shard_recoveries=3" in t.reason and "4 shard deaths" in t.reason
-    assert isinstance(transition(Running(), BudgetExceeded("x")).state, Failed)
+    t = transition(Running(), died(1), 3, FailurePolicy(BudgetLimits(max_shard_recoveries=3)))
+    assert isinstance(t.state, Failed) and t.reason.startswith("budgets.max_shard_recoveries: 4 (max 3)"), t.reason
+    assert isinstance(transition(Running(), Fail("x")).state, Failed)
 
 
 def test_terminal_states_ignore_everything():
@@ -91,8 +96,10 @@ def test_terminal_states_ignore_everything():
 
 
 def test_states_survive_the_journal_round_trip():
-    for state in (Running(), RecoveringShards({1: 3}, (5, 9), ({"a": 1},), {"m": 1}),
-                  RollingBack(5, FULL_RECOVERY, (5,), {0: 2}), Finished("interrupted"), Failed("budget")):
+    for state in (Running(), RecoveringShards({1: 3}, (5, 9), (cause(1),), DECISION, {1: "s0"}),
+                  RollingBack(5, FULL_RECOVERY, (5,), {0: 2}), RollingBack(5, EVERY_TRAINER_DIED, (5,), {}, (cause(0),),
+                                                                            trainers=TrainersCause(9, 1)),
+                  Finished("interrupted"), Failed("budget")):
         assert state_from_dict(state_to_dict(state)) == state
 
 
@@ -116,57 +123,13 @@ def test_an_actor_that_never_applied_a_step_loses_nothing():
     assert lost_accesses(saved_at, 9, 9, lambda t: [np.array([0])]) == 0
 
 
-def test_outer_timeouts_contain_the_inner_ones():
-    # Defect 10: a trainer's wait on the supervisor outlasts the longest wait inside it.
-    d = Deadlines(shard_call_s=30)
-    assert d.supervisor_wait_s >= 2 * d.shard_call_s  # a respawn and a load
-    assert d.trainer_wait_s > d.supervisor_wait_s + 0.9 * d.shard_call_s
-
-
 def test_lost_samples_after_a_rollback_to_the_chains_own_full_need_no_read():
     # Seen in the soak: a partial recovery from chain [226, 232], then every trainer died
     # and everything rolled back to 226, fencing 232. Trainers redo from 226, so nothing
     # is lost and the fenced incremental is never read (the store here cannot be read).
-    from core.accounting import chain_rows
-
-    failure = {"shard": 0, "chain": [226, 232], "first_step": 200, "failed_at_step": 226}
-    assert chain_rows(None, None, failure) == []
+    span = LostSpan(0, (226, 232), 200, 226)
+    assert chain_rows(None, None, span) == []
     assert lost_accesses(saved_at_rows(4, [226], []), 200, 226, lambda t: [np.array([0, 1])]) == 0
-
-
-def test_a_rollback_closes_earlier_partial_recoveries_at_its_step():
-    from actors.supervisor import Supervisor
-
-    counted = []
-    failures = [
-        {"recovery": "partial", "failed_at_step": None, "restored_step": 30},  # open: redo never came
-        {"recovery": "partial", "failed_at_step": 45, "restored_step": 30},  # redone past the rollback
-        {"recovery": "partial", "failed_at_step": 12, "restored_step": 10},  # redone before it: unchanged
-        {"recovery": "full", "failed_at_step": None, "restored_step": 40},  # this rollback's own
-    ]
-    me = SimpleNamespace(failures=failures, _close=Supervisor._close, _count_lost_later=counted.extend)
-    Supervisor._reopen_after_rollback(me, 40, 3)
-    assert [f["failed_at_step"] for f in failures] == [40, 40, 12, None]
-    assert counted == failures[:2]
-
-
-def test_a_commit_settles_recoveries_no_trainer_asked_about():
-    # Seen in the soak: shards recovered while the trainers were being restarted; the new
-    # trainers learned the fleet from trainer_setup, never called await_shards, and the
-    # failures stayed open until a rollback 100 steps later closed them there.
-    import threading
-
-    from actors.supervisor import Supervisor
-
-    counted = []
-    failures = [
-        {"shard": 0, "recovery": "partial", "failed_at_step": None, "generation_after": 3},
-        {"shard": 1, "recovery": "partial", "failed_at_step": None, "generation_after": 5},  # newer than the commit's fleet
-    ]
-    me = SimpleNamespace(failures=failures, _close=Supervisor._close, _count_lost_later=counted.extend,
-                         _lock=threading.RLock(), live_since=[None, None], _persist=lambda: None)
-    Supervisor._settle(me, -1, 56, upto_generation=4)
-    assert [f["failed_at_step"] for f in failures] == [56, None] and counted == failures[:1]
 
 
 # A replacement trainer whose first quorum found nobody ahead of its checkpoint step.
@@ -199,26 +162,11 @@ def test_replacement_treats_an_unknown_commit_as_ahead():
     assert replacement_at_checkpoint(136, {1: None, 2: 135}).action == "heal"
 
 
-def test_a_rollback_lowers_the_last_committed_step_of_live_trainers():
-    # After a rollback to 100, a survivor that had committed 130 is at 100 again: a replacement
-    # starting from the checkpoint of 100 must join it, not wait to heal from it.
-    from actors.supervisor_trainers import TrainerBook
-
-    book = TrainerBook()
-    book.trainers = {0: {"committed_step": 130}, 1: {"committed_step": 90}, 2: {}}
-    book.commits = {s: {} for s in (98, 99, 100, 130)}
-    book.prune_commits(100)
-    assert [book.trainers[r].get("committed_step") for r in (0, 1, 2)] == [99, 90, None]
-    assert sorted(book.commits) == [98, 99]
-    assert replacement_at_checkpoint(100, {0: 99, 1: 90}).action == "join"
-
-
 def test_a_death_with_a_warm_spare_assigns_it_and_a_failed_adoption_drops_it():
-    died = ShardDied(1, 0, 0, 1, {"shard": 1}, True, {}, (10,), (10,), spare="s0")
-    t = transition(Running(), died)
+    t = transition(Running(), died(1, chain=(10,), consistent=(10,), spare="s0"))
     assert isinstance(t.state, RecoveringShards) and t.state.spares == {1: "s0"} and "spare s0" in t.reason
     # A second death during it, with the next spare, is recovered together on it.
-    t2 = transition(t.state, ShardDied(0, 0, 0, 1, {"shard": 0}, True, {}, (10,), (10,), spare="s1"))
+    t2 = transition(t.state, died(0, chain=(10,), consistent=(10,), spare="s1"))
     assert t2.state.spares == {1: "s0", 0: "s1"} and t2.state.targets == {1: 1, 0: 1}
     # The spare did not answer: a new process under a new generation, without the spare.
     t3 = transition(t2.state, RespawnRetry(1, 2))
@@ -226,43 +174,8 @@ def test_a_death_with_a_warm_spare_assigns_it_and_a_failed_adoption_drops_it():
     # The intent survives the journal, spares included.
     assert state_from_dict(state_to_dict(t3.state)) == t3.state
     # Every trainer died meanwhile: the rollback keeps the spare assignment.
-    t4 = transition(t3.state, TrainersAllDied(10, (10,), {"actor": "all trainers"}))
+    t4 = transition(t3.state, TrainersAllDied(10, (10,), TrainersCause(12, 0)))
     assert isinstance(t4.state, RollingBack) and t4.state.spares == {0: "s1"}
     # Full recovery (not partial) takes the spare too.
-    full = transition(Running(), ShardDied(1, 0, 0, 1, {"shard": 1}, False, {}, (), (10,), spare="s0"))
+    full = transition(Running(), died(1, partial=False, chain=(), consistent=(10,), spare="s0"))
     assert isinstance(full.state, RollingBack) and full.state.spares == {1: "s0"}
-
-
-def test_a_trainer_failure_is_exported_when_detected_not_when_healed():
-    # The detection time goes to the metrics as the survivors act on the failure: a run may
-    # end before the replacement rejoins, and it must still count. Once per failure, also
-    # across a supervisor restart (the journal keeps what was exported).
-    import threading
-    from types import SimpleNamespace
-
-    from actors.supervisor_trainers import TrainerBook
-
-    class Book(TrainerBook):
-        def __init__(self):
-            super().__init__()
-            self._lock = threading.RLock()
-            self.events, self.exported = [], []
-            self.cfg = SimpleNamespace(training=SimpleNamespace(num_trainers=2), budgets=SimpleNamespace(max_step_redos=20))
-            self.metrics = SimpleNamespace(trainer_detected=self.exported.append)
-
-        def _faults_at_step(self, step):
-            pass
-
-    book = Book()
-    book.record_commit(0, 0, (0, 1), 4, 2, wall_time=9.0)
-    book.kills.append({"target": "trainer:1", "time": 10.0, "trigger": "at step 0"})
-    book.record_commit(1, 0, (0, 1, 2, 3), 4, 2, wall_time=10.2)  # the full quorum had formed before the kill
-    assert book.exported == []
-    book.record_commit(2, 0, (0, 1, 2, 3), 4, 1, wall_time=10.5)
-    book.record_commit(3, 0, (0, 1, 2, 3), 4, 1, wall_time=10.7)
-    assert book.exported == [0.5]
-    restarted = Book()
-    restarted.load_trainer_doc(book.trainer_doc())
-    restarted.commits = dict(book.commits)
-    restarted.record_commit(4, 0, (0, 1, 2, 3), 4, 1, wall_time=11.0)
-    assert restarted.exported == []

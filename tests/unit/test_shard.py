@@ -6,6 +6,7 @@ import pyarrow as pa
 import pytest
 
 from core.plan import make_plan
+from core.records import LoadResult, PushResult, Snapshot, WrittenPart
 from actors.shard import EmbeddingShard
 
 pytestmark = pytest.mark.timeout(120)
@@ -14,10 +15,13 @@ TABLE_ROWS = [50] * 26
 DIM = 4
 
 
-def _save(shard, uri, step, **kw) -> dict:
+def _save(shard, uri, step, **kw) -> tuple[Snapshot, WrittenPart]:
     """A whole save as the coordinator drives it: the snapshot, then the background write."""
     snapshot = shard.save_checkpoint(uri, step, **kw)
-    return {**snapshot, **shard.save_written(step)}
+    assert isinstance(snapshot, Snapshot)
+    written = shard.save_written(step)
+    assert isinstance(written, WrittenPart)
+    return snapshot, written
 
 
 def _shard(plan, k, m=2):
@@ -43,9 +47,9 @@ def test_update_applied_once_when_step_complete_and_only_to_looked_up_rows(kind)
     shard.lookup(0, (0,), sb0.lengths, sb0.indices)
     shard.lookup(0, (1,), sb1.lengths, sb1.indices)
     g = np.ones((8, len(plan.shards[0]) * DIM), dtype=np.float32)
-    assert shard.push_grads(0, (0,), g) == {"applied": False, "duplicate": False}
+    assert shard.push_grads(0, (0,), g) == PushResult(applied=False)
     assert all(np.array_equal(b[0], a[0]) for b, a in zip(before, shard.get_rows())), "applied before step complete"
-    assert shard.push_grads(0, (1,), g)["applied"] is True
+    assert shard.push_grads(0, (1,), g) == PushResult(applied=True)
     after = shard.get_rows()
     for i, s in enumerate(plan.shards[0]):
         looked_up = set((np.concatenate([r0[:, s.table], r1[:, s.table]]) - s.row_start).tolist())
@@ -53,29 +57,38 @@ def test_update_applied_once_when_step_complete_and_only_to_looked_up_rows(kind)
         assert set(_rows_changed(before, after)[i].tolist()) == looked_up
         assert (after[i][1][sorted(looked_up)] > 0).all(), "Adagrad state of updated rows"
     # A redo resending the same microbatch must not apply it twice.
-    assert shard.push_grads(0, (1,), g)["duplicate"] is True
+    assert shard.push_grads(0, (1,), g) == PushResult(applied=True, duplicate=True)
     assert all(np.array_equal(a[0], c[0]) for a, c in zip(after, shard.get_rows()))
 
 
 def test_update_does_not_depend_on_chunking():
+    """Step 0 as one chunk of both microbatches, or as two chunks arriving out of order: both
+    shards apply it, to the rows looked up, and end bit-identical."""
     plan = make_plan("table_wise", TABLE_ROWS, 1)
     r = np.concatenate([_batch(0), _batch(1)])
     grad = np.random.default_rng(5).standard_normal((16, 26 * DIM)).astype(np.float32)
 
     whole = _shard(plan, 0, m=2)
+    initial = whole.get_rows()
     sb = plan.route(r, 0)
     whole.lookup(0, (0, 1), sb.lengths, sb.indices)
-    whole.push_grads(0, (0, 1), grad)
+    assert whole.push_grads(0, (0, 1), grad) == PushResult(applied=True)
 
     split = _shard(plan, 0, m=2)
     for mb, sl in ((1, slice(8, 16)), (0, slice(0, 8))):  # arrive out of order
         sbm = plan.route(r[sl], 0)
         split.lookup(0, (mb,), sbm.lengths, sbm.indices)
-    split.push_grads(0, (1,), grad[8:])
-    split.push_grads(0, (0,), grad[:8])
+    assert split.push_grads(0, (1,), grad[8:]) == PushResult(applied=False)
+    assert split.push_grads(0, (0,), grad[:8]) == PushResult(applied=True)
+
+    for shard in (whole, split):
+        assert shard.applied_step == 0 and shard.applied_log() == [(0, (0, 1))]
+        changed = _rows_changed(initial, shard.get_rows())
+        for s, rows in zip(plan.shards[0], changed):
+            assert set(rows.tolist()) == set(r[:, s.table].tolist()), "the step's update reached the rows looked up"
     for (wa, ma), (wb, mb_) in zip(whole.get_rows(), split.get_rows()):
-        np.testing.assert_allclose(wa, wb, rtol=1e-6, atol=1e-7)
-        np.testing.assert_allclose(ma, mb_, rtol=1e-6, atol=1e-7)
+        assert np.array_equal(wa, wb) and np.array_equal(ma, mb_)
+        assert (ma > 0).any(), "Adagrad state of the updated rows"
 
 
 def test_stale_gradient_of_a_replaced_chunk_is_ignored_not_an_error():
@@ -90,12 +103,12 @@ def test_stale_gradient_of_a_replaced_chunk_is_ignored_not_an_error():
     shard.lookup(0, (0, 1), both.lengths, both.indices)  # the redo replaces chunk (0,)
     g = np.ones((8, 26 * DIM), dtype=np.float32)
     before = shard.get_rows()
-    assert shard.push_grads(0, (0,), g) == {"applied": False, "duplicate": False, "stale": True}
+    assert shard.push_grads(0, (0,), g) == PushResult(applied=False, stale=True)
     assert all(np.array_equal(b[0], a[0]) for b, a in zip(before, shard.get_rows()))
-    assert shard.push_grads(0, (0, 1), np.ones((16, 26 * DIM), dtype=np.float32))["applied"] is True
+    assert shard.push_grads(0, (0, 1), np.ones((16, 26 * DIM), dtype=np.float32)).applied is True
     assert shard.applied_log() == [(0, (0, 1))]
     # A gradient that never had a lookup at all is stale too: nothing is applied.
-    assert shard.push_grads(1, (2,), g)["stale"] is True and shard.applied_step == 0
+    assert shard.push_grads(1, (2,), g) == PushResult(applied=False, stale=True) and shard.applied_step == 0
 
 
 def test_mfu_counts_clear_only_when_the_save_is_confirmed_committed(tmp_path):
@@ -116,38 +129,39 @@ def test_mfu_counts_clear_only_when_the_save_is_confirmed_committed(tmp_path):
         shard.lookup(step, (step,), sb.lengths, sb.indices)
         shard.push_grads(step, (step,), np.ones((16, 26 * DIM), dtype=np.float32))
 
-    def saved(result):
-        # The shard file as written, committed or not.
-        with pa.OSFile(str(tmp_path / "ckpt" / f"ckpt-{result['step']:012d}" / result["entry"].name)) as f:
+    def saved(step, **kw):
+        # The rows of the shard file as written, committed or not.
+        _, written = _save(shard, uri, step, **kw)
+        with pa.OSFile(str(tmp_path / "ckpt" / f"ckpt-{step:012d}" / written.entry.name)) as f:
             batch = pa.ipc.open_file(f).read_all()
-        return set(zip(batch.column("table").to_pylist(), batch.column("row").to_pylist()))
+        return set(zip(batch.column("table").to_pylist(), batch.column("row").to_pylist())), written.entry
 
     hot_rows = {(t, 0) for t in range(26)}
     for step in range(3):
         train(step, hot)
-    store.commit(3, [_save(shard, uri, 3, save_index=0)["entry"]], kind=FULL)
+    store.commit(3, [_save(shard, uri, 3, save_index=0)[1].entry], kind=FULL)
     shard.confirm_save(3)
     for step in range(3, 6):
         train(step, hot)
-    first = {"step": 6, **_save(shard, uri, 6, save_index=1)}
-    assert hot_rows <= saved(first)
+    first, _ = saved(6, save_index=1)
+    assert hot_rows <= first
     # Step 6's manifest never commits (a shard died during the save): nothing confirms it,
     # so the hot rows are still the most used and the next save writes them again.
     train(6, _batch(6, batch=16))
-    again = {"step": 7, **_save(shard, uri, 7, save_index=2, confirmed_step=None)}
-    assert hot_rows <= saved(again)
-    store.commit(7, [again["entry"]], kind=INCREMENTAL, base_step=3)
+    again, again_entry = saved(7, save_index=2, confirmed_step=None)
+    assert hot_rows <= again
+    store.commit(7, [again_entry], kind=INCREMENTAL, base_step=3)
     train(7, hot)  # after the snapshot of step 7: these updates are not in it
     shard.confirm_save(7)
     for step in range(8, 10):
         train(step, _batch(step, batch=16))
-    third = {"step": 10, **_save(shard, uri, 10, save_index=3)}
+    third, _ = saved(10, save_index=3)
     # Row 0 was used after the snapshot more than any random row since: still chosen.
-    assert hot_rows <= saved(third)
+    assert hot_rows <= third
     shard.confirm_save(10)
     train(10, _batch(10, batch=16))
-    fourth = {"step": 11, **_save(shard, uri, 11, save_index=4)}
-    assert not (hot_rows & saved(fourth)), "confirmed rows with no later access must not be saved again"
+    fourth, _ = saved(11, save_index=4)
+    assert not (hot_rows & fourth), "confirmed rows with no later access must not be saved again"
 
 
 @pytest.mark.parametrize("kind", ["table_wise", "row_wise"])
@@ -163,13 +177,16 @@ def test_checkpoint_round_trip_restores_rows_and_adagrad_state_bit_for_bit(tmp_p
         trained.lookup(step, (step,), sb.lengths, sb.indices)
         grad = np.random.default_rng(step).standard_normal((8, len(plan.shards[1]) * DIM)).astype(np.float32)
         trained.push_grads(step, (step,), grad)
-    entry = _save(trained, uri, 3)["entry"]
-    CheckpointStore(uri).commit(3, [entry])
+    snapshot, written = _save(trained, uri, 3)
+    assert snapshot.full and snapshot.rows == plan.shard_rows(1)
+    CheckpointStore(uri).commit(3, [written.entry])
 
     fresh = _shard(plan, 1, m=1)
     assert not all(np.array_equal(a[0], b[0]) for a, b in zip(fresh.get_rows(), trained.get_rows()))
     loaded = fresh.load_checkpoint(uri, [3])
-    assert loaded["rows"] == plan.shard_rows(1)
+    assert isinstance(loaded, LoadResult)
+    assert loaded.rows == plan.shard_rows(1) and loaded.chain == (3,) and loaded.incremental_rows == ()
+    assert loaded.fallbacks == ()
     for (wa, ma), (wb, mb) in zip(trained.get_rows(), fresh.get_rows()):
         assert np.array_equal(wa, wb) and np.array_equal(ma, mb)
     assert fresh.applied_step == 2
@@ -201,26 +218,58 @@ def test_mfu_incremental_checkpoint_restores_row_by_row(tmp_path):
         shard.push_grads(step, (step,), np.ones((16, 26 * DIM), dtype=np.float32))
 
     train(0)
-    full = _save(shard, uri, 1, save_index=0)
-    assert full["full"] and full["rows"] == 26 * 50
-    store.commit(1, [full["entry"]], kind=FULL)
+    full, full_part = _save(shard, uri, 1, save_index=0)
+    assert full.full and full.rows == 26 * 50
+    store.commit(1, [full_part.entry], kind=FULL)
     at_full = shard.get_rows()
     for step in (1, 2, 3):
         train(step)
-    inc = _save(shard, uri, 4, save_index=1, confirmed_step=1)
-    assert not inc["full"] and 0 < inc["rows"] <= int(np.ceil(0.1 * 26 * 50))
-    store.commit(4, [inc["entry"]], kind=INCREMENTAL, base_step=1)
+    inc, inc_part = _save(shard, uri, 4, save_index=1, confirmed_step=1)
+    assert not inc.full and 0 < inc.rows <= int(np.ceil(0.1 * 26 * 50))
+    store.commit(4, [inc_part.entry], kind=INCREMENTAL, base_step=1)
     trained = shard.get_rows()
     saved = store.read_shard(4, 0)
     saved_keys = set(zip(saved.tables.tolist(), saved.rows.tolist()))
 
     fresh = EmbeddingShard(0, list(plan.shards[0]), DIM, 0.1, 1e-8, 99, microbatches_per_step=1, priority=prio)
     loaded = fresh.load_checkpoint(uri, store.chain_steps())
-    assert store.chain_steps() == [1, 4]
-    assert [s for s, _ in loaded["incremental_rows"]] == [4] and len(loaded["incremental_rows"][0][1]) == inc["rows"]
+    assert store.chain_steps() == [1, 4] and loaded.chain == (1, 4)
+    assert [s for s, _ in loaded.incremental_rows] == [4] and len(loaded.incremental_rows[0][1]) == inc.rows
     for s, (w_full, m_full), (w_tr, m_tr), (w, m) in zip(plan.shards[0], at_full, trained, fresh.get_rows()):
         for row in range(s.num_rows):
             want_w, want_m = (w_tr, m_tr) if (s.table, row) in saved_keys else (w_full, m_full)
             assert np.array_equal(w[row], want_w[row]) and m[row] == want_m[row]
     # The MFU choice is the most-accessed rows since the full save.
     assert fresh.applied_step == 3
+
+
+def test_a_corrupt_file_of_its_own_falls_back_and_says_why(tmp_path):
+    """The newest full's file of this shard is corrupt: the shard loads the older full, and
+    the result names the chain it used and the refused step; with no valid full left, it
+    goes back to its initial rows (an empty chain), as ``reset_to_init`` does."""
+    from core.checkpoint import FULL, CheckpointStore, shard_file_name, step_dir_name
+
+    plan = make_plan("table_wise", TABLE_ROWS, 1)
+    uri = str(tmp_path / "ckpt")
+    store = CheckpointStore(uri)
+    shard = _shard(plan, 0, m=1)
+    initial = shard.get_rows()
+    for step in range(2):
+        sb = plan.route(_batch(step), 0)
+        shard.lookup(step, (step,), sb.lengths, sb.indices)
+        shard.push_grads(step, (step,), np.ones((8, 26 * DIM), dtype=np.float32))
+        store.commit(step + 1, [_save(shard, uri, step + 1)[1].entry], kind=FULL)
+    path = tmp_path / "ckpt" / step_dir_name(2) / shard_file_name(0)
+    path.write_bytes(path.read_bytes()[:-64] + bytes(64))
+
+    loaded = _shard(plan, 0, m=1).load_checkpoint(uri, [2])
+    assert loaded.chain == (1,) and [f.step for f in loaded.fallbacks] == [2] and loaded.fallbacks[0].reason
+    path.parent.parent.joinpath(step_dir_name(1), shard_file_name(0)).write_bytes(b"")
+    fresh = _shard(plan, 0, m=1)
+    back = fresh.load_checkpoint(uri, [2])
+    assert (back.rows, back.bytes, back.chain) == (0, 0, ()) and {f.step for f in back.fallbacks} >= {2}
+    assert fresh.applied_step == -1 and fresh.state().applied_step == -1
+    assert all(np.array_equal(a[0], b[0]) for a, b in zip(initial, fresh.get_rows()))
+    assert shard.reset_to_init("rollback") == LoadResult(rows=0, bytes=0, chain=())
+    assert shard.applied_step == -1 and shard.applied_log() == []
+    assert all(np.array_equal(a[0], b[0]) and not b[1].any() for a, b in zip(initial, shard.get_rows()))

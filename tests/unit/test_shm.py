@@ -110,7 +110,7 @@ def test_shard_through_shared_memory_equals_shard_through_the_call(kind, run_id)
         assert direct.push_grads(step, (step,), grad) == shared.push_grads(step, (step,), d_grad)
     for (w0, m0), (w1, m1) in zip(direct.get_rows(), shared.get_rows()):
         assert np.array_equal(w0, w1) and np.array_equal(m0, m1)
-    assert shared.state()["shm_reads"] == 4 * 3 and direct.state()["shm_reads"] == 0
+    assert shared.state().shm_reads == 4 * 3 and direct.state().shm_reads == 0
     slab.close()
 
 

@@ -1,48 +1,31 @@
 """The supervisor's recovery state machine, as pure data and one transition function.
 
-States carry their data; ``transition(state, event, budgets)`` returns the next state and
-the reason, or None when the event changes nothing. No Ray, no I/O: the supervisor
-persists the result (write-ahead) before its executor acts on it, so a restarted
-supervisor finds the intent in its journal and finishes it.
+States carry their data; ``transition(state, event, ...)`` returns the next state and the
+reason, or None when the event changes nothing. No Ray, no I/O: the recovery controller
+persists the result (write-ahead) before its executor acts on it, so a restarted supervisor
+finds the intent in its journal and finishes it.
 
     Running ──shard died (partial)──> RecoveringShards ──done──> Running
     Running ──shard died (full) / every trainer died / resume──> RollingBack ──done──> Running
     RecoveringShards ──another shard died──> RecoveringShards (merged)
     RecoveringShards ──every trainer died──> RollingBack (the rollback respawns them too)
     RollingBack ──shard died──> RollingBack (merged)
-    any ──budget exceeded──> Failed;  any ──training done / stop──> Finished
+    any ──budget exceeded / invariant broken / thread crashed──> Failed;  any ──done / stop──> Finished
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
+
+from core.codec import decode, encode
+from core.books import DeathCause
+from policies import Budget, FailurePolicy, RecoveryDecision
 
 __all__ = [
-    "Running",
-    "RecoveringShards",
-    "RollingBack",
-    "Finished",
-    "Failed",
-    "State",
-    "RECOVERING",
-    "TERMINAL",
-    "ShardDied",
-    "RespawnRetry",
-    "WorkDone",
-    "TrainersAllDied",
-    "ResumeRequested",
-    "StopRequested",
-    "BudgetExceeded",
-    "Budgets",
-    "Transition",
-    "transition",
-    "state_to_dict",
-    "state_from_dict",
-    "FULL_RECOVERY",
-    "EVERY_TRAINER_DIED",
-    "RESUME",
-    "ReplacementAtCheckpoint",
-    "replacement_at_checkpoint",
+    "Running", "RecoveringShards", "RollingBack", "Finished", "Failed", "State", "RECOVERING", "TERMINAL",
+    "TrainersCause", "ShardDied", "RespawnRetry", "WorkDone", "TrainersAllDied", "ResumeRequested", "StopRequested",
+    "Fail", "Transition", "transition", "state_to_dict", "state_from_dict", "FULL_RECOVERY", "EVERY_TRAINER_DIED",
+    "RESUME", "ReplacementAtCheckpoint", "replacement_at_checkpoint",
 ]
 
 FULL_RECOVERY = "full recovery"
@@ -67,25 +50,36 @@ class RecoveringShards:
 
     targets: dict[int, int]
     chain: tuple[int, ...]
-    causes: tuple[dict, ...]
-    decision: dict
+    causes: tuple[DeathCause, ...]
+    decision: RecoveryDecision | None
     spares: dict[int, str] = field(default_factory=dict)  # shard -> warm spare adopted as its new actor
     name = "recovering_shards"
+
+
+@dataclass(frozen=True)
+class TrainersCause:
+    """Every trainer died: the replacement ``reported_by`` found the shards ``ahead`` of the
+    checkpoint step it restarted from (so that many steps are redone)."""
+
+    ahead: int
+    reported_by: int
 
 
 @dataclass(frozen=True)
 class RollingBack:
     """Every shard (respawning ``targets`` first) and the dense model go back to ``step``,
     restored from ``chain`` (empty: the initial state of step 0). ``why`` is one of
-    FULL_RECOVERY, EVERY_TRAINER_DIED, RESUME."""
+    FULL_RECOVERY, EVERY_TRAINER_DIED, RESUME; ``trainers`` says who reported that every
+    trainer died, and how far ahead they had been."""
 
     step: int
     why: str
     chain: tuple[int, ...]
     targets: dict[int, int] = field(default_factory=dict)
-    causes: tuple[dict, ...] = ()
-    decision: dict = field(default_factory=dict)
+    causes: tuple[DeathCause, ...] = ()
+    decision: RecoveryDecision | None = None
     spares: dict[int, str] = field(default_factory=dict)
+    trainers: TrainersCause | None = None
     name = "rolling_back"
 
 
@@ -112,24 +106,12 @@ _STATES = {c.name: c for c in (Running, RecoveringShards, RollingBack, Finished,
 
 
 def state_to_dict(state: State) -> dict:
-    d = asdict(state)
-    for key in ("targets", "spares"):
-        if key in d:
-            d[key] = {str(k): v for k, v in d[key].items()}
-    return {"state": state.name, **d}
+    return {"state": state.name, **encode(state)}
 
 
 def state_from_dict(d: dict) -> State:
     d = dict(d)
-    cls = _STATES[d.pop("state")]
-    if "targets" in d:
-        d["targets"] = {int(k): int(v) for k, v in d["targets"].items()}
-    if "spares" in d:
-        d["spares"] = {int(k): str(v) for k, v in d["spares"].items()}
-    for key in ("chain", "causes"):
-        if key in d:
-            d[key] = tuple(d[key])
-    return cls(**d)
+    return decode(_STATES[d.pop("state")], d)
 
 
 # ----------------------------------------------------------------------------- events
@@ -144,9 +126,9 @@ class ShardDied:
     generation: int
     committed_generation: int  # the shard's generation in the live fleet
     next_generation: int  # the lowest generation never reserved for this shard
-    cause: dict
+    cause: DeathCause
     partial: bool  # the recovery decision: partial (respawn alone) or full (roll back)
-    decision: dict
+    decision: RecoveryDecision | None
     chain: tuple[int, ...]  # newest restorable chain (full + incrementals), for partial recovery
     consistent_chain: tuple[int, ...]  # the newest full checkpoint alone, for a rollback
     spare: str | None = None  # a warm spare to adopt as the shard's new actor (None: start one)
@@ -172,7 +154,7 @@ class WorkDone:
 class TrainersAllDied:
     step: int
     chain: tuple[int, ...]
-    cause: dict
+    cause: TrainersCause
 
 
 @dataclass(frozen=True)
@@ -187,24 +169,10 @@ class StopRequested:
 
 
 @dataclass(frozen=True)
-class BudgetExceeded:
+class Fail:
+    """Stop the run: a budget ran out, an invariant does not hold, or a thread crashed."""
+
     reason: str
-
-
-@dataclass(frozen=True)
-class Budgets:
-    """Counts so far and their limits (-1: no limit); checked on every death."""
-
-    shard_recoveries: int = 0
-    max_shard_recoveries: int = -1
-
-    def exceeded(self) -> str | None:
-        if 0 <= self.max_shard_recoveries < self.shard_recoveries + 1:
-            return (
-                f"budget budgets.max_shard_recoveries={self.max_shard_recoveries} exceeded: "
-                f"{self.shard_recoveries + 1} shard deaths"
-            )
-        return None
 
 
 @dataclass(frozen=True)
@@ -213,40 +181,27 @@ class Transition:
     reason: str
 
 
-def transition(state: State, event, budgets: Budgets = Budgets()) -> Transition | None:
-    """The one place recovery logic decides what comes next."""
+def transition(
+    state: State, event, shard_recoveries: int = 0, policy: FailurePolicy | None = None
+) -> Transition | None:
+    """The one place recovery logic decides what comes next. ``shard_recoveries``: shard
+    deaths recovered or being recovered so far, checked against ``policy``'s budget."""
     if isinstance(state, (Finished, Failed)):
         return None  # terminal: nothing is recovered after the end
     if isinstance(event, StopRequested):
         return Transition(Finished(event.how), f"training {event.how}")
-    if isinstance(event, BudgetExceeded):
+    if isinstance(event, Fail):
         return Transition(Failed(event.reason), event.reason)
     if isinstance(event, ShardDied):
-        return _on_shard_died(state, event, budgets)
+        return _on_shard_died(state, event, shard_recoveries, policy)
     if isinstance(event, RespawnRetry):
-        if isinstance(state, (RecoveringShards, RollingBack)) and event.shard in state.targets:
-            targets = {**state.targets, event.shard: event.next_generation}
-            spares = {k: v for k, v in state.spares.items() if k != event.shard}
-            return Transition(
-                replace(state, targets=targets, spares=spares),
-                f"shard {event.shard}: its half-started actor did not answer; respawning as generation "
-                f"{event.next_generation}",
-            )
-        return None
+        return _on_respawn_retry(state, event)
     if isinstance(event, WorkDone):
-        if event.state == state and isinstance(state, (RecoveringShards, RollingBack)):
+        if event.state == state and isinstance(state, RECOVERING):
             return Transition(Running(), f"{state.name} done")
         return None
     if isinstance(event, TrainersAllDied):
-        pending = state.targets if isinstance(state, (RecoveringShards, RollingBack)) else {}
-        causes = state.causes if isinstance(state, (RecoveringShards, RollingBack)) else ()
-        spares = state.spares if isinstance(state, (RecoveringShards, RollingBack)) else {}
-        return Transition(
-            RollingBack(event.step, EVERY_TRAINER_DIED, tuple(event.chain), dict(pending), causes + (event.cause,),
-                        spares=dict(spares)),
-            f"every trainer died: roll back to checkpoint step {event.step}"
-            + (f", respawning shards {sorted(pending)} on the way" if pending else ""),
-        )
+        return _on_trainers_died(state, event)
     if isinstance(event, ResumeRequested):
         return Transition(
             RollingBack(event.step, RESUME, tuple(event.chain)), f"--resume from checkpoint step {event.step}"
@@ -254,48 +209,64 @@ def transition(state: State, event, budgets: Budgets = Budgets()) -> Transition 
     raise TypeError(f"unknown event {event!r}")
 
 
-def _on_shard_died(state: State, e: ShardDied, budgets: Budgets) -> Transition | None:
-    pending = state.targets if isinstance(state, (RecoveringShards, RollingBack)) else {}
-    if e.shard in pending:
-        # Its replacement is already being made; a death of the old actor changes nothing.
+def _on_respawn_retry(state: State, e: RespawnRetry) -> Transition | None:
+    if not (isinstance(state, RECOVERING) and e.shard in state.targets):
         return None
+    targets = {**state.targets, e.shard: e.next_generation}
+    spares = {k: v for k, v in state.spares.items() if k != e.shard}
+    return Transition(
+        replace(state, targets=targets, spares=spares),
+        f"shard {e.shard}: its half-started actor did not answer; respawning as generation {e.next_generation}",
+    )
+
+
+def _on_trainers_died(state: State, e: TrainersAllDied) -> Transition:
+    recovering = isinstance(state, RECOVERING)
+    pending = dict(state.targets) if recovering else {}
+    return Transition(
+        RollingBack(e.step, EVERY_TRAINER_DIED, tuple(e.chain), pending, state.causes if recovering else (),
+                    spares=dict(state.spares) if recovering else {}, trainers=e.cause),
+        f"every trainer died: roll back to checkpoint step {e.step}"
+        + (f", respawning shards {sorted(pending)} on the way" if pending else ""),
+    )
+
+
+def _on_shard_died(state: State, e: ShardDied, recoveries: int, policy: FailurePolicy | None) -> Transition | None:
+    pending = state.targets if isinstance(state, RECOVERING) else {}
+    if e.shard in pending:
+        return None  # its replacement is already being made; a death of the old actor changes nothing
     if e.generation != e.committed_generation:
         return None  # a stale signal from an actor that was already replaced
-    over = budgets.exceeded()
+    over = policy.exceeded(Budget.SHARD_RECOVERIES, recoveries + 1, f"shard {e.shard} died") if policy else None
     if over is not None:
         return Transition(Failed(over), over)
     targets = {**pending, e.shard: e.next_generation}
-    spares = {**(state.spares if isinstance(state, (RecoveringShards, RollingBack)) else {})}
+    spares = {**(state.spares if isinstance(state, RECOVERING) else {})}
     if e.spare is not None:
         spares[e.shard] = e.spare
-    who = f"shard {e.shard} (generation {e.generation}) died: {e.cause.get('cause', '?')}"
+    who = f"shard {e.shard} (generation {e.generation}) died: {e.cause.cause}"
     onto = f" onto spare {e.spare}" if e.spare else ""
+    why = e.decision.reason if e.decision is not None else ""
     if isinstance(state, RollingBack):
         return Transition(
             replace(state, targets=targets, causes=state.causes + (e.cause,), spares=spares),
             f"{who}; replaced{onto} as part of the rollback to step {state.step}",
         )
-    if isinstance(state, RecoveringShards):
-        if e.partial:
+    causes = (state.causes if isinstance(state, RecoveringShards) else ()) + (e.cause,)
+    if e.partial:
+        if isinstance(state, RecoveringShards):
             return Transition(
-                replace(state, targets=targets, causes=state.causes + (e.cause,), spares=spares),
+                replace(state, targets=targets, causes=causes, spares=spares),
                 f"{who} during the recovery of shards {sorted(state.targets)}; recovering them together{onto}",
             )
-        step = e.consistent_chain[-1] if e.consistent_chain else 0
         return Transition(
-            RollingBack(step, FULL_RECOVERY, tuple(e.consistent_chain), targets, state.causes + (e.cause,), e.decision,
-                        spares),
-            f"{who}; {e.decision.get('reason', 'full recovery')}: roll back to step {step}{onto}",
-        )
-    if e.partial:
-        return Transition(
-            RecoveringShards(targets, tuple(e.chain), (e.cause,), e.decision, spares),
-            f"{who}; partial recovery{onto} from chain {list(e.chain)}: {e.decision.get('reason', '')}",
+            RecoveringShards(targets, tuple(e.chain), causes, e.decision, spares),
+            f"{who}; partial recovery{onto} from chain {list(e.chain)}: {why}",
         )
     step = e.consistent_chain[-1] if e.consistent_chain else 0
     return Transition(
-        RollingBack(step, FULL_RECOVERY, tuple(e.consistent_chain), targets, (e.cause,), e.decision, spares),
-        f"{who}; full recovery{onto} to step {step}: {e.decision.get('reason', '')}",
+        RollingBack(step, FULL_RECOVERY, tuple(e.consistent_chain), targets, causes, e.decision, spares),
+        f"{who}; {why or 'full recovery'}: roll back to step {step}{onto}",
     )
 
 

@@ -1,0 +1,239 @@
+"""One embedding shard's side of checkpoints: which rows it saves (MFU/SSU access counts), its
+two-phase save (a snapshot at the step boundary, a background write, a confirmation once the
+manifest commits) and the load of its own files of a chain into its tables.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Callable
+
+import numpy as np
+
+from core.checkpoint import ShardRows, write_shard_file
+from core.plan import TableSlice, shard_row_ids, slice_offsets
+from core.records import Snapshot, WrittenPart
+from policies import make_policy
+
+__all__ = ["ShardCheckpoints"]
+
+
+class _Write:
+    """The background write of one save's snapshot."""
+
+    def __init__(self, step: int):
+        self.step = step
+        self.done = threading.Event()
+        self.entry = None
+        self.error: str | None = None
+        self.write_s = 0.0
+
+    def run(self, uri: str, step: int, shard_id: int, data: ShardRows) -> None:
+        t0 = time.perf_counter()
+        try:
+            self.entry = write_shard_file(uri, step, shard_id, data)
+        except BaseException as err:  # reported to the coordinator by ShardCheckpoints.written
+            self.error = repr(err)[:300]
+        finally:
+            self.write_s = time.perf_counter() - t0
+            self.done.set()
+
+
+def _nbytes(data: ShardRows) -> int:
+    return int(data.weights.nbytes + data.momentum.nbytes + data.rows.nbytes + data.tables.nbytes)
+
+
+class ShardCheckpoints:
+    """Made by an ``EmbeddingShard`` when it allocates its tables: ``tbe`` is its fbgemm
+    kernel over ``slices`` (shard rows numbered slice after slice, as ``slice_offsets``
+    says), ``torch`` the module the shard imported, ``priority`` the MFU/SSU policy's
+    arguments and ``seed`` its sampling seed."""
+
+    def __init__(self, torch, tbe, shard_id: int, slices: list[TableSlice], dim: int, priority: dict, seed: int):
+        self._torch, self._tbe = torch, tbe
+        self.shard_id = shard_id
+        self.slices = list(slices)
+        self.offsets = slice_offsets(self.slices)
+        self.dim = dim
+        self._priority_args, self._seed = priority, seed
+        self.priority = self._new_policy()
+        self.tracking = priority["policy"] != "full"  # a full-only policy needs no access counts
+        # The rows written for a save whose manifest is not known to be committed yet:
+        # (step, rows). They count as saved only once it is (two-phase save).
+        self._unconfirmed: tuple[int, np.ndarray] | None = None
+        self._since_save: list[np.ndarray] = []  # shard rows looked up after that save's snapshot
+        self._write: _Write | None = None  # the background write of the last save's snapshot
+        # The buffer a full snapshot is copied into, made by prepare_snapshot_buffer.
+        self._buf: ShardRows | None = None
+        self._buf_thread: threading.Thread | None = None
+
+    def _new_policy(self):
+        p = self._priority_args
+        return make_policy(p["policy"], int(self.offsets[-1]), p["r"], p["sample_rate"], self._seed, p["full_every"])
+
+    def observe(self, lengths: np.ndarray, indices: np.ndarray) -> None:
+        """Counts the rows a step looked up (``tracking`` policies only)."""
+        ids = shard_row_ids(lengths, indices, self.offsets)
+        self.priority.observe(ids)
+        if self._unconfirmed is not None:
+            self._since_save.append(ids)
+
+    def restart(self) -> None:
+        """Every row equals its saved copy (a load, or the initial rows): nothing is unsaved,
+        so access counts restart and no save waits for confirmation."""
+        self.priority = self._new_policy()
+        self.confirm(None)
+
+    # ----------------------------------------------------------------- saving
+
+    def wait_written(self) -> None:
+        """Waits for the previous save's write (long done, normally)."""
+        if self._write is not None:
+            self._write.done.wait()
+
+    def snapshot(self, uri: str, step: int, save_index: int, full: bool) -> Snapshot:
+        """Copies the rows to save (all of them with ``full``, else the policy's selection
+        for save ``save_index``) and starts writing them as ``step`` in the background."""
+        t0 = time.perf_counter()
+        if full:
+            selection = self.priority.select_full(save_index, "the run's final checkpoint: every row")
+        else:
+            selection = self.priority.select(save_index)
+        chosen = np.asarray(selection.rows, dtype=np.int64)
+        data = self._snapshot_full() if selection.full else self._snapshot_rows(chosen)
+        self._unconfirmed = (step, chosen)
+        self._write = _Write(step)
+        threading.Thread(
+            target=self._write.run, args=(uri, step, self.shard_id, data), name=f"save-{step}", daemon=True
+        ).start()
+        return Snapshot(
+            rows=len(data.rows),
+            bytes=_nbytes(data),
+            full=selection.full,
+            reason=selection.reason,
+            # Before the save clears the saved rows' counts (at its confirmation).
+            tracked_rows=self.priority.tracked_rows,
+            snapshot_s=time.perf_counter() - t0,
+        )
+
+    def written(self, step: int) -> WrittenPart:
+        """Waits for the write of ``step``'s snapshot; raises if it failed or none is in flight."""
+        w = self._write
+        if w is None or w.step != step:
+            raise RuntimeError(f"shard {self.shard_id}: no save of step {step} in flight here")
+        w.done.wait()
+        if w.error is not None:
+            raise RuntimeError(f"shard {self.shard_id}: writing checkpoint step {step} failed: {w.error}")
+        return WrittenPart(entry=w.entry, write_s=w.write_s)
+
+    def confirm(self, step: int | None) -> None:
+        """The manifest of ``step`` committed: the rows written for it are saved. Their counts
+        are cleared, and the accesses they got after the snapshot are counted again (those
+        updates are not in the checkpoint). A save that is never confirmed (its manifest did
+        not commit) leaves every count as it was."""
+        if self._unconfirmed is not None and self._unconfirmed[0] == step:
+            rows = self._unconfirmed[1]
+            self.priority.mark_saved(rows)
+            if self._since_save:
+                after = np.concatenate(self._since_save)
+                self.priority.observe(after[np.isin(after, rows)])
+        self._unconfirmed = None
+        self._since_save = []
+
+    def _snapshot_full(self) -> ShardRows:
+        """Every row, copied once into a buffer kept between saves (a fresh 100 MB allocation
+        costs more in page faults than the copy; the previous write is done with it)."""
+        self.prepare_snapshot_buffer()
+        self._buf_thread.join()
+        buf = self._buf
+        weights_all, states_all = self._tbe.split_embedding_weights(), self._tbe.split_optimizer_states()
+        for i in range(len(self.slices)):
+            a, b = int(self.offsets[i]), int(self.offsets[i + 1])
+            self._torch.from_numpy(buf.weights[a:b]).copy_(weights_all[i].detach())
+            self._torch.from_numpy(buf.momentum[a:b]).copy_(states_all[i][0].detach())
+        return buf
+
+    def prepare_snapshot_buffer(self) -> None:
+        """Makes the full snapshot's buffer on a thread, once: at a shard's start, or after an
+        adopted spare's load (not during it: zeroing 1 GB beside the load slowed it 2x)."""
+        if self._buf_thread is None:
+            self._buf_thread = threading.Thread(target=self._make_snapshot_buf, name="snapshot-buffer", daemon=True)
+            self._buf_thread.start()
+
+    def _make_snapshot_buf(self) -> ShardRows:
+        """The full snapshot's buffer in this shard's layout, its pages touched (zeroed), so the
+        first save does not pay for the page faults of a fresh allocation."""
+        n = int(self.offsets[-1])
+        tables = np.concatenate([np.full(s.num_rows, s.table, dtype=np.int32) for s in self.slices])
+        rows = np.concatenate([np.arange(s.row_start, s.row_end, dtype=np.int64) for s in self.slices])
+        buf = ShardRows(tables, rows, self._torch.zeros((n, self.dim)).numpy(), self._torch.zeros(n).numpy())
+        self._buf = buf
+        return buf
+
+    def _snapshot_rows(self, chosen: np.ndarray) -> ShardRows:
+        """The ``chosen`` shard rows (an MFU/SSU selection), gathered into new arrays."""
+        slice_of = np.searchsorted(self.offsets, chosen, side="right") - 1
+        weights_all, states_all = self._tbe.split_embedding_weights(), self._tbe.split_optimizer_states()
+        tables, rows, weights, momentum = [], [], [], []
+        for i, s in enumerate(self.slices):
+            local = chosen[slice_of == i] - self.offsets[i]
+            idx = self._torch.from_numpy(local)
+            weights.append(weights_all[i][idx].detach().cpu().numpy())  # indexing copies
+            momentum.append(states_all[i][0][idx].detach().cpu().numpy())
+            tables.append(np.full(len(local), s.table, dtype=np.int32))
+            rows.append(local + s.row_start)
+        return ShardRows(np.concatenate(tables), np.concatenate(rows), np.concatenate(weights), np.concatenate(momentum))
+
+    # ----------------------------------------------------------------- loading
+
+    def restore(
+        self, steps: list[int], parts: list[ShardRows], initialized: bool, init_rows: Callable[[], None]
+    ) -> tuple[int, int, tuple[tuple[int, np.ndarray], ...]]:
+        """Writes ``parts`` (this shard's files of the chain ``steps``, a full then its
+        incrementals) into the tables, each over the last. ``init_rows`` gives the rows their
+        initial values first where the tables are not ``initialized`` and the full does not
+        cover every row. Returns the rows and bytes read and, per incremental, (its step, the
+        shard rows it held)."""
+        torch = self._torch
+        weights = self._tbe.split_embedding_weights()
+        states = self._tbe.split_optimizer_states()
+        rows_loaded = bytes_loaded = 0
+        incremental_rows = []
+        for n, data in enumerate(parts):
+            rows_loaded += len(data.rows)
+            bytes_loaded += _nbytes(data)
+            with torch.no_grad():
+                if n == 0 and self._whole_layout(data):
+                    # A full file of this very layout: one contiguous copy per slice.
+                    for i in range(len(self.slices)):
+                        a, b = self.offsets[i], self.offsets[i + 1]
+                        weights[i].copy_(torch.from_numpy(data.weights[a:b]))
+                        states[i][0].copy_(torch.from_numpy(data.momentum[a:b]))
+                    initialized = True
+                    continue
+                if not initialized:
+                    init_rows()  # rows the file does not hold keep their initial value
+                    initialized = True
+                shard_rows = []
+                for i, s in enumerate(self.slices):
+                    mask = (data.tables == s.table) & (data.rows >= s.row_start) & (data.rows < s.row_end)
+                    local = data.rows[mask] - s.row_start
+                    idx = torch.from_numpy(local)
+                    weights[i][idx] = torch.from_numpy(data.weights[mask]).to(weights[i].device)
+                    states[i][0][idx] = torch.from_numpy(data.momentum[mask]).to(states[i][0].device)
+                    shard_rows.append(local + self.offsets[i])
+            if n > 0:
+                incremental_rows.append((steps[n], np.concatenate(shard_rows)))
+        return int(rows_loaded), int(bytes_loaded), tuple(incremental_rows)
+
+    def _whole_layout(self, data: ShardRows) -> bool:
+        """Whether ``data`` holds exactly this shard's rows, slice by slice in row order (what
+        a full save of this plan writes)."""
+        if len(data.rows) != int(self.offsets[-1]):
+            return False
+        for i, s in enumerate(self.slices):
+            a, b = int(self.offsets[i]), int(self.offsets[i + 1])
+            if not ((data.tables[a:b] == s.table).all() and np.array_equal(data.rows[a:b], np.arange(s.row_start, s.row_end))):
+                return False
+        return True

@@ -1,0 +1,223 @@
+"""Builds the supervisor's parts and wires them together: each part owns its state and gets
+what it needs from the others as constructor arguments (callables, never attribute reads),
+in the manner of Ray Train V2's ``TrainController``, which takes its failure policy and
+callbacks. ``Supervisor`` (the actor) only delegates to what this returns.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import ray
+
+from actors.faults import FaultInjector, Killer
+from actors.fleet import ShardFleet, shard_name
+from actors.metrics import MetricsHook, RunMetrics
+from actors.nodes import HostWatch, pid_alive_on
+from actors.supervisor.books import Books
+from actors.supervisor.checkpoints import CheckpointCoordinator
+from actors.supervisor.controller import RETRIED_ERRORS, Collaborators, RecoveryController
+from actors.supervisor.desk import TrainerDesk
+from actors.supervisor.events import EventLog
+from actors.supervisor.executor import RecoveryExecutor
+from actors.supervisor.guard import start_guarded
+from actors.supervisor.hooks import HookList, RunLogHook
+from actors.supervisor.hosts import HostLossReporter
+from actors.supervisor.ledger import FailureLedger
+from actors.supervisor.spares import SparePool
+from actors.supervisor.trainers import TrainerBook
+from core.accounting import LostSpan, chain_rows, count_lost_samples
+from core.checkpoint import DataPosition
+from core.config import RunConfig
+from core.deadlines import Deadlines
+from core.journal import BOOK_FILE, AppendLog, Journal, RunLog
+from core.plan import ShardingPlan
+from core.books import FailureRecord, KillRecord
+from core.records import Target, TrainerSetup
+from core.schedule import StepSchedule
+from policies import FailurePolicy, OnlineCostModel, RecoveryMode, decide_recovery
+
+__all__ = ["Parts", "assemble", "RunInputs"]
+
+
+@dataclass(frozen=True)
+class RunInputs:
+    cfg: RunConfig
+    run_id: str
+    run_dir: Path
+    plan: ShardingPlan
+    schedule: StepSchedule
+    train_cache: str
+    eval_cache: str
+
+
+class _CostsPart:
+    def __init__(self, costs: OnlineCostModel):
+        self.costs = costs
+
+    def doc(self) -> dict:
+        return self.costs.state()
+
+
+class _Value:
+    """A journaled value of the facade's own (the evaluation)."""
+
+    def __init__(self, value=None):
+        self.value = value
+
+    def doc(self):
+        return self.value
+
+
+@dataclass
+class Parts:
+    inputs: RunInputs
+    lock: threading.RLock
+    books: Books
+    hooks: HookList
+    events: EventLog
+    ledger: FailureLedger
+    trainers: TrainerBook
+    spares: SparePool
+    checkpoints: CheckpointCoordinator
+    controller: RecoveryController
+    desk: TrainerDesk
+    fleet: ShardFleet
+    hosts: HostWatch
+    costs: OnlineCostModel
+    policy: FailurePolicy
+    deadlines: Deadlines
+    run_log: RunLog
+    faults: FaultInjector | None
+    killer: Killer
+    eval: _Value
+
+
+def assemble(inputs: RunInputs, on_crash: Callable[[str, BaseException], None], fresh_files: bool) -> Parts:
+    cfg, run_id = inputs.cfg, inputs.run_id
+    lock = threading.RLock()
+    deadlines = Deadlines(cfg.embeddings.call_timeout_s)
+    policy = FailurePolicy(cfg.budgets.limits())
+    books = Books(Journal(inputs.run_dir), lock, {"run_id": run_id, "attempt": 1, "supervisor_restarts": 0})
+    persist, hooks, run_log = books.persist, HookList(), RunLog(inputs.run_dir, fresh=fresh_files)
+    events = EventLog(lock, hooks, persist)
+
+    def start_thread(name: str, fn: Callable, *args) -> threading.Thread:
+        return start_guarded(name, fn, on_crash, *args)
+
+    ck = cfg.checkpoint
+    costs = OnlineCostModel(mtbf_s=ck.mtbf_s, save_cost_s=ck.save_cost_s, load_cost_s=ck.load_cost_s,
+                            reschedule_cost_s=ck.reschedule_cost_s, start_s=time.time())
+    n = inputs.plan.num_shards
+    # The callables below name parts built further down: closures find them when called.
+    def count_lost(f: FailureRecord) -> float:
+        span = LostSpan(f.shard, f.chain, f.first_step, f.failed_at_step)
+        with checkpoints.timeline():  # no rollback fences the chain's files meanwhile
+            rows = chain_rows(inputs.plan, checkpoints.store, span)
+        return count_lost_samples(cfg, inputs.plan, inputs.schedule, inputs.train_cache, span, rows)
+
+    ledger = FailureLedger(lock, events, persist, count_lost, start_thread, hooks)
+    trainers = TrainerBook(
+        lock, events, persist, hooks, policy, fail=lambda reason: controller.fail(reason),
+        kills=lambda: _trainer_kills(ledger, events),
+        on_commit=lambda step, generation: controller.settle(-1, step, upto_generation=generation),
+        alive=pid_alive_on, book=AppendLog(inputs.run_dir / BOOK_FILE, fresh=fresh_files),
+        num_trainers=cfg.training.num_trainers,
+        samples_per_step=cfg.training.microbatches_per_step * cfg.training.microbatch_rows,
+    )
+    hooks.add(RunLogHook(run_log))
+    hooks.add(MetricsHook(RunMetrics(run_id, trainers.samples_per_step), trainers.failure_of))
+    checkpoints = CheckpointCoordinator(cfg, n, costs, events.record, trainers.step_time_s, hooks, start_thread,
+                                        keep=trainers.pinned)
+
+    def occupied(exclude=()) -> list:
+        c = controller
+        return c.shard_nodes(exclude) + spares.nodes(spares.ready() + c.assigned_spares())
+
+    hosts = HostWatch(lambda: _actor_nodes(controller, spares, trainers), lambda info: reporter.on_host_lost(info),
+                      start_thread=start_thread, tick=lambda: hooks.at_point("thread.host-watch"))
+    audit = str(inputs.run_dir / "audit") if cfg.audit_log else None
+    fleet = ShardFleet(
+        cfg, inputs.plan, run_id, audit, on_death=lambda *a: controller.on_shard_death(*a),
+        on_spare_death=lambda *a: spares.on_death(*a), occupied=occupied, avoid=hosts.suspects,
+        start_thread=start_thread, tick=lambda: hooks.at_point("thread.shard-watch"),
+    )
+    spares = SparePool(
+        lock, events, persist, fleet, hosts.usable, occupied, lambda: set(controller.shard_nodes()),
+        lambda: controller.running(), cfg.embeddings.spares, run_id, deadlines.shard_call_s, start_thread, hooks,
+    )
+    executor = RecoveryExecutor(fleet, checkpoints.restart_timeline, cfg.checkpoint_uri, deadlines.shard_call_s, hooks)
+    controller = _controller(inputs, lock, events, persist, Collaborators(
+        executor=executor, fleet=fleet, ledger=ledger, spares=spares, prune_commits=trainers.prune, observe=costs,
+        decide=lambda: decide_recovery(RecoveryMode(cfg.recovery), costs.inputs(n, ck.pls_target)),
+        host_down_since=hosts.since, suspects=hosts.suspects, partial_chain=checkpoints.chain_candidates,
+        consistent_chain=checkpoints.consistent_chain, policy=policy, hooks=hooks, start_thread=start_thread,
+        retried=RETRIED_ERRORS + (ray.exceptions.RayError,),
+    ))
+    reporter = HostLossReporter(events, controller.shards_on, trainers.ranks_on, spares.on_node)
+    setup = TrainerSetup(
+        finished=False, plan=inputs.plan, schedule=inputs.schedule, train_cache=inputs.train_cache,
+        eval_cache=inputs.eval_cache, train_cache_bytes=os.path.getsize(inputs.train_cache), audit_dir=audit,
+    )
+    desk = TrainerDesk(lock, controller, checkpoints, trainers, events, policy, deadlines, setup,
+                       lambda step: _position(cfg, inputs.schedule, step), ck.final)
+    killer = Killer(lambda: _targets(controller, trainers, spares), ledger.record_kill, deadlines.shard_call_s)
+    faults = None
+    if cfg.faults is not None and (cfg.faults.at_points or cfg.faults.at_steps):
+        faults = FaultInjector(cfg.faults, lock, persist, killer, start_thread, n, cfg.training.num_trainers)
+        hooks.add(faults)
+    parts = Parts(inputs, lock, books, hooks, events, ledger, trainers, spares, checkpoints, controller, desk, fleet,
+                  hosts, costs, policy, deadlines, run_log, faults, killer, _Value())
+    _register_books(parts)
+    return parts
+
+
+def _controller(inputs: RunInputs, lock, events: EventLog, persist, parts: Collaborators) -> RecoveryController:
+    run_id = inputs.run_id
+    return RecoveryController(run_id, lambda k, g: shard_name(run_id, k, g), inputs.plan.num_shards, lock, events,
+                              persist, parts)
+
+
+def _register_books(p: Parts) -> None:
+    """Every part with state gets its section of the journal."""
+    for name, part in (("controller", p.controller), ("events", p.events), ("ledger", p.ledger),
+                       ("trainers", p.trainers), ("spares", p.spares), ("checkpoints", p.checkpoints),
+                       ("costs", _CostsPart(p.costs)), ("eval", p.eval), ("faults", p.faults)):
+        if part is not None:
+            p.books.add(name, part)
+
+
+def _position(cfg: RunConfig, schedule: StepSchedule, step: int) -> DataPosition:
+    tr = cfg.training
+    return DataPosition(
+        next_step=step, microbatches_per_step=tr.microbatches_per_step, microbatch_rows=tr.microbatch_rows,
+        num_microbatches=schedule.num_microbatches, seed=schedule.seed,
+        samples_trained=step * tr.microbatches_per_step * tr.microbatch_rows,
+    )
+
+
+def _trainer_kills(ledger: FailureLedger, events: EventLog) -> list[KillRecord]:
+    """Trainer kills in time order. A trainer lost with its host fails like a killed one,
+    from when the host stopped answering."""
+    lost = [KillRecord(actor, e.get("unreachable_since") or e["declared_dead_at"], None, f"host {e['node_ip']} lost")
+            for e in events.of("host_lost") for actor in e["actors"] if actor.startswith("trainer:")]
+    return sorted([k for k in ledger.kills() if k.target.startswith("trainer:")] + lost, key=lambda k: k.time)
+
+
+def _actor_nodes(controller: RecoveryController, spares: SparePool, trainers: TrainerBook) -> set:
+    return set(controller.shard_nodes()) | set(spares.nodes(spares.ready())) | trainers.nodes()
+
+
+def _targets(controller: RecoveryController, trainers: TrainerBook, spares: SparePool) -> dict[str, Target]:
+    """Every killable actor of the run: its process id and node."""
+    out = {f"shard:{k}": Target(i.pid if i else None, i.node_id if i else None)
+           for k, i in enumerate(controller.infos)}
+    out.update(trainers.targets())
+    out.update(spares.targets())
+    out["supervisor"] = Target(os.getpid(), ray.get_runtime_context().get_node_id())
+    return out

@@ -1,0 +1,34 @@
+"""The supervisor's books as one journal document: a section per part, written whole under
+the books' lock so that every section is from the same moment (a transition changes several
+parts at once: the state, the fleet, a spare taken from the pool, failures recorded)."""
+
+from __future__ import annotations
+
+import threading
+from typing import Protocol
+
+from core.journal import Journal
+
+__all__ = ["Books", "Part", "JOURNAL_FORMAT"]
+
+JOURNAL_FORMAT = 2
+
+
+class Part(Protocol):
+    def doc(self) -> object: ...
+
+
+class Books:
+    def __init__(self, journal: Journal, lock: threading.RLock, header: dict):
+        self.journal = journal
+        self.lock = lock
+        self.header = dict(header)  # run id, attempt, supervisor restarts...
+        self._parts: dict[str, Part] = {}
+
+    def add(self, name: str, part: Part) -> None:
+        self._parts[name] = part
+
+    def persist(self) -> None:
+        with self.lock:
+            self.journal.write({"format": JOURNAL_FORMAT, **self.header,
+                                **{name: part.doc() for name, part in self._parts.items()}})

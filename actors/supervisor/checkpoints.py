@@ -1,0 +1,334 @@
+"""The checkpoint coordinator: when the next save is due, the two-phase asynchronous save
+itself, the chains recoveries restore from, and the timeline after a rollback (newer
+checkpoints fenced, the schedule restarted).
+
+A save (after CheckFreq, FAST'21): at the step boundary every shard copies the rows it is
+to save into memory and training goes on (the only part on the training path); on a guarded
+background thread each shard writes and hashes its file, the coordinator writes the dense
+state and, once every part is durable, commits the manifest (phase one). The rows a shard's
+MFU/SSU policy selected count as saved only once the shard hears that the manifest
+committed (phase two), so a save that never commits (a shard or the supervisor died
+mid-write, a rollback came first) loses no row from later incrementals and leaves no
+manifest: it never looks like a checkpoint.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import ray
+
+from actors.supervisor.hooks import RunHooks
+from core.checkpoint import DATA_POSITION_FILE, DENSE_FILE, FULL, INCREMENTAL, CheckpointStore, DataPosition, write_blob
+from core.config import RunConfig
+from core.deadlines import Deadlines
+from core.errors import ConfigError, CprError
+from core.records import SaveRequest, SaveResult, Snapshot, WrittenPart
+from policies import IntervalController, OnlineCostModel, interval_steps
+
+__all__ = ["CheckpointCoordinator"]
+
+logger = logging.getLogger(__name__)
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+# A save that fails for one of these is abandoned and tried again at a later step; anything
+# else is a bug and crashes the save pipeline's thread (the run then fails, naming it).
+_SAVE_ERRORS = (ray.exceptions.RayError, OSError, TimeoutError, CprError)
+
+
+class _Abandoned(Exception):
+    pass
+
+
+def _reason(err: BaseException) -> str:
+    """One readable line for an event: a Ray error's text starts with the task's name (in
+    colour) and ends with the remote exception; keep that exception's line."""
+    lines = [ln.strip() for ln in _ANSI.sub("", str(err)).splitlines() if ln.strip()]
+    exc = [ln for ln in lines if re.match(r"^[A-Za-z_.]*(Error|Exception)\b", ln)]
+    return (exc[-1] if exc else lines[0] if lines else type(err).__name__)[:200]
+
+
+@dataclass
+class _SaveJob:
+    """One save between its snapshot and its commit."""
+
+    request: SaveRequest
+    shards: list
+    snapshots: list[Snapshot]
+    run_id: str
+    position: DataPosition
+    hold_s: float
+    epoch: int
+    thread: threading.Thread | None = None
+    dense_entry: object = None  # FileEntry of the dense state, once written
+    position_entry: object = None  # FileEntry of the data position, once written
+
+
+_SCHEDULE_FIELDS = (
+    "save_index", "last_full_step", "last_checkpoint_step", "next_checkpoint_step", "interval_steps_in_use",
+    "in_flight_step",
+)
+
+
+class CheckpointCoordinator:
+    def __init__(
+        self,
+        cfg: RunConfig,
+        num_shards: int,
+        costs: OnlineCostModel,
+        record_event: Callable[..., dict],
+        step_time_s: Callable[[], float | None],
+        hooks: RunHooks,
+        start_thread: Callable[..., threading.Thread],
+        keep: Callable[[], set[int]] = set,
+        clock: Callable[[], float] = time.time,
+    ):
+        self.cfg = cfg
+        ck = cfg.checkpoint
+        self.store = CheckpointStore(cfg.checkpoint_uri, keep_last=ck.keep_last, keep=keep) if ck.stored else None
+        self.costs = costs
+        self.controller = IntervalController(cfg.recovery, costs, num_shards, ck.pls_target)
+        self.record_event = record_event
+        self.step_time_s = step_time_s
+        self.hooks = hooks
+        self.start_thread = start_thread
+        self.clock = clock
+        self.save_index = 0
+        self.last_full_step: int | None = None
+        self.last_checkpoint_step = 0
+        self.next_checkpoint_step: int | None = None
+        self.interval_steps_in_use: int | None = None
+        self.in_flight_step: int | None = None  # a save snapshotted, not yet committed or abandoned
+        # A save and a rollback's fencing exclude each other: a save that began before the
+        # rollback must not commit a checkpoint of the abandoned timeline after the fence.
+        self._timeline = threading.Lock()
+        self._epoch = 0  # bumped by every rollback: a save snapshotted before it never commits
+        self._in_flight: _SaveJob | None = None
+
+    # ------------------------------------------------------------------ persisted schedule
+
+    def doc(self) -> dict:
+        return {f: getattr(self, f) for f in _SCHEDULE_FIELDS}
+
+    def load(self, doc: dict) -> None:
+        """The schedule a restarted supervisor continues. A save that was in flight when the
+        previous one died never commits (its writer thread died with it): the next save is
+        due at once."""
+        for f in _SCHEDULE_FIELDS:
+            setattr(self, f, doc.get(f))
+        if self.in_flight_step is not None and self.next_checkpoint_step is not None:
+            self.next_checkpoint_step = min(self.next_checkpoint_step, self.in_flight_step + 1)
+        self.in_flight_step = None
+
+    # ------------------------------------------------------------------ schedule
+
+    def after(self, step: int) -> int | None:
+        """The step count at which the next checkpoint is due, or None when saves are off.
+
+        MFU/SSU saves write r of the rows, 1/r times as often as full saves would come.
+        With ``auto_interval`` the interval comes from the CPR cost model, re-chosen (and
+        logged) as the online estimates change; the time since the last failure counts as
+        exposure, so a quiet stretch lengthens the interval again.
+        """
+        ck = self.cfg.checkpoint
+        if not ck.enabled:
+            return None
+        scale = ck.r if ck.policy != "full" else 1.0
+        step_time_s = self.step_time_s()
+        fallback_steps = self.cfg.training.progress_every_steps
+        candidates = []
+        if ck.every_steps is not None:
+            candidates.append(max(1, round(ck.every_steps * scale)))
+        if ck.every_s is not None:
+            candidates.append(interval_steps(ck.every_s * scale, step_time_s) if step_time_s else fallback_steps)
+        if ck.auto_interval:
+            candidates.append(self._auto_interval(scale, step_time_s, fallback_steps))
+        self.interval_steps_in_use = min(candidates)
+        return step + self.interval_steps_in_use
+
+    def _auto_interval(self, scale: float, step_time_s: float | None, fallback_steps: int) -> int:
+        self.costs.observe_time(max(self.clock(), self.costs.clock_s))
+        decision, change = self.controller.update()
+        steps = interval_steps(decision.interval_s * scale, step_time_s) if step_time_s else fallback_steps
+        if change is not None or steps != self.interval_steps_in_use:
+            self.record_event(
+                "interval_changed", interval_s=round(decision.interval_s * scale, 3), interval_steps=steps,
+                step_time_s=round(step_time_s, 4) if step_time_s else None, mtbf_s=round(self.costs.mtbf_s, 3),
+                mode=decision.mode.value, reason=change.reason if change is not None else "measured step time changed",
+            )
+        return steps
+
+    def start(self, step: int = 0) -> None:
+        self.last_checkpoint_step = step
+        self.next_checkpoint_step = self.after(step)
+
+    # ------------------------------------------------------------------ chains
+
+    def chain_candidates(self) -> tuple[int, ...]:
+        """The newest restorable state of one shard (a full checkpoint, then its incrementals),
+        from the manifests alone: a partial recovery's shard reads and verifies its own files
+        of it (and falls back past a corrupt one), nobody else's."""
+        return tuple(self.store.chain_candidates()) if self.store is not None else ()
+
+    def consistent_chain(self) -> tuple[int, ...]:
+        """The newest state every shard and the dense model share: the newest valid full
+        checkpoint, alone (verified in full once per step). An MFU/SSU incremental saves only
+        its prioritized rows, so a chain through incrementals holds rows last saved at
+        different steps; that suits partial recovery of one shard, not a rollback of
+        everything (full recovery, every trainer dead, --resume)."""
+        return tuple(self.store.verified_chain()[:1]) if self.store is not None else ()
+
+    def chain_upto(self, step: int) -> tuple[int, ...]:
+        return tuple(self.store.verified_chain(step)) if self.store is not None else ()
+
+    def full_checkpoint_of(self, step: int) -> bool:
+        """Whether a full checkpoint of ``step`` is committed."""
+        if self.store is None or step not in self.store.list_committed():
+            return False
+        return self.store.info(step).kind == FULL
+
+    # ------------------------------------------------------------------ saves
+
+    def save(self, request: SaveRequest, shards: list, run_id: str, position: DataPosition) -> SaveResult:
+        """Phase one of a consistent checkpoint after ``request.step`` committed steps, if one
+        is due (``final``: the run's last step, saved in full whatever the schedule and the
+        policy): every shard copies the rows to save into memory and the call returns; a
+        guarded background thread writes the dense state, waits for every shard's file and
+        commits the manifest. Only the copies hold the training path (``hold_s``)."""
+        waited_s = self.drain()  # one save at a time: the previous one commits (or not) first
+        with self._timeline:
+            result = self._snapshot(request, shards, run_id, position)
+        return SaveResult(result.saved, result.next_step, result.duration_s + waited_s)
+
+    def drain(self, timeout_s: float | None = None) -> float:
+        """Waits for the save in flight, if any, to commit or be abandoned; returns the wait."""
+        job = self._in_flight
+        if job is None or job.thread is None or not job.thread.is_alive():
+            return 0.0
+        t0 = time.perf_counter()
+        job.thread.join(timeout_s if timeout_s is not None else Deadlines(self.cfg.embeddings.call_timeout_s).save_drain_s)
+        return time.perf_counter() - t0
+
+    def _snapshot(self, request: SaveRequest, shards: list, run_id: str, position: DataPosition) -> SaveResult:
+        step, final = request.step, request.final
+        if self.store is None:
+            raise ConfigError("checkpoint: every_steps, every_s, auto_interval or final must be set to save checkpoints")
+        if not final and (self.next_checkpoint_step is None or step < self.next_checkpoint_step):
+            return SaveResult(False, self.next_checkpoint_step)
+        committed = self.store.list_committed()
+        if step in committed:
+            # A call retried after a supervisor restart, or a second trainer saving the final
+            # checkpoint: the save already happened.
+            return SaveResult(False, self.next_checkpoint_step)
+        t0 = time.perf_counter()
+        uri = self.cfg.checkpoint_uri
+        # After a supervisor restart a shard may still hold the rows of a save whose commit
+        # it never heard of: it counts them as saved only if that checkpoint committed.
+        confirmed = self.last_checkpoint_step if self.last_checkpoint_step in committed else None
+        refs = [s.save_checkpoint.remote(uri, step, self.save_index, confirmed, final) for s in shards]
+        try:
+            snapshots = ray.get(refs, timeout=self.cfg.embeddings.call_timeout_s)
+        except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError) as err:
+            # A shard died or lags behind (just recovered): this checkpoint will not exist;
+            # the trainer asks again at a later step.
+            self.record_event("checkpoint_failed", step=step, phase="snapshot", error=_reason(err))
+            return SaveResult(False, step + 1, time.perf_counter() - t0)
+        hold_s = time.perf_counter() - t0
+        if not all(r.full for r in snapshots) and self.last_full_step is None:
+            raise RuntimeError(f"incremental save at step {step} without a full checkpoint before it")
+        self.next_checkpoint_step = self.after(step)
+        self.in_flight_step = step
+        job = _SaveJob(request, list(shards), snapshots, run_id, position, hold_s, self._epoch)
+        self._in_flight = job
+        job.thread = self.start_thread("save-pipeline", self._write_and_commit, job)
+        return SaveResult(True, self.next_checkpoint_step, hold_s)
+
+    def _write_and_commit(self, job: _SaveJob) -> None:
+        """Phase one, in the background: the dense state and the data position are written,
+        every shard's file is waited for; then phase two commits the manifest (only if every
+        part is durable and no rollback moved the timeline meanwhile) and tells the shards,
+        which clear the MFU/SSU counts of the rows saved. A failure abandons the save: no
+        manifest, so it never looks like a checkpoint, and the next one is due at once."""
+        step = job.request.step
+        t0 = time.perf_counter()
+        try:
+            self.hooks.at_point("thread.save-pipeline")
+            written = self._write_parts(job)
+            with self._timeline:
+                if job.epoch != self._epoch:
+                    raise _Abandoned("a rollback moved the timeline after its snapshot")
+                self._commit(job, written, time.perf_counter() - t0)
+        except (*_SAVE_ERRORS, _Abandoned) as err:
+            with self._timeline:
+                self.in_flight_step = None
+                if job.epoch == self._epoch and self.next_checkpoint_step is not None:
+                    # Saved again as soon as the trainers commit their next step.
+                    self.next_checkpoint_step = min(self.next_checkpoint_step, step + 1)
+            self.record_event("checkpoint_failed", step=step, phase="write", error=_reason(err),
+                              background_s=round(time.perf_counter() - t0, 4))
+        finally:
+            job.request = SaveRequest(step, b"", job.request.final)  # the dense bytes are written or given up
+
+    def _write_parts(self, job: _SaveJob) -> list[WrittenPart]:
+        step, uri, timeout = job.request.step, self.cfg.checkpoint_uri, self.cfg.embeddings.call_timeout_s
+        self.hooks.at_point("save.snapshotted")
+        refs = [s.save_written.options(concurrency_group="save").remote(step) for s in job.shards]
+        job.dense_entry = write_blob(uri, step, DENSE_FILE, job.request.dense)
+        job.position_entry = write_blob(uri, step, DATA_POSITION_FILE, job.position.to_json())
+        written = ray.get(refs, timeout=timeout)
+        self.hooks.at_point("save.files_written")
+        return written
+
+    def _commit(self, job: _SaveJob, written: list[WrittenPart], elapsed_s: float) -> None:
+        step, timeout = job.request.step, self.cfg.embeddings.call_timeout_s
+        full = all(r.full for r in job.snapshots)
+        info = self.store.commit(
+            step, [job.dense_entry, job.position_entry] + [w.entry for w in written],
+            kind=FULL if full else INCREMENTAL, base_step=None if full else self.last_full_step,
+            meta={"run_id": job.run_id, "save_index": self.save_index, "policy": self.cfg.checkpoint.policy},
+        )
+        # Phase two: the shards may now count the rows they wrote as saved. A shard that died
+        # meanwhile is being recovered anyway.
+        ray.wait([s.confirm_save.remote(step) for s in job.shards], num_returns=len(job.shards), timeout=timeout)
+        self.costs.observe_save(job.hold_s)
+        self.save_index += 1
+        if full:
+            self.last_full_step = step
+        self.last_checkpoint_step = step
+        self.in_flight_step = None
+        self.record_event(
+            "checkpoint_saved", step=step, checkpoint_kind=info.kind, final=job.request.final,
+            duration_s=round(job.hold_s, 4), hold_s=round(job.hold_s, 4), background_s=round(elapsed_s, 4),
+            bytes=info.total_bytes, rows=sum(r.rows for r in job.snapshots),
+            tracked_rows=[r.tracked_rows for r in job.snapshots],
+            shard_snapshot_s=[round(r.snapshot_s, 4) for r in job.snapshots],
+            shard_write_s=[round(w.write_s, 4) for w in written], next_step=self.next_checkpoint_step,
+        )
+
+    # ------------------------------------------------------------------ after a rollback
+
+    def timeline(self) -> threading.Lock:
+        """Held while nothing may commit or fence (saves and rollbacks take it too)."""
+        return self._timeline
+
+    def restart_timeline(self, step: int, chain: list[int]) -> list[int]:
+        """Everything was rolled back to ``step``: checkpoints newer than it belong to an
+        abandoned timeline and are fenced (deleted, manifest first, so never loaded), and the
+        save schedule starts again from ``step``. A save in flight finishes first (if it
+        commits, it is fenced with the rest). Idempotent. Returns the fenced steps."""
+        self.drain()
+        with self._timeline:
+            self._epoch += 1
+            fenced = self.store.fence_after(step) if self.store is not None else []
+            if chain:
+                self.save_index = int(self.store.info(chain[0]).meta.get("save_index", 0)) + 1
+                self.last_full_step = chain[0]
+            else:
+                self.save_index, self.last_full_step = 0, None
+            self.start(step)
+            return fenced

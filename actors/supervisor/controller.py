@@ -1,0 +1,387 @@
+"""The recovery controller: owns the recovery state, the committed fleet of shard actors and
+the generations reserved for new ones.
+
+Events go in through ``transition(event)``: it decides (``machine.transition``), persists the
+intent with every part's books, and only then changes the state and wakes the executor
+thread. The executor's outcome comes back as ``WorkDone``, whose transition commits the new
+fleet and the failure records together. No Ray here: the fleet, the executor and the
+journal are collaborators it is given, so a unit test drives it with fakes.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from actors.supervisor.events import EventLog
+from actors.supervisor.hooks import RunHooks
+from actors.supervisor.ledger import FailureLedger
+from actors.supervisor.machine import (
+    EVERY_TRAINER_DIED, FULL_RECOVERY, RECOVERING, RESUME, TERMINAL, Fail, Failed, RecoveringShards, RespawnRetry,
+    RollingBack, Running, ShardDied, State, WorkDone, state_from_dict, state_to_dict, transition,
+)
+from actors.supervisor.outcome import ChainMismatch, Outcome, ShardsLost, failure_records
+from core.codec import decode, encode
+from core.errors import CprError
+from core.books import DeathCause
+from core.records import Rollback, ShardInfo
+from policies import Budget, FailurePolicy, RecoveryDecision, RecoveryMode
+
+__all__ = ["RecoveryController", "Collaborators", "RETRIED_ERRORS"]
+
+logger = logging.getLogger(__name__)
+
+# Failures of a recovery attempt that are retried (up to budgets.max_executor_errors): a Ray
+# call that failed or timed out, storage, a checkpoint refused. Anything else is a bug: the
+# executor thread crashes and the run ends as Failed, naming it.
+RETRIED_ERRORS: tuple[type[BaseException], ...] = (OSError, TimeoutError, CprError)
+
+
+@dataclass(frozen=True)
+class Collaborators:
+    """What the controller is given (``Supervisor`` builds the real ones; tests pass fakes)."""
+
+    executor: object  # run(state, committed handles) -> Outcome
+    fleet: object  # watch(k, generation, handle), find(k, gen), spawn(k, gen, taken), ready(handles), kill(handle)
+    ledger: FailureLedger
+    spares: object  # candidate(avoid), take(names), wake()
+    prune_commits: Callable[[int], None]
+    observe: object  # OnlineCostModel: observe_failure, observe_reschedule, observe_load, clock_s
+    decide: Callable[[], RecoveryDecision]
+    host_down_since: Callable[[str | None], float | None]
+    suspects: Callable[[], set]
+    partial_chain: Callable[[], tuple[int, ...]]
+    consistent_chain: Callable[[], tuple[int, ...]]
+    policy: FailurePolicy
+    hooks: RunHooks
+    start_thread: Callable[..., threading.Thread]
+    retried: tuple[type[BaseException], ...] = RETRIED_ERRORS
+
+
+class RecoveryController:
+    def __init__(self, run_id: str, shard_name: Callable[[int, int], str], num_shards: int,
+                 lock: threading.RLock, events: EventLog, persist: Callable[[], None], parts: Collaborators,
+                 clock: Callable[[], float] = time.time):
+        self.run_id = run_id
+        self._shard_name = shard_name
+        self.n = num_shards
+        self._lock = lock
+        self.changed = threading.Condition(lock)
+        self._events = events
+        self._persist = persist
+        self._p = parts
+        self._clock = clock
+        self.state: State = Running()
+        self._next: State | None = None  # a decided state being persisted (the journal shows it first)
+        self.handles: list = [None] * num_shards
+        self.infos: list[ShardInfo | None] = [None] * num_shards
+        self.gens = [0] * num_shards  # generation of each shard in the live fleet
+        self.next_gens = [0] * num_shards  # lowest generation never reserved, per shard
+        self.live_since: list[int | None] = [0] * num_shards  # first step the live actor of each shard applies
+        self.names = [shard_name(k, 0) for k in range(num_shards)]  # the actor serving each shard
+        self.generation = 0  # bumped whenever the fleet or the timeline changes
+        self.rollback: Rollback | None = None  # the last full recovery's rollback (without its dense state)
+        self.resume_step: int | None = None
+        self.started = False
+        self.start_error: str | None = None
+        self._deaths: list[tuple] = []  # (node id, actor, detected at) of each shard death
+        self._outcome: Outcome | None = None
+        self._work = threading.Event()
+        self._stop = threading.Event()
+
+    # ------------------------------------------------------------------ transitions
+
+    def transition(self, event) -> bool:
+        """The only place the state changes: decide, persist the intent, then act on it."""
+        with self._lock:
+            pending = len(self.state.targets) if isinstance(self.state, RECOVERING) else 0
+            t = transition(self.state, event, self._p.ledger.count() + pending, self._p.policy)
+            if t is None:
+                return False
+            previous = self.state
+            self._next = t.state
+            try:
+                for k, g in getattr(t.state, "targets", {}).items():
+                    self.next_gens[k] = max(self.next_gens[k], g + 1)  # reserved before any spawn
+                self._p.spares.take(getattr(t.state, "spares", {}).values())
+                if isinstance(event, WorkDone):
+                    self._commit_outcome(previous)
+                self._events.append("state_changed", previous=previous.name, state=t.state.name, reason=t.reason)
+                self._persist()
+            finally:
+                self._next = None
+            self.state = t.state
+            self.changed.notify_all()
+        logger.warning("supervisor: %s -> %s: %s", previous.name, t.state.name, t.reason)
+        self._work.set()
+        return True
+
+    def fail(self, reason: str) -> None:
+        """Ends the run as Failed. If even that cannot be journaled (the journal's disk is
+        gone), the state still changes here: everyone waiting on the supervisor stops."""
+        try:
+            self.transition(Fail(reason))
+        except Exception:  # noqa: BLE001 - the run stops either way; say so, then force it
+            logger.exception("could not journal the failure %r; failing the run in memory", reason)
+            with self._lock:
+                if not isinstance(self.state, TERMINAL):
+                    self.state = Failed(reason)
+                    self.changed.notify_all()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._work.set()
+
+    # ------------------------------------------------------------------ deaths
+
+    def on_shard_death(self, k: int, generation: int, cause: str, detected: float) -> None:
+        """A watched shard actor is gone: decide its recovery and transition. The chain is
+        read (and, for a rollback, verified once) outside the lock."""
+        with self._lock:
+            if not self._is_current(k, generation):
+                return
+            kill = self._p.ledger.kill_of(f"shard:{k}", before=detected)
+            node = self.infos[k].node_id if self.infos[k] is not None else None
+            self._deaths.append((node, f"shard:{k}", detected))  # a host's loss names it
+            killed_at = kill.time if kill is not None else self._p.host_down_since(node)
+            self._p.observe.observe_failure(max(detected, self._p.observe.clock_s))
+            decision = self._p.decide()
+            partial = decision.mode == RecoveryMode.PARTIAL
+            death = DeathCause(
+                actor=f"shard:{k}", shard=k, generation=generation, cause=cause, detected_at=round(detected, 3),
+                killed_at=killed_at, detection_s=round(detected - killed_at, 3) if killed_at is not None else None,
+                first_step=self.live_since[k],
+            )
+        chain = self._p.partial_chain() if partial else ()
+        consistent = () if partial else self._p.consistent_chain()
+        with self._lock:
+            if not self._is_current(k, generation):
+                return
+            spare = self._p.spares.candidate(self._p.suspects())
+            self.transition(ShardDied(k, generation, self.gens[k], self.next_gens[k], death, partial, decision,
+                                      tuple(chain), tuple(consistent), spare))
+
+    def _is_current(self, k: int, generation: int) -> bool:
+        if isinstance(self.state, TERMINAL) or generation != self.gens[k]:
+            return False
+        return not (isinstance(self.state, RECOVERING) and k in self.state.targets)
+
+    # ------------------------------------------------------------------ the executor thread
+
+    def run_executor(self) -> None:
+        """The executor thread: carries out each recovering state as it comes."""
+        attempts = 0
+        while not self._stop.is_set():
+            self._p.hooks.at_point("thread.recovery-executor")
+            self._work.wait(0.5)
+            self._work.clear()
+            attempts = self.execute_once(attempts)
+
+    def execute_once(self, attempts: int = 0) -> int:
+        """One pass: carries out the state in flight, if any, and commits its outcome.
+        Retries what may fail for a while; ``attempts`` counts the failed attempts of this
+        recovery so far (``budgets.max_executor_errors``), and the new count is returned."""
+        with self._lock:
+            state, committed = self.state, list(self.handles)
+        if not isinstance(state, RECOVERING):
+            return 0
+        try:
+            outcome = self._p.executor.run(state, committed)
+        except ShardsLost as lost:
+            return attempts + self._on_lost(state, lost.shards, attempts)
+        except ChainMismatch as err:
+            self.fail(f"invariant: {err}")
+            return attempts
+        except self._p.retried as err:
+            attempts += 1
+            self._events.record("recovery_error", state=state.name, error=repr(err)[:300], attempt=attempts)
+            logger.warning("recovery attempt %d failed: %r", attempts, err)
+            if not self._over_budget(attempts, f"{state.name}: {err!r}"[:300]):
+                time.sleep(1.0)
+                self._work.set()
+            return attempts
+        with self._lock:
+            self._outcome = outcome
+            self.transition(WorkDone(state))
+        return 0
+
+    def _on_lost(self, state: State, lost: Sequence[int], attempts: int) -> int:
+        """Shards the executor lost: a replacement that did not answer is respawned under a new
+        generation (a failed attempt, within budget); a survivor that died is a new death."""
+        retries = [k for k in lost if k in state.targets]
+        if retries and self._over_budget(attempts + 1, f"shards {retries} did not answer after respawning"):
+            return 1
+        for k in lost:
+            if k in state.targets:
+                with self._lock:
+                    self.transition(RespawnRetry(k, self.next_gens[k]))
+            else:
+                self.on_shard_death(k, self.gens[k], "died during a recovery", self._clock())
+        self._work.set()
+        return 1 if retries else 0
+
+    def _over_budget(self, attempts: int, detail: str) -> bool:
+        over = self._p.policy.exceeded(Budget.EXECUTOR_ERRORS, attempts, detail)
+        if over is not None:
+            self.fail(over)
+        return over is not None
+
+    # ------------------------------------------------------------------ committing an outcome
+
+    def _commit_outcome(self, done: RecoveringShards | RollingBack) -> None:
+        """Makes what the executor did for ``done`` the live fleet, with its failure records
+        and events (under the lock, inside the transition that persists them)."""
+        out, now = self._outcome, self._clock()
+        earlier = self._p.ledger.count()
+        for k, (handle, info) in out.handles.items():
+            self.handles[k], self.infos[k], self.gens[k] = handle, info, done.targets[k]
+            self.names[k] = done.spares.get(k) or self._shard_name(k, done.targets[k])
+            self._p.fleet.watch(k, done.targets[k], handle)
+            self.live_since[k] = None  # known once trainers redo a step on it
+        for k, result in out.loaded.items():
+            for fb in result.fallbacks:
+                self._events.append("checkpoint_fallback", event_time=now, shard=k, step=fb.step, reason=fb.reason)
+        self.generation += 1
+        if out.handles:
+            self._p.observe.observe_reschedule(out.reschedule_s)
+        if done.chain:
+            self._p.observe.observe_load(out.load_s)
+        records = failure_records(done, out, self.generation, now)
+        self._p.ledger.add(records)
+        for f in records:
+            self._events.append("shard_recovered", event_time=now, **encode(f))
+        if done.spares:
+            self._p.spares.wake()  # a new spare starts in the background for each one used
+        if isinstance(done, RollingBack):
+            self._commit_rollback(done, out, earlier, now)
+
+    def _commit_rollback(self, done: RollingBack, out: Outcome, earlier: int, now: float) -> None:
+        self._p.ledger.reopen_after_rollback(done.step, earlier)
+        if done.why != FULL_RECOVERY:
+            # Shards that died in a fallback or a resume: the new trainers start at the
+            # rollback step through trainer_setup (no await_shards to settle them); the work
+            # redone is the fallback's own (all_trainers_failed.steps_lost).
+            self._p.ledger.close_from(earlier, done.step)
+        self.live_since = [done.step] * self.n
+        self._p.prune_commits(done.step)
+        self.rollback = Rollback(self.generation, done.step) if done.why == FULL_RECOVERY else None
+        rows = sum(r.rows for r in out.loaded.values())
+        extra = {"fenced": out.fenced, "rows_reloaded": rows, "load_s": round(out.load_s, 3)}
+        if done.why == RESUME:
+            self.resume_step = done.step
+            self._events.append("resumed", event_time=now, step=done.step, chain=list(done.chain),
+                                bytes_loaded=sum(r.bytes for r in out.loaded.values()), **extra)
+        elif done.why == EVERY_TRAINER_DIED:
+            ahead = done.trainers.ahead if done.trainers is not None else done.step
+            self._events.append("all_trainers_failed", event_time=now, fallback_step=done.step,
+                                steps_lost=ahead - done.step, **extra)
+        if out.fenced:
+            self._events.append("checkpoints_fenced", event_time=now, steps=out.fenced, rollback_step=done.step,
+                                why=done.why)
+
+    # ------------------------------------------------------------------ views
+
+    def settle(self, known_generation: int, redo_step: int, upto_generation: float = float("inf")) -> None:
+        """Trainers redo ``redo_step`` on a newer fleet: close the failures recovered since, and
+        start the replaced shards' spans there (a rollback set them already)."""
+        for k in self._p.ledger.settle(known_generation, redo_step, upto_generation):
+            with self._lock:
+                if self.live_since[k] is None:
+                    self.live_since[k] = redo_step
+
+    def wait_settled(self, timeout_s: float) -> bool:
+        """Waits until no recovery is in flight; False if ``timeout_s`` passed first."""
+        with self.changed:
+            return self.changed.wait_for(lambda: not isinstance(self.state, RECOVERING), timeout=timeout_s)
+
+    def wait_generation_after(self, generation: int, timeout_s: float) -> None:
+        with self.changed:
+            self.changed.wait_for(lambda: self.generation > generation, timeout=timeout_s)
+
+    def fleet(self) -> tuple[int, tuple]:
+        with self._lock:
+            return self.generation, tuple(self.handles)
+
+    def shard_nodes(self, exclude=()) -> list:
+        with self._lock:
+            return [i.node_id if i else None for k, i in enumerate(self.infos) if k not in exclude]
+
+    def assigned_spares(self) -> list[str]:
+        with self._lock:
+            return list(getattr(self.state, "spares", {}).values())
+
+    def shards_on(self, node_id: str, since: float) -> list[str]:
+        """The shards a lost node held: still placed there, or whose death there was seen since ``since``."""
+        with self._lock:
+            return sorted({f"shard:{k}" for k, i in enumerate(self.infos) if i is not None and i.node_id == node_id}
+                          | {a for n, a, t in self._deaths if n == node_id and t >= since})
+
+    def running(self) -> bool:
+        """Not over yet (recovering counts)."""
+        return not isinstance(self.state, TERMINAL)
+
+    def is_running(self) -> bool:
+        """Training normally: no recovery in flight, not over."""
+        return isinstance(self.state, Running)
+
+    def commit_start(self, handles: list, infos: list[ShardInfo]) -> None:
+        """The first fleet (generation 0) answers."""
+        with self._lock:
+            self.handles, self.infos, self.started = list(handles), list(infos), True
+            self._persist()
+            self.changed.notify_all()
+
+    def start_failed(self, error: str) -> None:
+        with self._lock:
+            self.start_error = error
+            self.changed.notify_all()
+
+    def reserve_first_fleet(self) -> None:
+        with self._lock:
+            self.next_gens = [max(g, 1) for g in self.next_gens]
+            self._persist()
+
+    # ------------------------------------------------------------------ journal
+
+    def doc(self) -> dict:
+        state = self._next if self._next is not None else self.state
+        return {
+            "state": state_to_dict(state), "gens": self.gens, "next_gens": self.next_gens,
+            "live_since": self.live_since, "names": self.names, "generation": self.generation,
+            "rollback": encode(self.rollback), "resume_step": self.resume_step, "started": self.started,
+        }
+
+    def load(self, doc: dict) -> None:
+        self.state = state_from_dict(doc["state"])
+        self.gens, self.next_gens, self.live_since = doc["gens"], doc["next_gens"], doc["live_since"]
+        self.names, self.generation, self.started = doc["names"], doc["generation"], doc["started"]
+        self.rollback = decode(Rollback, doc["rollback"])
+        self.resume_step = doc["resume_step"]
+
+    def reacquire(self, probe: Callable[[str], tuple[object, ShardInfo] | None]) -> list[int]:
+        """After a supervisor restart: the journaled actor of each shard, found by name and
+        watched again where it answers (``probe(name)``). Returns the shards not found."""
+        missing = []
+        for k in range(self.n):
+            found = probe(self.names[k]) if self.started else None
+            if found is None:
+                missing.append(k)
+                continue
+            with self._lock:
+                self.handles[k], self.infos[k] = found
+            self._p.fleet.watch(k, self.gens[k], found[0])
+        return missing
+
+    def recover_missing(self, missing: list[int]) -> None:
+        """Shards whose actor a restarted supervisor did not find die now, in the books."""
+        for k in missing if self.started else ():
+            self.on_shard_death(k, self.gens[k], "not found after supervisor restart", self._clock())
+
+    def wake(self) -> None:
+        self._work.set()
+
+    def start_executor(self) -> None:
+        self._p.start_thread("recovery-executor", self.run_executor)

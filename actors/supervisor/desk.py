@@ -1,0 +1,241 @@
+"""What trainers ask of the supervisor: where to start, which shards to use after a failed
+step, the every-trainer-died fallback, saves, and the end of the run. Each answer is a typed
+record; each wait has a deadline shorter than the caller's (``core.deadlines``). Reading
+checkpoint files (a dense state, a chain's verification) happens outside the books' lock.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+
+import ray
+
+from actors.supervisor.checkpoints import CheckpointCoordinator
+from actors.supervisor.controller import RecoveryController
+from actors.supervisor.machine import TERMINAL, RollingBack, Running, TrainersAllDied, TrainersCause, replacement_at_checkpoint
+from actors.supervisor.trainers import TrainerBook
+from core.checkpoint import DENSE_FILE, DataPosition
+from core.deadlines import Deadline, Deadlines
+from core.errors import ShardUnavailable, TrainerConflict
+from core.records import FinalView, FleetView, ResumePoint, Rollback, RunStatus, SaveRequest, SaveResult, TrainerSetup
+from policies import Budget, FailurePolicy
+
+__all__ = ["TrainerDesk"]
+
+logger = logging.getLogger(__name__)
+
+_PROBE_ERRORS = (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError)
+
+
+class TrainerDesk:
+    def __init__(
+        self,
+        lock: threading.RLock,
+        controller: RecoveryController,
+        checkpoints: CheckpointCoordinator,
+        trainers: TrainerBook,
+        events,
+        policy: FailurePolicy,
+        deadlines: Deadlines,
+        setup: TrainerSetup,
+        position: Callable[[int], DataPosition],
+        final_checkpoint: bool,
+    ):
+        self._lock = lock
+        self._c = controller
+        self._ckpt = checkpoints
+        self._trainers = trainers
+        self._events = events
+        self._policy = policy
+        self._deadlines = deadlines
+        self._setup = setup  # the run's constant part of every trainer's setup
+        self._position = position
+        self._final_checkpoint = final_checkpoint
+        self._final_attempts = 0
+        self._fallback_lock = threading.Lock()
+
+    # ------------------------------------------------------------------ start
+
+    def trainer_setup(self, rank: int) -> TrainerSetup:
+        """Shard handles, the step to start from with its dense state, and when the next
+        checkpoint is due. The driver starts Ray Train while the shards start: this waits for them."""
+        with self._c.changed:
+            wait_s = self._deadlines.inner_s("trainer_setup")
+            if not self._c.changed.wait_for(lambda: self._c.started or self._c.start_error, wait_s):
+                raise ShardUnavailable(f"the embedding shards did not start within {wait_s:.0f}s")
+            if self._c.start_error:
+                return TrainerSetup(finished=True)  # the driver raises the error from start()
+        start = self._start_step(rank)
+        dense = self._dense(start) if start is not None else None
+        generation, shards = self._c.fleet()
+        with self._lock:
+            return TrainerSetup(
+                finished=isinstance(self._c.state, TERMINAL), shards=shards, generation=generation,
+                resume=ResumePoint(start, dense) if start is not None else None,
+                training_started=self._trainers.started, next_checkpoint_step=self._ckpt.next_checkpoint_step,
+                **{k: getattr(self._setup, k) for k in ("plan", "schedule", "train_cache", "eval_cache",
+                                                         "train_cache_bytes", "audit_dir")},
+            )
+
+    def _start_step(self, rank: int) -> int | None:
+        """A replacement starts at the newest full checkpoint (or the step a rollback in flight
+        goes to), kept from retention until it decides; the first trainers at the resume step."""
+        with self._lock:
+            state, started = self._c.state, self._trainers.started
+            if not started:
+                return self._c.resume_step
+            if isinstance(state, RollingBack):
+                self._trainers.pin(rank, state.step)  # newer checkpoints are being fenced right now
+                return state.step
+        start = 0
+        for _ in range(3):
+            chain = self._ckpt.consistent_chain()  # verified outside the lock (once per step)
+            start = chain[-1] if chain else 0
+            self._trainers.pin(rank, start)
+            if start == 0 or self._ckpt.full_checkpoint_of(start):
+                return start  # pinned while it still existed: retention keeps it now
+        return start
+
+    def position(self, step: int) -> DataPosition:
+        """Where the data stands after ``step`` committed steps (saved with each checkpoint)."""
+        return self._position(step)
+
+    def _dense(self, step: int) -> bytes | None:
+        store = self._ckpt.store
+        return store.read_blob(step, DENSE_FILE) if step > 0 and store is not None else None
+
+    def status(self) -> RunStatus:
+        """Polled by trainers every step without blocking: stop, or when to save next."""
+        with self._lock:
+            return RunStatus(isinstance(self._c.state, TERMINAL), self._c.state.name, self._ckpt.next_checkpoint_step)
+
+    # ------------------------------------------------------------------ failed steps
+
+    def await_shards(self, known_generation: int, step: int) -> FleetView:
+        """Called by a trainer after its step ``step`` failed. Returns the current shards,
+        their generation and, after a full recovery, the step to roll back to with its dense
+        state; ``stop`` once the run is over.
+
+        It does not answer "nothing changed" while a shard is dead but not yet recovered: a
+        trainer whose own calls succeeded could otherwise redo the step with stale state
+        while the others roll back. So on an unchanged generation it probes the shards.
+        """
+        deadline = Deadline(self._deadlines.inner_s("await_shards"))
+        while not deadline.expired():
+            self._c.wait_settled(deadline.remaining())
+            with self._lock:
+                state, (generation, shards) = self._c.state, self._c.fleet()
+                view = FleetView(generation, shards, None, isinstance(state, TERMINAL), self._ckpt.next_checkpoint_step)
+                rollback = self._c.rollback
+            if view.stop:
+                return view
+            if isinstance(state, Running) and generation > known_generation:
+                if rollback is not None and rollback.generation > known_generation:
+                    view = FleetView(generation, shards, Rollback(rollback.generation, rollback.step,
+                                                                  self._dense(rollback.step)), False, view.next_checkpoint)
+                self._c.settle(known_generation, step)
+                return view
+            if not isinstance(state, Running):
+                continue
+            try:
+                ray.get([s.state.remote() for s in shards], timeout=deadline.remaining(self._deadlines.shard_call_s))
+                return view
+            except _PROBE_ERRORS:
+                self._c.wait_generation_after(generation, deadline.remaining())
+        raise ShardUnavailable(f"shards not recovered within {deadline.total_s:.0f}s "
+                               "(4 x embeddings.call_timeout_s)")
+
+    def fallback_to_checkpoint(self, step: int, rank: int) -> FleetView:
+        """Every trainer died and the new ones start at checkpoint ``step``: roll the shards
+        back to it too (the one rollback path), so dense and embedding state agree.
+        Idempotent (several trainers call it). Raises ``TrainerConflict`` when a live trainer
+        is ahead of ``step`` (a quorum of replacements only); rolls nothing back when the live
+        trainers are at ``step`` (``machine.replacement_at_checkpoint``)."""
+        deadline = Deadline(self._deadlines.inner_s("fallback_to_checkpoint"))
+        # Replacements can form a torchft quorum of their own before the survivors join it;
+        # "nobody ahead in my quorum" then does not mean every trainer died.
+        decision = replacement_at_checkpoint(
+            step, self._trainers.live_established(rank, deadline.remaining(self._deadlines.shard_call_s))
+        )
+        if decision.action == "heal":
+            raise TrainerConflict(f"{decision.reason}; replacement {rank} must heal from them")
+        self._trainers.unpin(rank)
+        if decision.action == "join":
+            self._events.record("replacement_joined", rank=rank, step=step, reason=decision.reason)
+            generation, shards = self._c.fleet()
+            return FleetView(generation, shards)
+        with self._fallback_lock:
+            return self._roll_back_to(step, rank, deadline)
+
+    def _roll_back_to(self, step: int, rank: int, deadline: Deadline) -> FleetView:
+        while True:
+            if not self._c.wait_settled(deadline.remaining()):
+                raise ShardUnavailable(f"shards not back within {deadline.total_s:.0f}s for the fallback")
+            generation, shards = self._c.fleet()
+            try:
+                states = ray.get([s.state.remote() for s in shards], timeout=deadline.remaining(self._deadlines.shard_call_s))
+                break
+            except _PROBE_ERRORS:
+                self._c.wait_generation_after(generation, deadline.remaining())
+        ahead = max(st.applied_step + 1 for st in states)
+        if ahead <= step:
+            # Nothing to roll back: another trainer of this incident did it already, or every
+            # trainer died right at a checkpoint. The latter is still an incident.
+            with self._lock:
+                if not self._same_fallback(step):
+                    self._events.record("all_trainers_failed", fallback_step=step, steps_lost=0, fenced=[],
+                                        rows_reloaded=0, load_s=0.0)
+            return FleetView(generation, shards)
+        chain = self._ckpt.chain_upto(step)
+        if (chain[-1] if chain else 0) != step:
+            # The trainers restarted from checkpoint `step`; the shards cannot go there.
+            self._c.fail(f"invariant: every trainer died and restarted from checkpoint step {step}, but the newest "
+                         f"valid chain up to it is {list(chain)}: shards and dense state would disagree")
+            return FleetView(generation, shards, stop=True)
+        self._c.transition(TrainersAllDied(step, chain, TrainersCause(ahead, rank)))
+        if not self._c.wait_settled(deadline.remaining()):
+            raise ShardUnavailable(f"rollback to step {step} not done within {deadline.total_s:.0f}s")
+        with self._lock:
+            generation, shards = self._c.fleet()
+            return FleetView(generation, shards, stop=isinstance(self._c.state, TERMINAL))
+
+    def _same_fallback(self, step: int) -> bool:
+        """Whether the last every-trainer fallback went to ``step`` and nothing was committed
+        since: the caller belongs to that incident (read from the journaled events, so it
+        holds across a supervisor restart)."""
+        last = self._events.last("all_trainers_failed")
+        return last is not None and last["fallback_step"] == step and not self._trainers.committed_since(step)
+
+    # ------------------------------------------------------------------ saves and the end
+
+    def save_checkpoint(self, request: SaveRequest) -> SaveResult:
+        """Called by the first participating trainer right after it committed ``request.step``
+        (and by every trainer when the final checkpoint is missing: only one save happens)."""
+        with self._lock:
+            if not isinstance(self._c.state, Running):
+                return SaveResult(False, request.step + 1)
+            shards = list(self._c.handles)
+        return self._ckpt.save(request, shards, self._c.run_id, self._position(request.step))
+
+    def await_final(self, known_generation: int, step: int) -> FinalView:
+        """Called by each trainer once the last step committed: waits until the final
+        checkpoint's save (if one is in flight) committed or failed, then answers like
+        ``await_shards``, and says whether the final full checkpoint of ``step`` exists. A
+        shard that died before is seen here (dead, or already recovered); after a full
+        recovery the trainers redo the steps; without the final checkpoint they save it again
+        (within ``budgets.max_step_redos`` attempts)."""
+        self._ckpt.drain(self._deadlines.save_drain_s)
+        view = self.await_shards(known_generation, step)
+        saved = not self._final_checkpoint or self._ckpt.full_checkpoint_of(step)
+        if not saved and not view.stop and view.generation == known_generation:
+            with self._lock:
+                self._final_attempts += 1
+                attempts = self._final_attempts
+            over = self._policy.exceeded(Budget.STEP_REDOS, attempts,
+                                         f"the final checkpoint of step {step} was not saved after {attempts} attempts")
+            if over is not None:
+                self._c.fail(over)
+                view = FleetView(view.generation, view.shards, None, True, view.next_checkpoint)
+        return FinalView(view, saved)

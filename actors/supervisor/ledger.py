@@ -1,0 +1,171 @@
+"""The failure ledger: every recovered shard death (open until trainers redo a step on its
+replacement, then closed and, for a partial recovery, its lost samples counted) and every
+injected kill. Counting reads the data cache and the checkpoint files, so it runs on a
+guarded thread, off the recovery path and outside the supervisor's lock."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+from collections.abc import Callable
+
+from actors.supervisor.events import EventLog
+from actors.supervisor.hooks import RunHooks
+from core.codec import decode, encode
+from core.errors import CprError
+from core.books import FailureRecord, KillRecord
+
+__all__ = ["FailureLedger"]
+
+logger = logging.getLogger(__name__)
+
+# What may go wrong counting (the cache or a checkpoint file unreadable): recorded in the
+# failure and the event, never raised into training. Anything else is a bug: the thread crashes.
+_COUNT_ERRORS = (OSError, CprError, ValueError, KeyError, IndexError)
+
+
+class FailureLedger:
+    def __init__(
+        self,
+        lock: threading.RLock,
+        events: EventLog,
+        persist: Callable[[], None],
+        count_lost: Callable[[FailureRecord], float],
+        start_thread: Callable[..., threading.Thread],
+        hooks: RunHooks,
+    ):
+        self._lock = lock
+        self._events = events
+        self._persist = persist
+        self._count_lost = count_lost
+        self._start_thread = start_thread
+        self._hooks = hooks
+        self._failures: list[FailureRecord] = []
+        self._kills: list[KillRecord] = []
+
+    # ------------------------------------------------------------------ kills
+
+    def record_kill(self, kill: KillRecord) -> None:
+        with self._lock:
+            self._kills.append(kill)
+
+    def kill_of(self, target: str, before: float) -> KillRecord | None:
+        """The latest kill of ``target`` at or before ``before``: when its failure began."""
+        with self._lock:
+            return next((k for k in reversed(self._kills) if k.target == target and k.time <= before), None)
+
+    def kills(self) -> tuple[KillRecord, ...]:
+        with self._lock:
+            return tuple(self._kills)
+
+    # ------------------------------------------------------------------ failures
+
+    def records(self) -> tuple[FailureRecord, ...]:
+        with self._lock:
+            return tuple(self._failures)
+
+    def count(self) -> int:
+        with self._lock:
+            return len(self._failures)
+
+    def add(self, records: list[FailureRecord]) -> None:
+        """Part of a transition (the caller persists)."""
+        with self._lock:
+            self._failures.extend(records)
+
+    def _close(self, i: int, redo_step: int) -> bool:
+        """Closes open failure ``i`` at ``redo_step``: a full recovery's recomputed steps are
+        known now; returns True for a partial one, whose lost samples are still to count."""
+        f = self._failures[i]
+        if f.failed_at_step is not None:
+            return False
+        partial = f.recovery == "partial"
+        recomputed = f.lost_steps_recomputed if partial else max(redo_step - f.restored_step, 0)
+        self._failures[i] = dataclasses.replace(f, failed_at_step=redo_step, lost_steps_recomputed=recomputed)
+        return partial
+
+    def settle(self, known_generation: int, redo_step: int, upto_generation: float = float("inf")) -> list[int]:
+        """Trainers redo ``redo_step`` on a fleet newer than ``known_generation`` (up to
+        ``upto_generation``): the failures recovered since are complete now, and their lost
+        samples are counted. Returns the shards of the partial recoveries closed here."""
+        with self._lock:
+            closing = [i for i, f in enumerate(self._failures)
+                       if known_generation < f.generation_after <= upto_generation and f.failed_at_step is None]
+            todo = [i for i in closing if self._close(i, redo_step)]
+            if closing:
+                # Journaled: a supervisor restarted later must not close them again at a
+                # later step (seen in the soak: closed at a rollback 80 steps on).
+                self._persist()
+            shards = [self._failures[i].shard for i in todo]
+        self.count_later(todo)
+        return shards
+
+    def reopen_after_rollback(self, step: int, before: int) -> None:
+        """Everything went back to ``step`` and trainers redo every step from there: a partial
+        recovery among the first ``before`` failures loses only updates before ``step``, so
+        it closes (or closes again) there and is counted again. Part of a transition."""
+        todo = []
+        with self._lock:
+            for i, f in enumerate(self._failures[:before]):
+                if f.recovery == "partial" and (f.failed_at_step is None or f.failed_at_step > step):
+                    self._failures[i] = dataclasses.replace(f, failed_at_step=None)
+                    if self._close(i, step):
+                        todo.append(i)
+        self.count_later(todo)
+
+    def close_from(self, first: int, step: int) -> None:
+        """Closes every failure from index ``first`` on at ``step`` (the new trainers of a
+        fallback or a resume start there). Part of a transition."""
+        with self._lock:
+            for i in range(first, len(self._failures)):
+                self._close(i, step)
+
+    def close_all(self, final_step: int) -> None:
+        """The run is over: failures whose redo step never came close at its last step, and
+        their lost samples are counted now (before the summary reads them)."""
+        with self._lock:
+            todo = [i for i in range(len(self._failures)) if self._close(i, final_step)]
+        self._count(todo)
+
+    def recount_open_counts(self) -> None:
+        """After a supervisor restart: counts that were in flight when the previous one died."""
+        with self._lock:
+            todo = [i for i, f in enumerate(self._failures)
+                    if f.recovery == "partial" and f.failed_at_step is not None and f.lost_samples is None]
+        self.count_later(todo)
+
+    def count_later(self, indices: list[int]) -> None:
+        if indices:
+            self._start_thread("lost-samples", self._count_in_thread, indices)
+
+    def _count_in_thread(self, indices: list[int]) -> None:
+        self._hooks.at_point("thread.lost-samples")
+        self._count(indices)
+
+    def _count(self, indices: list[int]) -> None:
+        for i in indices:
+            with self._lock:
+                f = self._failures[i]
+            error = None
+            try:
+                lost = self._count_lost(f)
+            except _COUNT_ERRORS as err:
+                logger.exception("counting lost samples of %s failed", f.actor)
+                lost, error = 0.0, repr(err)
+            with self._lock:
+                now = self._failures[i]
+                if now.failed_at_step != f.failed_at_step:
+                    continue  # a rollback moved the redo step meanwhile and counts it again
+                self._failures[i] = dataclasses.replace(now, lost_samples=lost, lost_samples_error=error)
+            self._events.record("lost_samples_counted", actor=f.actor, lost_samples=lost,
+                                first_step=f.first_step, failed_at_step=f.failed_at_step)
+
+    # ------------------------------------------------------------------ journal
+
+    def doc(self) -> dict:
+        return {"failures": encode(self._failures), "kills": encode(self._kills)}
+
+    def load(self, doc: dict) -> None:
+        self._failures = [decode(FailureRecord, f) for f in doc["failures"]]
+        self._kills = [decode(KillRecord, k) for k in doc["kills"]]

@@ -1,0 +1,66 @@
+"""What the recovery executor hands back (an ``Outcome``, or why it could not finish), and
+what a finished recovery leaves in the books: one failure record per shard death it
+recovered, with the times, rows and chain of its recovery. Pure: the controller commits them
+with the new fleet in the transition that persists both."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from actors.supervisor.machine import RecoveringShards, RollingBack
+from core.books import FailureRecord
+from core.records import LoadResult, ShardInfo
+
+__all__ = ["failure_records", "Outcome", "ShardsLost", "ChainMismatch"]
+
+
+class ShardsLost(Exception):
+    """Shards died, or did not answer in time and were killed, while a recovery used them."""
+
+    def __init__(self, shards: list[int]):
+        super().__init__(shards)
+        self.shards = shards
+
+
+class ChainMismatch(Exception):
+    """A rollback would leave the shards on different states, or on another state than the
+    dense model's: its chain does not end at its step, or a shard loaded another chain (its
+    own file of the chain was corrupt). The run stops rather than train on a mix."""
+
+
+@dataclass
+class Outcome:
+    handles: dict[int, tuple[object, ShardInfo]] = field(default_factory=dict)  # replaced shards
+    loaded: dict[int, LoadResult] = field(default_factory=dict)
+    reschedule_s: float = 0.0
+    load_s: float = 0.0
+    fenced: list[int] = field(default_factory=list)
+
+
+def failure_records(done: RecoveringShards | RollingBack, out: Outcome, generation_after: int, now: float) -> list[FailureRecord]:
+    """The failures ``done`` recovered. A partial recovery's record carries the chain its shard
+    loaded (its own files may have sent it back further) and the rows it reloaded; a
+    rollback's, the rollback's chain and every shard's rows."""
+    partial = isinstance(done, RecoveringShards)
+    total_rows = sum(r.rows for r in out.loaded.values())
+    total_bytes = sum(r.bytes for r in out.loaded.values())
+    records = []
+    for cause in done.causes:
+        mine = out.loaded.get(cause.shard) if partial else None
+        chain = tuple(mine.chain) if mine is not None else tuple(done.chain)
+        killed = cause.killed_at
+        records.append(FailureRecord(
+            actor=cause.actor, shard=cause.shard, generation=cause.generation, cause=cause.cause,
+            detected_at=cause.detected_at, killed_at=killed, detection_s=cause.detection_s,
+            first_step=cause.first_step, recovery="partial" if partial else "full", decision=done.decision,
+            generation_after=generation_after, spare=done.spares.get(cause.shard),
+            adoption_s=round(out.reschedule_s, 3), reschedule_s=round(out.reschedule_s, 3),
+            load_s=round(out.load_s, 3), recovery_s=round(now - cause.detected_at, 3),
+            serving_s=round(now - killed, 3) if killed is not None else None,
+            restored_step=(chain[-1] if chain else 0) if partial else done.step, chain=chain,
+            rows_reloaded=int(mine.rows if mine is not None else (0 if partial else total_rows)),
+            bytes_reloaded=int(mine.bytes if mine is not None else (0 if partial else total_bytes)),
+            failed_at_step=None, lost_samples=None if partial else 0.0,
+            lost_steps_recomputed=0 if partial else None,
+        ))
+    return records

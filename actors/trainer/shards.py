@@ -1,0 +1,148 @@
+"""A trainer's client of the embedding shards: routes a step's ids to the shards that own
+them, gathers the pooled rows and pushes the gradients back, with a timeout on every call.
+
+With shared memory, the arrays for a shard on this trainer's node go through a slab
+(``actors.shm``) and the Ray call carries only where they lie; a shard on another node (or
+without /dev/shm) gets them in the call, as Ray objects.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import ray
+
+from actors.shm import ShmSlab, shm_available
+from core.plan import ShardingPlan
+from core.records import PushResult, ShardInfo
+
+__all__ = ["ShardClient", "ShardCallFailed", "StaleStep"]
+
+
+class ShardCallFailed(Exception):
+    """A call to embedding shard ``shard`` failed: the actor died, or did not answer in time."""
+
+    def __init__(self, shard: int, reason: str):
+        super().__init__(shard, reason)
+        self.shard = shard
+        self.reason = reason
+
+    def __str__(self) -> str:
+        return f"shard {self.shard}: {self.reason}"
+
+
+class StaleStep(Exception):
+    """A shard dropped this attempt's gradients: a newer attempt of the step replaced them.
+    The step fails and is redone; no shard is at fault."""
+
+
+class ShardClient:
+    def __init__(self, shards, plan: ShardingPlan, dim: int, timeout_s: float, run_id: str = "",
+                 node_id: str | None = None, shared_memory: bool = False):
+        self.plan = plan
+        self.dim = dim
+        self.timeout_s = timeout_s
+        self.run_id = run_id
+        self.node_id = node_id
+        self.shared_memory = shared_memory and node_id is not None and shm_available()
+        self._slabs: dict[int, ShmSlab | None] = {}
+        self._shards = list(shards)
+        self._pooled: np.ndarray | None = None
+
+    @property
+    def shards(self) -> list:
+        return self._shards
+
+    @shards.setter
+    def shards(self, handles) -> None:
+        """New shard handles (a recovery): their slabs start afresh."""
+        self.close()
+        self._shards = list(handles)
+
+    def close(self) -> None:
+        for slab in self._slabs.values():
+            if slab is not None:
+                slab.close()
+        self._slabs = {}
+
+    def _slab(self, k: int) -> ShmSlab | None:
+        """Shard ``k``'s slab, or None when its arrays travel in the call."""
+        if not self.shared_memory:
+            return None
+        if k not in self._slabs:
+            info: ShardInfo = self._gather([self._shards[k].ready.remote()], first=k)[0]
+            self._slabs[k] = ShmSlab(self.run_id, f"s{k}") if info.node_id == self.node_id else None
+        return self._slabs[k]
+
+    def _drop_slab(self, k: int) -> None:
+        slab = self._slabs.pop(k, None)
+        if slab is not None:
+            slab.close()
+
+    def _gather(self, refs: list, first: int = 0) -> list:
+        """Results of one call per shard (shard ``first + i`` for ref i). Every shard whose
+        call failed or did not answer loses its slab (a call still running may write there
+        later); then ShardCallFailed names the first of them."""
+        _, not_ready = ray.wait(refs, num_returns=len(refs), timeout=self.timeout_s)
+        out, failed = [], []
+        for i, ref in enumerate(refs):
+            if ref in not_ready:
+                failed.append(ShardCallFailed(first + i, f"no answer within {self.timeout_s}s"))
+                continue
+            try:
+                out.append(ray.get(ref))
+            except (ray.exceptions.RayActorError, ray.exceptions.ObjectLostError) as err:
+                # ObjectLostError: the answer lay in the object store of a host that is gone.
+                failed.append(ShardCallFailed(first + i, type(err).__name__))
+        for err in failed:
+            self._drop_slab(err.shard)
+        if failed:
+            raise failed[0]
+        return out
+
+    def lookup(self, rows: np.ndarray, step: int | None = None, chunk: tuple[int, ...] = (), routed=None) -> np.ndarray:
+        """Pooled embeddings float32 [B, F, D] of ``rows`` (int64 [B, F]); ``routed``: the
+        rows already split per shard (ShardingPlan.route), when a prefetch did it."""
+        batch = rows.shape[0]
+        refs = []
+        for k, shard in enumerate(self._shards):
+            sb = routed[k] if routed is not None else self.plan.route(rows, k)
+            slab = self._slab(k)
+            out = None
+            args = (sb.lengths, sb.indices)
+            if slab is not None:
+                width = sb.lengths.shape[0] * self.dim
+                d_len, d_idx, out = slab.layout(
+                    [(sb.lengths.shape, np.int64), (sb.indices.shape, np.int64), ((batch, width), np.float32)]
+                )
+                slab.view(d_len)[...] = sb.lengths
+                slab.view(d_idx)[...] = sb.indices
+                args = (d_len, d_idx)
+            if step is None:
+                refs.append(shard.lookup_eval.remote(*args, out=out))
+            else:
+                refs.append(shard.lookup.remote(step, chunk, *args, out=out))
+        parts = [p if isinstance(p, np.ndarray) else self._slabs[k].view(p) for k, p in enumerate(self._gather(refs))]
+        if step is None:
+            return self.plan.assemble_pooled(parts)
+        # A training step's pooled rows go into the same buffer every step (no fresh pages to
+        # fault in): the previous step's tensor over it is no longer used once its
+        # gradients were pushed.
+        shape = (batch, rows.shape[1], self.dim)
+        if self._pooled is None or self._pooled.shape != shape:
+            self._pooled = np.empty(shape, dtype=np.float32)
+        return self.plan.assemble_pooled(parts, out=self._pooled)
+
+    def push_grads(self, step: int, chunk: tuple[int, ...], grad: np.ndarray) -> list[PushResult]:
+        refs = []
+        for k, shard in enumerate(self._shards):
+            slab = self._slab(k)
+            if slab is None:
+                refs.append(shard.push_grads.remote(step, chunk, self.plan.gather_grad(grad, k)))
+                continue
+            (d_grad,) = slab.layout([((grad.shape[0], len(self.plan.shards[k]) * self.dim), np.float32)])
+            self.plan.gather_grad(grad, k, out=slab.view(d_grad))
+            refs.append(shard.push_grads.remote(step, chunk, d_grad))
+        results = self._gather(refs)
+        if any(r.stale for r in results):
+            raise StaleStep(f"step {step} microbatches {chunk}: replaced by a newer attempt")
+        return results

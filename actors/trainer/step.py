@@ -1,0 +1,287 @@
+"""A training step as a protocol every trainer follows, in the manner of torchft's Manager
+(``start_quorum``, ``should_commit``: "the optimizer must only be stepped if this returns
+True"). A step ``s`` is M microbatches with stable ids; the live trainers split them by
+position over the quorum.
+
+  ``quorum``   torchft's synchronous quorum: a replacement heals inside it from the peer
+               furthest ahead. A replacement's first quorum that formed decides: healed
+               (it trains), nobody ahead (every trainer died: fall back to the checkpoint
+               with the shards), or a live trainer ahead outside this quorum (fail the step,
+               back off, decide again in a later quorum).
+  ``compute``  this trainer's share: lookups on the shards, dense forward and backward,
+               embedding gradients back to the shards (they apply the step once all M arrived).
+  ``vote``     one SUM all-reduce of the dense gradient with two more numbers: a "failed
+               here" flag, which makes the commit unanimous, and the microbatch count.
+  ``commit``   ``should_commit``: the optimizer steps and the commit is recorded; otherwise
+               the step failed on every trainer: record it, fetch the current fleet (after a
+               full recovery with the checkpoint's dense state and step) and redo the step.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from actors.client import SupervisorClient
+from actors.trainer.collective import sum_over_trainers
+from actors.trainer.pipeline import PhaseTimer, Prefetcher
+from actors.trainer.shards import ShardCallFailed, ShardClient, StaleStep
+from core.config import RunConfig
+from core.errors import TrainerConflict
+from core.records import CommitRecord, FleetView, Progress, ResumePoint, Rollback, SaveRequest, StepFailure
+from core.schedule import StepSchedule
+
+__all__ = ["Trainer", "Attempt"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Attempt:
+    """One try at step ``step`` on this trainer."""
+
+    step: int
+    participant: int | None = None
+    error: Exception | None = None
+    mine: list[int] = field(default_factory=list)
+    chunk: tuple[int, ...] = ()
+    committed: bool = False
+    broken_quorum: int | None = None
+    total: int = 0  # the step's microbatch count as the all-reduce summed it
+
+
+@dataclass
+class Trainer:
+    """A trainer process's state across steps (built by ``actors.trainer.loop``)."""
+
+    rank: int
+    cfg: RunConfig
+    supervisor: SupervisorClient
+    shards: ShardClient
+    schedule: StepSchedule
+    model: torch.nn.Module
+    optimizer: object
+    manager: object  # torchft Manager
+    pg: object  # its process group
+    prefetch: Prefetcher
+    generation: int
+    next_checkpoint: int | None
+    resume: ResumePoint | None
+    replacement: bool
+    initial_state: dict
+    audit: object | None = None  # the audit log file, when the run keeps one
+    phases: PhaseTimer = field(default_factory=PhaseTimer)
+    started_s: float = field(default_factory=time.perf_counter)
+    first_quorum: bool = True
+    last_participant: int | None = None
+    conflicts: int = 0
+    loss_sum: float = 0.0
+    loss_rows: int = 0
+    steps_since: int = 0
+    t_last: float = field(default_factory=time.perf_counter)
+
+    @property
+    def params(self) -> list:
+        return list(self.model.parameters())
+
+    # ------------------------------------------------------------------ the protocol
+
+    def quorum(self) -> Attempt:
+        """Joins this step's quorum; a replacement's first formed quorum decides what it does."""
+        self.phases.start()
+        self.manager.start_quorum()
+        self.manager.wait_quorum()
+        self.phases.lap("quorum")
+        attempt = Attempt(self.manager.current_step(), self.manager.participating_rank())
+        self.optimizer.zero_grad(set_to_none=False)
+        # Only a quorum that formed decides anything: one whose group failed to connect (a
+        # peer died meanwhile) left this trainer at its start step without healing it.
+        healthy = self.manager.errored() is None
+        if self.first_quorum and healthy:
+            self.first_quorum = False
+            if self.replacement and self.resume is not None and attempt.step == self.resume.step:
+                self._decide_at_checkpoint(attempt)
+        if self.replacement and attempt.participant is not None and healthy and attempt.error is None:
+            self.supervisor.record_trainer_healed(self.rank, attempt.step, time.perf_counter() - self.started_s,
+                                                  time.time())
+            self.replacement = False
+        if self.last_participant is None and attempt.participant == 0:
+            self.supervisor.record_training_started(attempt.step, self.manager.num_participants(), time.time())
+        return attempt
+
+    def _decide_at_checkpoint(self, attempt: Attempt) -> None:
+        """Nobody was ahead to heal from: every trainer died (the shards go back to the same
+        checkpoint as the dense state; the supervisor does it once), or the live ones are at
+        this very step (nothing to roll back)."""
+        try:
+            fleet = self.supervisor.fallback_to_checkpoint(attempt.step, self.rank)
+            self.use_fleet(fleet)
+        except TrainerConflict as err:
+            # A quorum of replacements only, while a live trainer is ahead: this step fails
+            # everywhere and a later quorum with that trainer heals this one. Back off first:
+            # the live trainer may still be leaving a broken group, and a tight loop of failed
+            # quorums would spend the step's redo budget (and the CPU it needs) before it comes.
+            self.first_quorum, attempt.error = True, err
+            self.conflicts += 1
+            time.sleep(min(4.0, 0.25 * 2**self.conflicts))
+
+    def compute(self, attempt: Attempt) -> None:
+        """This trainer's microbatches of the step, through the model and back to the shards."""
+        participants = self.manager.num_participants()
+        if attempt.participant is None or not self.manager.is_participating() or attempt.error is not None:
+            return
+        attempt.mine = self.schedule.assignment(attempt.step, attempt.participant, participants)
+        if not attempt.mine:
+            return
+        step, m = attempt.step, self.schedule.microbatches_per_step
+        labels, dense, rows, routed = self.prefetch.get(step, attempt.mine)
+        attempt.chunk = tuple(step * m + i for i in attempt.mine)
+        self.phases.lap("data")
+        try:
+            pooled = torch.from_numpy(self.shards.lookup(rows, step, attempt.chunk, routed)).requires_grad_(True)
+            self.phases.lap("lookup")
+            if step + 1 < self.schedule.total_steps:
+                # The next step's data while this one computes (same quorum expected).
+                self.prefetch.ahead(step + 1, self.schedule.assignment(step + 1, attempt.participant, participants))
+            logits = self.model(torch.from_numpy(dense), pooled)
+            # Scaled so that the SUM all-reduce gives the gradient of the step's mean loss over
+            # all M microbatches, whoever computed them.
+            loss_total = torch.nn.functional.binary_cross_entropy_with_logits(
+                logits, torch.from_numpy(labels), reduction="sum"
+            )
+            (loss_total / (m * self.cfg.training.microbatch_rows)).backward()
+            self.phases.lap("dense")
+            self.shards.push_grads(step, attempt.chunk, pooled.grad.numpy())
+            self.phases.lap("push")
+            self.loss_sum += loss_total.item()
+            self.loss_rows += len(labels)
+        except ShardCallFailed as err:
+            self.supervisor.report_shard_failure(err.shard, self.generation, err.reason, step)
+            attempt.error = err
+        except StaleStep as err:
+            attempt.error = err
+
+    def vote(self, attempt: Attempt) -> torch.Tensor:
+        """The step's all-reduce: the dense gradient, a "failed here" flag and the microbatch
+        count, summed over the quorum's trainers. torchft's commit vote spans one replica group
+        (one trainer here); the summed flag makes the decision unanimous. The group's
+        collective is called directly, not through ``manager.allreduce``: a wait this trainer
+        walks away from must not report its late error into a later step."""
+        self.phases.start()
+        extra = torch.tensor([float(attempt.error is not None), float(len(attempt.mine))])
+        flat = torch.cat([p.grad.reshape(-1) for p in self.params] + [extra])
+        if self.manager.errored() is None:
+            if not self.manager.is_participating():
+                flat.zero_()
+            quorum_id = self.manager._quorum_id  # torchft 0.2 keeps the quorum id only privately
+            failure = sum_over_trainers(self.pg, flat, lambda: self.supervisor.group_broken(quorum_id, attempt.step))
+            if failure is not None:
+                self.manager.report_error(failure)
+                attempt.broken_quorum = quorum_id
+        self.phases.lap("allreduce")
+        attempt.total = int(round(flat[-1].item()))
+        if attempt.error is not None:
+            self.manager.report_error(attempt.error)
+        elif self.manager.errored() is None and flat[-2].item() > 0:
+            attempt.error = ShardCallFailed(-1, "a peer trainer's step failed")
+            self.manager.report_error(attempt.error)
+        return flat
+
+    def commit(self, attempt: Attempt, flat: torch.Tensor) -> bool:
+        """Steps the optimizer if every trainer of the quorum succeeded; else records the
+        failure and picks up the current fleet before the step is redone. False: stop."""
+        if self.manager.should_commit():
+            offset = 0
+            for p in self.params:
+                n = p.numel()
+                p.grad.copy_(flat[offset: offset + n].view_as(p))
+                offset += n
+            self.optimizer.step()
+            self.steps_since += 1
+            attempt.committed = True
+            self.supervisor.record_commit(CommitRecord(
+                attempt.step, self.rank, attempt.chunk, attempt.total, self.manager.num_participants(), time.time(),
+                self.generation,
+            ))
+            self._audit_commit(attempt)
+            return True
+        self.supervisor.record_step_failed(StepFailure(
+            attempt.step, self.rank, time.time(), str(attempt.error or self.manager.errored()), attempt.broken_quorum
+        ))
+        fleet = self.supervisor.await_shards(self.generation, attempt.step)
+        if fleet.stop:
+            return False
+        self.next_checkpoint = fleet.next_checkpoint
+        self.use_fleet(fleet)
+        return True
+
+    def _audit_commit(self, attempt: Attempt) -> None:
+        if self.audit is not None:
+            self.audit.write(json.dumps({
+                "t": round(time.time(), 6), "event": "commit", "step": attempt.step, "rank": self.rank,
+                "quorum": self.manager._quorum_id, "microbatches": list(attempt.chunk), "total": attempt.total,
+            }) + "\n")
+
+    # ------------------------------------------------------------------ around the protocol
+
+    def use_fleet(self, fleet: FleetView) -> None:
+        """A new fleet (a recovery): its shards, and after a full recovery its rollback."""
+        if fleet.generation != self.generation:
+            self.generation = fleet.generation
+            self.shards.shards = fleet.shards
+            if fleet.rollback is not None:
+                self.roll_back(fleet.rollback)
+
+    def roll_back(self, rollback: Rollback) -> None:
+        """A full recovery's rollback: the checkpoint's dense state (step 0's without one) and step."""
+        if rollback.dense is not None:
+            self.load_dense(rollback.dense)
+        else:
+            self.model.load_state_dict(self.initial_state["model"])
+            self.optimizer.load_state_dict(self.initial_state["optim"])
+        m = self.schedule.microbatches_per_step
+        self.manager.load_state_dict({"step": rollback.step, "batches_committed": rollback.step * m})
+
+    def load_dense(self, blob: bytes) -> None:
+        sd = torch.load(io.BytesIO(blob), weights_only=True)
+        self.model.load_state_dict(sd["model"])
+        self.optimizer.load_state_dict(sd["optim"])
+
+    def dense_blob(self) -> bytes:
+        buf = io.BytesIO()
+        torch.save({"model": self.model.state_dict(), "optim": self.optimizer.state_dict()}, buf)
+        return buf.getvalue()
+
+    def save_and_report(self, attempt: Attempt) -> None:
+        """After the step: the save, if one is due (the saving trainer is the quorum's first
+        participant), and progress every ``training.progress_every_steps``."""
+        done, total = self.manager.current_step(), self.schedule.total_steps
+        if attempt.participant == 0 and self.last_participant != 0 and self.next_checkpoint is not None:
+            # Just became the saving trainer (e.g. the previous one died): ask what is due.
+            self.next_checkpoint = self.supervisor.checkpoint_due()
+        self.last_participant = attempt.participant
+        due = self.next_checkpoint is not None and self.next_checkpoint <= done < total
+        # The run's last state is saved in full whatever the policy: what `cpr export` and
+        # `cpr train --resume` of a finished run read.
+        final = attempt.committed and done == total and self.cfg.checkpoint.final
+        if attempt.participant == 0 and (due or final):
+            self.phases.start()
+            saved = self.supervisor.save_checkpoint(SaveRequest(done, self.dense_blob(), final))
+            if due:
+                self.next_checkpoint = saved.next_step
+            self.phases.lap("checkpoint")
+        every = self.cfg.training.progress_every_steps
+        if attempt.committed and attempt.participant == 0 and (done % every == 0 or done == total):
+            now = time.perf_counter()
+            samples_per_step = self.schedule.microbatches_per_step * self.cfg.training.microbatch_rows
+            self.supervisor.record_progress(Progress(
+                step=done, total_steps=total, loss=self.loss_sum / max(self.loss_rows, 1),
+                samples_per_s=self.steps_since * samples_per_step / max(now - self.t_last, 1e-9),
+                trainers=self.manager.num_participants(), phase_s=self.phases.take(),
+            ))
+            self.loss_sum, self.loss_rows, self.steps_since, self.t_last = 0.0, 0, 0, now

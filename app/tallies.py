@@ -1,0 +1,45 @@
+"""The numbers a run's report derives from its records in the same way whether the run
+finished (``app.report.build_report``) or crashed and is rebuilt from its files
+(``app.rebuild``): the hosts it lost, the seconds each fault-tolerance cost took, the saves' split.
+"""
+
+from __future__ import annotations
+
+__all__ = ["hosts_lost", "overhead_seconds", "save_split"]
+
+
+def hosts_lost(events: list[dict]) -> list[dict]:
+    """Each host (Ray node) of the run that Ray declared dead: its address, the run's actors
+    it took, Ray's reason, and ``declared_dead_s``: from the first failed probe of its raylet
+    (``actors.nodes.HostWatch``) to Ray's verdict, None when no probe failed before it."""
+    out = []
+    for e in events:
+        if e.get("kind") != "host_lost":
+            continue
+        since = e.get("unreachable_since")
+        out.append({
+            "node_ip": e.get("node_ip"), "node_id": e.get("node_id"), "actors": e.get("actors", []),
+            "reason": e.get("reason"), "declared_dead_at": e.get("declared_dead_at"), "unreachable_since": since,
+            "declared_dead_s": round(e["declared_dead_at"] - since, 3) if since is not None else None,
+        })
+    return out
+
+
+def overhead_seconds(saves: list[dict], failures: list[dict], step_time_s: float, tracking_s: float | None) -> dict:
+    """Seconds of wall time each fault-tolerance cost took (None where it was not measured)."""
+    return {
+        "save": sum(e.get("duration_s") or 0.0 for e in saves),
+        "tracking": tracking_s,
+        "load": sum(f.get("load_s") or 0.0 for f in failures),
+        "lost_computation": sum(f.get("lost_steps_recomputed") or 0 for f in failures) * step_time_s,
+        "rescheduling": sum(f.get("reschedule_s") or 0.0 for f in failures),
+    }
+
+
+def save_split(saves: list[dict]) -> dict:
+    """Seconds the saves held the training path (the snapshot) and ran in the background
+    (write, hash, sync, commit): only the first is an overhead of training."""
+    return {
+        "training_path": round(sum(e.get("hold_s", e.get("duration_s")) or 0.0 for e in saves), 3),
+        "background": round(sum(e.get("background_s") or 0.0 for e in saves), 3),
+    }

@@ -1,0 +1,214 @@
+"""The checkpoints under one storage URI as their coordinator sees them: commits a manifest
+over the files that shard actors wrote, fences an abandoned timeline and applies
+retention, on top of CheckpointReader's verified reads and restore chains.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from core.checkpoint.files import (
+    FULL,
+    INCREMENTAL,
+    MANIFEST_FILE,
+    MANIFEST_TMP_PREFIX,
+    OBJECT_STORE_TYPES,
+    CheckpointInfo,
+    FileEntry,
+    check_file_name,
+    check_step,
+    exists,
+    join,
+    step_dir_name,
+    sync,
+)
+from core.checkpoint.manifest import manifest_from_json, manifest_to_json
+from core.checkpoint.reader import CheckpointReader
+from core.checkpoint.retention import expired_steps, protected_steps
+from core.errors import CheckpointCorrupt, CheckpointNotFound, ConfigError
+
+__all__ = ["CheckpointStore"]
+
+logger = logging.getLogger(__name__)
+
+
+class CheckpointStore(CheckpointReader):
+    """Commits, verifies, reads, restores and garbage-collects the checkpoints under ``uri``.
+
+    Args:
+        uri: a local path, ``file://``, ``s3://``, ``gs://``, ``hdfs://`` ... URI.
+        keep_last: number of newest FULL checkpoints that retention keeps (>= 1).
+        keep: the steps a restore in flight may still load (a replacement trainer was told
+            to start there): retention keeps them whatever ``keep_last`` says.
+
+    Corrupt checkpoints skipped by ``latest_valid``, ``chain_steps``, ``verified_chain`` and
+    ``shard_chain`` are logged and appended to ``fallbacks`` as ``(step, reason)``, each
+    (step, reason) once per instance. Checkpoints this instance commits count as verified
+    (sizes checked, checksums taken from the bytes as written).
+    """
+
+    def __init__(self, uri: str, keep_last: int = 3, keep: Callable[[], set[int]] | None = None) -> None:
+        if keep_last < 1:
+            raise ConfigError(f"keep_last must be >= 1, got {keep_last}")
+        super().__init__(uri)
+        self.keep_last = keep_last
+        self.keep = keep or set
+
+    # ----------------------------------------------------------------- commit
+
+    def commit(
+        self,
+        step: int,
+        files: Sequence[FileEntry],
+        kind: str = FULL,
+        base_step: int | None = None,
+        meta: dict[str, Any] | None = None,
+    ) -> CheckpointInfo:
+        """Write the manifest of ``step`` (after checking every file is there), then run gc.
+
+        A failing gc is logged, not raised: the checkpoint is committed by then.
+
+        Raises:
+            CheckpointCorrupt: a listed file is missing or has another size than its entry.
+            CheckpointNotFound: an incremental's ``base_step`` is not a committed full checkpoint.
+            FileExistsError: ``step`` is already committed.
+            ValueError: a manifest every reader would refuse (e.g. a malformed checksum, a
+                negative ``meta["save_index"]``).
+        """
+        step = check_step(step)
+        base_step = _checked_base(step, kind, base_step)
+        names = [entry.name for entry in files]
+        if len(set(names)) != len(names):
+            raise ValueError(f"duplicate file names in commit of step {step}: {sorted(names)}")
+        for name in names:
+            check_file_name(name)
+        info = CheckpointInfo(
+            step=step,
+            kind=kind,
+            base_step=base_step,
+            files={entry.name: entry for entry in files},
+            meta=dict(meta or {}),
+            created_s=time.time(),
+        )
+        manifest_bytes = manifest_to_json(info)  # fails on non-JSON meta before anything is written
+
+        manifest_path = self._path(step, MANIFEST_FILE)
+        if exists(self._fs, manifest_path):
+            raise FileExistsError(f"checkpoint step {step} under {self.uri} is already committed")
+        if base_step is not None:
+            base = self.info(base_step)
+            if base.kind != FULL:
+                raise CheckpointNotFound(f"base_step {base_step} of step {step} is {base.kind}, not {FULL}")
+        # A metadata check only (no re-read): the writers hashed the bytes as they wrote them.
+        for entry, file_info in zip(files, self._fs.get_file_info([self._path(step, n) for n in names])):
+            self._check_size(step, entry, file_info)
+        try:
+            as_read = manifest_from_json(manifest_bytes, step)
+        except CheckpointCorrupt as exc:
+            raise ValueError(f"refusing to commit a manifest its readers refuse: {exc}") from None
+
+        self._write_manifest(step, manifest_bytes)
+        self._valid[step] = as_read
+        try:
+            self.gc()
+        except OSError as exc:
+            # The checkpoint is committed; a failed deletion must not make the save look failed.
+            logger.warning("checkpoint gc under %s failed after committing step %d: %s", self.uri, step, exc)
+        return info
+
+    def _write_manifest(self, step: int, manifest_bytes: bytes) -> None:
+        manifest_path = self._path(step, MANIFEST_FILE)
+        if self._fs.type_name in OBJECT_STORE_TYPES:
+            self._put(manifest_path, manifest_bytes)
+            return
+        tmp_path = self._path(step, f"{MANIFEST_TMP_PREFIX}{uuid.uuid4().hex}")
+        self._put(tmp_path, manifest_bytes)
+        sync(self._fs, tmp_path)
+        self._fs.move(tmp_path, manifest_path)
+        sync(self._fs, join(self._root, step_dir_name(step)), directory=True)
+
+    # ----------------------------------------------------------------- retention
+
+    def fence_after(self, step: int) -> list[int]:
+        """Remove every checkpoint newer than ``step``, committed or not: after a rollback to
+        ``step`` they belong to an abandoned timeline and must never be loaded. Manifests go
+        first, so a crash midway leaves uncommitted directories, never a half-deleted
+        checkpoint. Idempotent; returns the steps removed."""
+        committed, uncommitted = self._scan()
+        doomed = sorted(s for s in committed + uncommitted if s > step)
+        for s in doomed:
+            manifest_path = self._path(s, MANIFEST_FILE)
+            if exists(self._fs, manifest_path):
+                self._fs.delete_file(manifest_path)
+        for s in doomed:
+            self._fs.delete_dir(join(self._root, step_dir_name(s)))
+            self._forget(s)
+        if doomed:
+            logger.warning("checkpoints %s under %s fenced: newer than the rollback to step %d", doomed, self.uri, step)
+        return doomed
+
+    def gc(self) -> list[int]:
+        """Delete what retention no longer needs; returns the deleted steps, ascending.
+
+        Keeps the newest ``keep_last`` full checkpoints (corrupt ones count: they are left
+        for inspection, not deleted) and every later checkpoint except incrementals built on
+        an older full; older checkpoints are deleted.
+        Never deletes the newest valid checkpoint nor the chain of the newest valid state.
+        Uncommitted directories older than the newest committed step are crashed saves and
+        are deleted; newer ones may be saves in progress and are left.
+
+        Checkpoints this instance committed are trusted as valid; any other one that gc
+        must rely on is fully verified (read back) once per instance.
+        """
+        committed, uncommitted = self._scan()
+        doomed = [s for s in uncommitted if committed and s < committed[-1]]
+
+        infos: dict[int, CheckpointInfo | None] = {}
+        for step in committed:
+            try:
+                infos[step] = self.info(step)
+            except CheckpointCorrupt:
+                infos[step] = None
+        candidates = expired_steps(infos, self.keep_last)
+        if candidates:
+            chain = self._chain(None, self._verify_once, record=False)
+            protected = protected_steps(infos, chain, lambda s: self._verify_once(self.info(s))) | set(self.keep())
+            doomed += [s for s in candidates if s not in protected]
+
+        for step in sorted(doomed):
+            directory = join(self._root, step_dir_name(step))
+            # Manifest first: a crash mid-delete leaves an uncommitted directory, not a
+            # committed checkpoint with files missing.
+            manifest_path = join(directory, MANIFEST_FILE)
+            if exists(self._fs, manifest_path):
+                self._fs.delete_file(manifest_path)
+            self._fs.delete_dir(directory)
+            self._forget(step)
+        if doomed:
+            logger.info("checkpoint gc under %s deleted steps %s", self.uri, sorted(doomed))
+        return sorted(doomed)
+
+    def _forget(self, step: int) -> None:
+        self._valid.pop(step, None)
+        self._corrupt.pop(step, None)
+
+    def _put(self, path: str, payload: bytes) -> None:
+        with self._fs.open_output_stream(path, compression=None) as out:
+            out.write(payload)
+
+
+def _checked_base(step: int, kind: str, base_step: int | None) -> int | None:
+    """The base step of a commit of ``kind``: None for a full, an earlier step for an incremental."""
+    if kind == FULL:
+        if base_step is not None:
+            raise ValueError(f"a full checkpoint has no base_step, got {base_step}")
+        return None
+    if kind == INCREMENTAL:
+        if base_step is None or not 0 <= base_step < step:
+            raise ValueError(f"incremental step {step} needs a base_step in [0, {step}), got {base_step}")
+        return int(base_step)
+    raise ValueError(f"kind must be {FULL!r} or {INCREMENTAL!r}, got {kind!r}")

@@ -1,0 +1,125 @@
+"""The failure sections of the run config: injected faults (``faults``), the failure budgets
+(``budgets``) and the production-scale emulation (``emulation``), with the base every
+section shares (typed, frozen, unknown keys refused)."""
+
+from __future__ import annotations
+
+import re
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from core.points import POINTS
+from policies import BudgetLimits
+
+__all__ = ["Section", "FaultPoint", "FaultsConfig", "EmulationConfig", "BudgetsConfig"]
+
+
+class Section(BaseModel):
+    # Unknown keys are typos; failing on them beats silently ignoring a setting.
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+
+
+class FaultPoint(Section):
+    """A kill, or an error, at a named point of the supervisor's work (like torchft's EventInjector.fail_at)."""
+
+    at: str
+    """save.snapshotted: every shard copied the rows to save, files being written in the background;
+    save.files_written: shard files written, manifest not; recovery.spawned: new shards answer, nothing
+    loaded; recovery.loaded: loaded, fleet not committed; rollback.loaded: every shard loaded, nothing fenced;
+    thread.NAME: a pass of the supervisor's background thread NAME (shard-watch, recovery-executor,
+    spare-keeper, host-watch, save-pipeline, lost-samples)."""
+    kill: str | None = Field(None, pattern=r"^(supervisor|all_trainers|shard:\d+|trainer:\d+)$")
+    """What to kill there, once: supervisor, all_trainers, shard:K or trainer:K."""
+    error: str | None = Field(None, min_length=1)
+    """Instead of a kill: raise an unexpected error with this message there, once (as a bug would)."""
+    after_step: int = Field(0, ge=0)
+    """Only once this many training steps committed."""
+
+    @field_validator("at")
+    @classmethod
+    def _check_point(cls, v: str) -> str:
+        if v not in POINTS:
+            raise ValueError(f"must be one of {', '.join(POINTS)}")
+        return v
+
+    @model_validator(mode="after")
+    def _one_action(self) -> "FaultPoint":
+        if (self.kill is None) == (self.error is None):
+            raise ValueError("give exactly one of kill or error")
+        return self
+
+
+class FaultsConfig(Section):
+    """Injected failures, so that a run with failures is reproducible."""
+
+    targets: list[Literal["shards", "trainers", "supervisor", "all_trainers"]] = ["shards"]
+    """Which actors may be killed (SIGKILL of the actor's process); all_trainers kills every trainer at once."""
+    mtbf_s: float = Field(20.0, gt=0.0)
+    """Mean time between injected failures."""
+    distribution: Literal["exponential", "fixed"] = "exponential"
+    """Inter-failure times: exponential with mean mtbf_s (memoryless, as real failures), or fixed."""
+    seed: int = Field(0, ge=0)
+    """Seed of the schedule: which actor dies and when."""
+    max_failures: int = Field(3, ge=0)
+    """Stop injecting after this many kills."""
+    start_after_s: float = Field(0.0, ge=0.0)
+    """Injection starts this long after the first training step."""
+    at_steps: dict[str, list[int]] = {}
+    """Kills once a training step committed, e.g. ``{trainer: [40], shard: [70]}``; keys: shard, trainer
+    (one chosen by the seed), shard:K, trainer:K, supervisor, all_trainers. Independent of machine speed."""
+    at_points: list[FaultPoint] = []
+    """Kills at named points of the supervisor's work, each once (see faults.at_points[].at)."""
+
+    @field_validator("at_steps")
+    @classmethod
+    def _check_at_steps(cls, v: dict[str, list[int]]) -> dict[str, list[int]]:
+        for key, steps in v.items():
+            if not re.fullmatch(r"shard|trainer|supervisor|all_trainers|shard:\d+|trainer:\d+", key):
+                raise ValueError(f"key {key!r} must be shard, trainer, shard:K, trainer:K, supervisor or all_trainers")
+            if any(s < 0 for s in steps):
+                raise ValueError(f"{key}: steps must be >= 0, got {steps}")
+        return v
+
+
+class EmulationConfig(Section):
+    """The CPR paper's production-scale emulation: real training, failures and costs on an emulated clock."""
+
+    node_mtbf_h: float = Field(6335.0, gt=0.0, le=10_000_000.0)
+    """Mean time between failures of one host, in hours. Default: Llama 3's pre-training, 419 unexpected
+    interruptions in 54 days on 16,384 GPUs = 2,048 hosts of 8 (Dubey et al. 2024, section 3.3.4)."""
+    nodes: int = Field(128, ge=1, le=1_000_000)
+    """Hosts of the emulated job; its MTBF is node_mtbf_h / nodes (49.5 h by default)."""
+    duration_h: float = Field(240.0, gt=0.0, le=1_000_000.0)
+    """Failure-free production training time the run stands for; each step is duration_h / steps of it."""
+    save_s: float = Field(600.0, gt=0.0, le=86_400.0)
+    """Training stall of one full checkpoint save (o_save); a prioritized save costs its share of the rows."""
+    load_s: float = Field(600.0, ge=0.0, le=86_400.0)
+    """Loading the whole model from a checkpoint (o_load); a partial recovery pays the dead shard's share."""
+    reschedule_s: float = Field(300.0, ge=0.0, le=86_400.0)
+    """Getting a replacement host and process running (o_res), per failure."""
+    seed: int = Field(0, ge=0)
+    """Seed of the failure schedule (times on the emulated clock, and which shard fails)."""
+    max_failures: int = Field(100, ge=0, le=10_000)
+    """Stop placing failures after this many."""
+
+
+class BudgetsConfig(Section):
+    """Failure budgets (like Ray Train's FailureConfig): past one the run stops with an error
+    naming the budget and the counts, writes its report, and ``--resume`` continues it."""
+
+    max_shard_recoveries: int = Field(100, ge=-1)
+    """Embedding-shard deaths recovered before the run stops (-1: no limit)."""
+    max_step_redos: int = Field(20, ge=-1)
+    """Times one training step may fail and be redone before the run stops (-1: no limit)."""
+    max_supervisor_restarts: int = Field(20, ge=-1)
+    """Supervisor restarts before the run stops (-1: no limit)."""
+    max_executor_errors: int = Field(5, ge=-1)
+    """Failed attempts of one recovery before the run stops: an error, or a replacement shard that did not
+    answer in time (killed and respawned under a new name) (-1: no limit)."""
+    max_trainer_failures: int = Field(20, ge=-1)
+    """Trainer deaths Ray Train replaces, and restarts of the whole trainer group, before the run stops
+    (-1: no limit)."""
+
+    def limits(self) -> BudgetLimits:
+        return BudgetLimits(**self.model_dump())

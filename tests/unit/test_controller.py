@@ -1,0 +1,185 @@
+"""The recovery controller driven with fakes and no Ray, one executor pass at a time (the
+pattern of Ray Train's ``tests/test_controller.py``): a shard's death is journaled as an
+intent before the executor acts on it, a second controller built on the same journal
+finishes the recovery, state changes only once its intent is on disk, and a recovery that
+keeps failing stops the run on its budget."""
+
+from __future__ import annotations
+
+import copy
+import threading
+
+import pytest
+
+from actors.supervisor.books import Books
+from actors.supervisor.controller import Collaborators, RecoveryController
+from actors.supervisor.events import EventLog
+from actors.supervisor.guard import start_guarded
+from actors.supervisor.hooks import HookList
+from actors.supervisor.ledger import FailureLedger
+from actors.supervisor.machine import Failed, RecoveringShards, Running, state_from_dict
+from actors.supervisor.outcome import Outcome, ShardsLost
+from core.records import LoadResult, ShardInfo
+from policies import BudgetLimits, CostInputs, FailurePolicy, OnlineCostModel, RecoveryMode, decide_recovery
+
+pytestmark = pytest.mark.timeout(30)
+
+
+class MemoryJournal:
+    """The journal's interface, in memory; ``fail`` makes the next writes raise."""
+
+    def __init__(self):
+        self.docs: list[dict] = []
+        self.fail = False
+
+    def write(self, doc: dict) -> None:
+        if self.fail:
+            raise OSError("no space left on device")
+        self.docs.append(copy.deepcopy(doc))
+
+    def last(self) -> dict:
+        return self.docs[-1]
+
+
+class FakeExecutor:
+    """Records what it was asked to carry out and what the journal held at that moment."""
+
+    def __init__(self, journal: MemoryJournal, lose: list[int] | None = None):
+        self.journal = journal
+        self.runs: list[tuple] = []
+        self.lose = lose
+
+    def run(self, state, committed):
+        self.runs.append((state, self.journal.last()["controller"]["state"]))
+        if self.lose:
+            raise ShardsLost(self.lose)
+        info = {k: ShardInfo(k, None, g, 100 + g, "node-a", "127.0.0.1", 10, "cpu") for k, g in state.targets.items()}
+        return Outcome(
+            handles={k: (f"handle-{k}-g{g}", info[k]) for k, g in state.targets.items()},
+            loaded={k: LoadResult(rows=10, bytes=80, chain=state.chain) for k in state.targets},
+            reschedule_s=0.1, load_s=0.2,
+        )
+
+
+class FakeFleet:
+    def __init__(self):
+        self.watched: list[tuple] = []
+
+    def watch(self, k, generation, handle) -> None:
+        self.watched.append((k, generation, handle))
+
+
+class NoSpares:
+    def candidate(self, avoid):
+        return None
+
+    def take(self, names) -> None:
+        pass
+
+    def wake(self) -> None:
+        pass
+
+
+def _controller(journal: MemoryJournal, executor, limits: BudgetLimits = BudgetLimits()):
+    lock = threading.RLock()
+    books = Books(journal, lock, {"run_id": "r1", "attempt": 1, "supervisor_restarts": 0})
+    hooks = HookList()
+    events = EventLog(lock, hooks, books.persist, clock=lambda: 1000.0)
+    ledger = FailureLedger(lock, events, books.persist, count_lost=lambda f: 0.0,
+                           start_thread=lambda name, fn, *args: fn(*args), hooks=hooks)
+    costs = OnlineCostModel(mtbf_s=3600.0, save_cost_s=1.0, load_cost_s=1.0, reschedule_cost_s=3.0, start_s=0.0)
+    policy = FailurePolicy(limits)
+    decision = decide_recovery(RecoveryMode.PARTIAL, CostInputs(3600.0, 1.0, 1.0, 3.0, 2, 0.02))
+    parts = Collaborators(
+        executor=executor, fleet=FakeFleet(), ledger=ledger, spares=NoSpares(), prune_commits=lambda step: None,
+        observe=costs, decide=lambda: decision, host_down_since=lambda node: None, suspects=set,
+        partial_chain=lambda: (10,), consistent_chain=lambda: (10,), policy=policy, hooks=hooks,
+        start_thread=lambda name, fn, *args: None,
+    )
+    controller = RecoveryController("r1", lambda k, g: f"shard-{k}-g{g}", 2, lock, events, books.persist, parts,
+                                    clock=lambda: 1000.0)
+    for name, part in (("controller", controller), ("events", events), ("ledger", ledger)):
+        books.add(name, part)
+    controller.reserve_first_fleet()
+    controller.commit_start(["handle-0-g0", "handle-1-g0"],
+                            [ShardInfo(k, None, 0, 10 + k, "node-a", "127.0.0.1", 10, "cpu") for k in range(2)])
+    return controller, ledger, events
+
+
+def test_a_shard_death_is_journaled_as_an_intent_before_the_executor_acts():
+    journal = MemoryJournal()
+    executor = FakeExecutor(journal)
+    controller, ledger, _ = _controller(journal, executor)
+    controller.on_shard_death(1, 0, "ActorDiedError", 999.5)
+    intent = state_from_dict(journal.last()["controller"]["state"])
+    assert isinstance(intent, RecoveringShards) and intent.targets == {1: 1} and intent.chain == (10,)
+    assert journal.last()["controller"]["next_gens"][1] == 2, "the new actor's name is reserved before it exists"
+    assert executor.runs == [], "nothing acted yet"
+    controller.execute_once()
+    (ran, journaled), = executor.runs
+    assert ran == intent and state_from_dict(journaled) == intent, "the executor ran what was on disk"
+    assert isinstance(controller.state, Running) and controller.generation == 1
+    [failure] = ledger.records()
+    assert (failure.actor, failure.recovery, failure.restored_step, failure.rows_reloaded) == ("shard:1", "partial", 10, 10)
+    assert journal.last()["ledger"]["failures"][0]["actor"] == "shard:1"
+
+
+def test_a_second_controller_on_the_same_journal_finishes_the_recovery():
+    journal = MemoryJournal()
+    first, _, _ = _controller(journal, FakeExecutor(journal))
+    first.on_shard_death(0, 0, "ActorDiedError", 999.5)
+    doc = journal.last()  # the first controller dies here, before its executor ran
+    executor = FakeExecutor(journal)
+    second, ledger, events = _controller(journal, executor)
+    second.load(doc["controller"])
+    ledger.load(doc["ledger"])
+    events.load(doc["events"])
+    assert isinstance(second.state, RecoveringShards) and second.state.targets == {0: 1}
+    second.execute_once()
+    assert [run[0].targets for run in executor.runs] == [{0: 1}]
+    assert isinstance(second.state, Running) and second.names[0] == "shard-0-g1"
+    assert [f.actor for f in ledger.records()] == ["shard:0"]
+    assert journal.last()["controller"]["state"]["state"] == "running"
+
+
+def test_the_state_changes_only_once_its_intent_is_persisted():
+    journal = MemoryJournal()
+    executor = FakeExecutor(journal)
+    controller, _, _ = _controller(journal, executor)
+    journal.fail = True
+    with pytest.raises(OSError):
+        controller.on_shard_death(1, 0, "ActorDiedError", 999.5)
+    assert isinstance(controller.state, Running), "memory agrees with the journal: nothing was decided"
+    controller.execute_once()
+    assert executor.runs == []
+    controller.fail("the journal cannot be written")  # cannot be journaled either: the run still stops
+    assert isinstance(controller.state, Failed)
+
+
+def test_a_replacement_that_never_answers_is_respawned_within_a_budget():
+    journal = MemoryJournal()
+    executor = FakeExecutor(journal, lose=[1])
+    controller, _, _ = _controller(journal, executor, BudgetLimits(max_executor_errors=2))
+    controller.on_shard_death(1, 0, "ActorDiedError", 999.5)
+    attempts = 0
+    for _ in range(5):
+        attempts = controller.execute_once(attempts)
+    assert [run[0].targets[1] for run in executor.runs] == [1, 2, 3], "a new name for each try, never a reused one"
+    assert isinstance(controller.state, Failed)
+    assert controller.state.reason.startswith("budgets.max_executor_errors: 3 (max 2)"), controller.state.reason
+
+
+def test_a_thread_that_raises_reports_its_name_and_error():
+    crashes = []
+    done = threading.Event()
+
+    def crash(name, err):
+        crashes.append((name, repr(err)))
+        done.set()
+
+    def boom():
+        raise KeyError("no such shard")
+
+    start_guarded("spare-keeper", boom, crash)
+    assert done.wait(5)
+    assert crashes == [("spare-keeper", "KeyError('no such shard')")]
