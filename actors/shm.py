@@ -17,6 +17,7 @@ driver removes the run's leftovers (a killed trainer's) when the run ends.
 from __future__ import annotations
 
 import itertools
+import re
 import logging
 import mmap
 import os
@@ -30,7 +31,10 @@ from actors.nodes import other_nodes, pinned
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["SHM_DIR", "ShmArray", "ShmSlab", "ShmReader", "shm_available", "remove_run_files", "remove_run_files_everywhere"]
+__all__ = [
+    "SHM_DIR", "ShmArray", "ShmSlab", "ShmReader", "shm_available", "remove_run_files", "remove_run_files_everywhere",
+    "remove_process_files", "remove_process_files_on",
+]
 
 SHM_DIR = "/dev/shm"
 _ALIGN = 64
@@ -86,6 +90,26 @@ def remove_run_files_everywhere(run_id: str, timeout_s: float = 30.0) -> int:
     except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError) as err:
         logger.warning("could not remove run %s's shared-memory files on every node: %r", run_id, err)
         return n
+
+
+def remove_process_files(run_id: str, pid: int) -> int:
+    """Removes the slab files process ``pid`` of run ``run_id`` made (``cpr-<run>-s<k>-<pid>-
+    <slab>-<n>``): a trainer that was killed leaves them behind. Returns how many."""
+    pattern = re.compile(rf"^{re.escape(_prefix(run_id))}s\d+-{pid}-\d+-\d+$")
+    n = 0
+    for p in Path(SHM_DIR).glob(_prefix(run_id) + "*") if shm_available() else []:
+        if pattern.match(p.name):
+            try:
+                p.unlink()
+                n += 1
+            except FileNotFoundError:
+                pass
+    return n
+
+
+def remove_process_files_on(node_id: str, run_id: str, pid: int) -> None:
+    """``remove_process_files`` on node ``node_id``, as a task nobody waits for."""
+    pinned(remove_process_files, node_id).remote(run_id, pid)
 
 
 class ShmSlab:

@@ -1,4 +1,4 @@
-"""Pure checkpoint/recovery policies of CPR: intervals, recovery mode, row priority, estimates.
+"""Pure checkpoint/recovery policies of CPR: intervals, recovery mode, row priority, estimates, failure budgets.
 
 Only Python and numpy; every decision is a frozen dataclass with its numbers and a reason.
 """

@@ -9,7 +9,6 @@ import math
 import numbers
 
 
-
 def check_positive(name: str, value: float) -> float:
     """Returns ``value`` as float if it is finite and > 0."""
     v = _as_float(name, value, "a finite number > 0")

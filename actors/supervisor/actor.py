@@ -15,7 +15,7 @@ from pathlib import Path
 import ray
 
 from actors.fleet import kill_run_shards
-from actors.supervisor.assembly import Parts, RunInputs, assemble
+from actors.supervisor.assembly import Parts, RunInputs, assemble, record_kill
 from actors.supervisor.books import JOURNAL_FORMAT
 from actors.supervisor.machine import TERMINAL, ResumeRequested, StopRequested
 from actors.supervisor.restart import continue_history, rebuild
@@ -82,7 +82,7 @@ class Supervisor:
         """Creates every shard (generation 0, reserved in the journal first) and waits until
         each answers. Idempotent across a supervisor restart."""
         p, t0 = self._p, time.perf_counter()
-        if not p.controller.started:
+        if not p.controller.has_started():
             p.checkpoints.start(0)  # before the trainers can see the fleet and ask when to save
             p.controller.reserve_first_fleet()
             try:
@@ -99,7 +99,7 @@ class Supervisor:
             p.events.record("shards_ready", shards=len(handles), sharding=p.inputs.plan.kind,
                             rows=[p.inputs.plan.shard_rows(k) for k in range(len(handles))],
                             nodes=[i.node_ip for i in infos], startup_s=round(time.perf_counter() - t0, 3))
-        return StartInfo(tuple(i for i in p.controller.infos if i is not None), time.perf_counter() - t0,
+        return StartInfo(p.controller.infos_now(), time.perf_counter() - t0,
                          p.inputs.schedule.total_steps)
 
     def restore(self) -> int | None:
@@ -122,7 +122,7 @@ class Supervisor:
                 )
         p.controller.transition(ResumeRequested(chain[-1], chain))
         p.controller.wait_settled(p.deadlines.supervisor_wait_s)  # inner_s("restore") = this + the verification
-        return p.controller.resume_step
+        return p.controller.resume_point()
 
     # ------------------------------------------------------------------ trainers
 
@@ -229,8 +229,7 @@ class Supervisor:
     def record_kill(self, kill: KillRecord) -> None:
         """A kill is about to happen (chaos tool, fault schedule, named point): an event, and
         the start of that failure's detection time."""
-        self._p.ledger.record_kill(kill)
-        self._p.events.record("fault_injected", target=kill.target, pid=kill.pid, at=kill.time, trigger=kill.trigger)
+        record_kill(self._p.ledger, self._p.events, kill)
 
     def summary(self) -> RunSummary:
         """Everything the report needs; failures whose redo step never came are closed at the

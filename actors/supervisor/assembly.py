@@ -19,9 +19,11 @@ from actors.faults import FaultInjector, Killer
 from actors.fleet import ShardFleet, shard_name
 from actors.metrics import MetricsHook, RunMetrics
 from actors.nodes import HostWatch, pid_alive_on
+from actors.shm import remove_process_files_on
 from actors.supervisor.books import Books
 from actors.supervisor.checkpoints import CheckpointCoordinator
-from actors.supervisor.controller import RETRIED_ERRORS, Collaborators, RecoveryController
+from actors.supervisor.collaborators import RETRIED_ERRORS, Collaborators
+from actors.supervisor.controller import RecoveryController
 from actors.supervisor.desk import TrainerDesk
 from actors.supervisor.events import EventLog
 from actors.supervisor.executor import RecoveryExecutor
@@ -42,7 +44,7 @@ from core.records import Target, TrainerSetup
 from core.schedule import StepSchedule
 from policies import FailurePolicy, OnlineCostModel, RecoveryMode, decide_recovery
 
-__all__ = ["Parts", "assemble", "RunInputs"]
+__all__ = ["Parts", "assemble", "RunInputs", "record_kill"]
 
 
 @dataclass(frozen=True)
@@ -129,6 +131,7 @@ def assemble(inputs: RunInputs, on_crash: Callable[[str, BaseException], None], 
         alive=pid_alive_on, book=AppendLog(inputs.run_dir / BOOK_FILE, fresh=fresh_files),
         num_trainers=cfg.training.num_trainers,
         samples_per_step=cfg.training.microbatches_per_step * cfg.training.microbatch_rows,
+        on_replaced=lambda pid, node: remove_process_files_on(node, run_id, pid),
     )
     hooks.add(RunLogHook(run_log))
     hooks.add(MetricsHook(RunMetrics(run_id, trainers.samples_per_step), trainers.failure_of))
@@ -165,8 +168,9 @@ def assemble(inputs: RunInputs, on_crash: Callable[[str, BaseException], None], 
         eval_cache=inputs.eval_cache, train_cache_bytes=os.path.getsize(inputs.train_cache), audit_dir=audit,
     )
     desk = TrainerDesk(lock, controller, checkpoints, trainers, events, policy, deadlines, setup,
-                       lambda step: _position(cfg, inputs.schedule, step), ck.final)
-    killer = Killer(lambda: _targets(controller, trainers, spares), ledger.record_kill, deadlines.shard_call_s)
+                       lambda step: _position(cfg, inputs.schedule, step), ck.final, run_id)
+    killer = Killer(lambda: _targets(controller, trainers, spares), lambda kill: record_kill(ledger, events, kill),
+                    deadlines.shard_call_s)
     faults = None
     if cfg.faults is not None and (cfg.faults.at_points or cfg.faults.at_steps):
         faults = FaultInjector(cfg.faults, lock, persist, killer, start_thread, n, cfg.training.num_trainers)
@@ -201,6 +205,13 @@ def _position(cfg: RunConfig, schedule: StepSchedule, step: int) -> DataPosition
     )
 
 
+def record_kill(ledger: FailureLedger, events: EventLog, kill: KillRecord) -> None:
+    """A kill is about to happen (chaos tool, fault schedule, named point): journaled with an
+    event before the signal, and the start of that failure's detection time."""
+    ledger.record_kill(kill)
+    events.record("fault_injected", target=kill.target, pid=kill.pid, at=kill.time, trigger=kill.trigger)
+
+
 def _trainer_kills(ledger: FailureLedger, events: EventLog) -> list[KillRecord]:
     """Trainer kills in time order. A trainer lost with its host fails like a killed one,
     from when the host stopped answering."""
@@ -215,8 +226,7 @@ def _actor_nodes(controller: RecoveryController, spares: SparePool, trainers: Tr
 
 def _targets(controller: RecoveryController, trainers: TrainerBook, spares: SparePool) -> dict[str, Target]:
     """Every killable actor of the run: its process id and node."""
-    out = {f"shard:{k}": Target(i.pid if i else None, i.node_id if i else None)
-           for k, i in enumerate(controller.infos)}
+    out = {f"shard:{k}": Target(pid, node) for k, (pid, node) in controller.targets().items()}
     out.update(trainers.targets())
     out.update(spares.targets())
     out["supervisor"] = Target(os.getpid(), ray.get_runtime_context().get_node_id())

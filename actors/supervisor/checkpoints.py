@@ -186,6 +186,14 @@ class CheckpointCoordinator:
     def chain_upto(self, step: int) -> tuple[int, ...]:
         return tuple(self.store.verified_chain(step)) if self.store is not None else ()
 
+    def next_due(self) -> int | None:
+        """The step count at which the next save is due (None: saves are off)."""
+        return self.next_checkpoint_step
+
+    def read_dense(self, step: int) -> bytes | None:
+        """The dense state saved with checkpoint ``step`` (None at step 0: the initial state)."""
+        return self.store.read_blob(step, DENSE_FILE) if step > 0 and self.store is not None else None
+
     def full_checkpoint_of(self, step: int) -> bool:
         """Whether a full checkpoint of ``step`` is committed."""
         if self.store is None or step not in self.store.list_committed():

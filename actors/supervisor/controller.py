@@ -14,52 +14,22 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 from actors.supervisor.events import EventLog
-from actors.supervisor.hooks import RunHooks
-from actors.supervisor.ledger import FailureLedger
+from actors.supervisor.collaborators import Collaborators
 from actors.supervisor.machine import (
     EVERY_TRAINER_DIED, FULL_RECOVERY, RECOVERING, RESUME, TERMINAL, Fail, Failed, RecoveringShards, RespawnRetry,
     RollingBack, Running, ShardDied, State, WorkDone, state_from_dict, state_to_dict, transition,
 )
 from actors.supervisor.outcome import ChainMismatch, Outcome, ShardsLost, failure_records
 from core.codec import decode, encode
-from core.errors import CprError
 from core.books import DeathCause
 from core.records import Rollback, ShardInfo
-from policies import Budget, FailurePolicy, RecoveryDecision, RecoveryMode
+from policies import Budget, RecoveryMode
 
-__all__ = ["RecoveryController", "Collaborators", "RETRIED_ERRORS"]
+__all__ = ["RecoveryController"]
 
 logger = logging.getLogger(__name__)
-
-# Failures of a recovery attempt that are retried (up to budgets.max_executor_errors): a Ray
-# call that failed or timed out, storage, a checkpoint refused. Anything else is a bug: the
-# executor thread crashes and the run ends as Failed, naming it.
-RETRIED_ERRORS: tuple[type[BaseException], ...] = (OSError, TimeoutError, CprError)
-
-
-@dataclass(frozen=True)
-class Collaborators:
-    """What the controller is given (``Supervisor`` builds the real ones; tests pass fakes)."""
-
-    executor: object  # run(state, committed handles) -> Outcome
-    fleet: object  # watch(k, generation, handle), find(k, gen), spawn(k, gen, taken), ready(handles), kill(handle)
-    ledger: FailureLedger
-    spares: object  # candidate(avoid), take(names), wake()
-    prune_commits: Callable[[int], None]
-    observe: object  # OnlineCostModel: observe_failure, observe_reschedule, observe_load, clock_s
-    decide: Callable[[], RecoveryDecision]
-    host_down_since: Callable[[str | None], float | None]
-    suspects: Callable[[], set]
-    partial_chain: Callable[[], tuple[int, ...]]
-    consistent_chain: Callable[[], tuple[int, ...]]
-    policy: FailurePolicy
-    hooks: RunHooks
-    start_thread: Callable[..., threading.Thread]
-    retried: tuple[type[BaseException], ...] = RETRIED_ERRORS
-
 
 class RecoveryController:
     def __init__(self, run_id: str, shard_name: Callable[[int, int], str], num_shards: int,
@@ -300,6 +270,40 @@ class RecoveryController:
     def wait_generation_after(self, generation: int, timeout_s: float) -> None:
         with self.changed:
             self.changed.wait_for(lambda: self.generation > generation, timeout=timeout_s)
+
+    def has_started(self) -> bool:
+        """Whether the first fleet answered (a restarted supervisor looks for its shards then)."""
+        return self.started
+
+    def wait_started(self, timeout_s: float) -> tuple[bool, str | None]:
+        """Waits until the first fleet answers or failed to start: (it did either, the start error)."""
+        with self.changed:
+            done = self.changed.wait_for(lambda: self.started or self.start_error, timeout_s)
+            return bool(done), self.start_error
+
+    def infos_now(self) -> tuple[ShardInfo, ...]:
+        """The serving shards' identities (those not being replaced)."""
+        with self._lock:
+            return tuple(i for i in self.infos if i is not None)
+
+    def state_now(self) -> State:
+        with self._lock:
+            return self.state
+
+    def rollback_after(self, known_generation: int) -> Rollback | None:
+        """The last full recovery's rollback, if it came after fleet ``known_generation``."""
+        with self._lock:
+            rb = self.rollback
+            return rb if rb is not None and rb.generation > known_generation else None
+
+    def resume_point(self) -> int | None:
+        with self._lock:
+            return self.resume_step
+
+    def targets(self) -> dict[int, tuple[int | None, str | None]]:
+        """Shard -> (pid, node id) of the actor serving it (None while it is being replaced)."""
+        with self._lock:
+            return {k: (i.pid, i.node_id) if i is not None else (None, None) for k, i in enumerate(self.infos)}
 
     def fleet(self) -> tuple[int, tuple]:
         with self._lock:

@@ -16,7 +16,7 @@ from actors.supervisor.checkpoints import CheckpointCoordinator
 from actors.supervisor.controller import RecoveryController
 from actors.supervisor.machine import TERMINAL, RollingBack, Running, TrainersAllDied, TrainersCause, replacement_at_checkpoint
 from actors.supervisor.trainers import TrainerBook
-from core.checkpoint import DENSE_FILE, DataPosition
+from core.checkpoint import DataPosition
 from core.deadlines import Deadline, Deadlines
 from core.errors import ShardUnavailable, TrainerConflict
 from core.records import FinalView, FleetView, ResumePoint, Rollback, RunStatus, SaveRequest, SaveResult, TrainerSetup
@@ -42,7 +42,9 @@ class TrainerDesk:
         setup: TrainerSetup,
         position: Callable[[int], DataPosition],
         final_checkpoint: bool,
+        run_id: str,
     ):
+        self._run_id = run_id
         self._lock = lock
         self._c = controller
         self._ckpt = checkpoints
@@ -61,20 +63,20 @@ class TrainerDesk:
     def trainer_setup(self, rank: int) -> TrainerSetup:
         """Shard handles, the step to start from with its dense state, and when the next
         checkpoint is due. The driver starts Ray Train while the shards start: this waits for them."""
-        with self._c.changed:
-            wait_s = self._deadlines.inner_s("trainer_setup")
-            if not self._c.changed.wait_for(lambda: self._c.started or self._c.start_error, wait_s):
-                raise ShardUnavailable(f"the embedding shards did not start within {wait_s:.0f}s")
-            if self._c.start_error:
-                return TrainerSetup(finished=True)  # the driver raises the error from start()
+        wait_s = self._deadlines.inner_s("trainer_setup")
+        started, error = self._c.wait_started(wait_s)
+        if not started:
+            raise ShardUnavailable(f"the embedding shards did not start within {wait_s:.0f}s")
+        if error:
+            return TrainerSetup(finished=True)  # the driver raises the error from start()
         start = self._start_step(rank)
-        dense = self._dense(start) if start is not None else None
+        dense = self._ckpt.read_dense(start) if start is not None else None
         generation, shards = self._c.fleet()
         with self._lock:
             return TrainerSetup(
-                finished=isinstance(self._c.state, TERMINAL), shards=shards, generation=generation,
+                finished=isinstance(self._c.state_now(), TERMINAL), shards=shards, generation=generation,
                 resume=ResumePoint(start, dense) if start is not None else None,
-                training_started=self._trainers.started, next_checkpoint_step=self._ckpt.next_checkpoint_step,
+                training_started=self._trainers.has_started(), next_checkpoint_step=self._ckpt.next_due(),
                 **{k: getattr(self._setup, k) for k in ("plan", "schedule", "train_cache", "eval_cache",
                                                          "train_cache_bytes", "audit_dir")},
             )
@@ -83,9 +85,9 @@ class TrainerDesk:
         """A replacement starts at the newest full checkpoint (or the step a rollback in flight
         goes to), kept from retention until it decides; the first trainers at the resume step."""
         with self._lock:
-            state, started = self._c.state, self._trainers.started
+            state, started = self._c.state_now(), self._trainers.has_started()
             if not started:
-                return self._c.resume_step
+                return self._c.resume_point()
             if isinstance(state, RollingBack):
                 self._trainers.pin(rank, state.step)  # newer checkpoints are being fenced right now
                 return state.step
@@ -102,14 +104,11 @@ class TrainerDesk:
         """Where the data stands after ``step`` committed steps (saved with each checkpoint)."""
         return self._position(step)
 
-    def _dense(self, step: int) -> bytes | None:
-        store = self._ckpt.store
-        return store.read_blob(step, DENSE_FILE) if step > 0 and store is not None else None
-
     def status(self) -> RunStatus:
         """Polled by trainers every step without blocking: stop, or when to save next."""
         with self._lock:
-            return RunStatus(isinstance(self._c.state, TERMINAL), self._c.state.name, self._ckpt.next_checkpoint_step)
+            state = self._c.state_now()
+            return RunStatus(isinstance(state, TERMINAL), state.name, self._ckpt.next_due())
 
     # ------------------------------------------------------------------ failed steps
 
@@ -126,15 +125,16 @@ class TrainerDesk:
         while not deadline.expired():
             self._c.wait_settled(deadline.remaining())
             with self._lock:
-                state, (generation, shards) = self._c.state, self._c.fleet()
-                view = FleetView(generation, shards, None, isinstance(state, TERMINAL), self._ckpt.next_checkpoint_step)
-                rollback = self._c.rollback
+                state, (generation, shards) = self._c.state_now(), self._c.fleet()
+                view = FleetView(generation, shards, None, isinstance(state, TERMINAL), self._ckpt.next_due())
+                rollback = self._c.rollback_after(known_generation)
             if view.stop:
                 return view
             if isinstance(state, Running) and generation > known_generation:
-                if rollback is not None and rollback.generation > known_generation:
-                    view = FleetView(generation, shards, Rollback(rollback.generation, rollback.step,
-                                                                  self._dense(rollback.step)), False, view.next_checkpoint)
+                if rollback is not None:
+                    dense = self._ckpt.read_dense(rollback.step)
+                    view = FleetView(generation, shards, Rollback(rollback.generation, rollback.step, dense), False,
+                                     view.next_checkpoint)
                 self._c.settle(known_generation, step)
                 return view
             if not isinstance(state, Running):
@@ -199,7 +199,7 @@ class TrainerDesk:
             raise ShardUnavailable(f"rollback to step {step} not done within {deadline.total_s:.0f}s")
         with self._lock:
             generation, shards = self._c.fleet()
-            return FleetView(generation, shards, stop=isinstance(self._c.state, TERMINAL))
+            return FleetView(generation, shards, stop=isinstance(self._c.state_now(), TERMINAL))
 
     def _same_fallback(self, step: int) -> bool:
         """Whether the last every-trainer fallback went to ``step`` and nothing was committed
@@ -214,10 +214,10 @@ class TrainerDesk:
         """Called by the first participating trainer right after it committed ``request.step``
         (and by every trainer when the final checkpoint is missing: only one save happens)."""
         with self._lock:
-            if not isinstance(self._c.state, Running):
+            if not isinstance(self._c.state_now(), Running):
                 return SaveResult(False, request.step + 1)
-            shards = list(self._c.handles)
-        return self._ckpt.save(request, shards, self._c.run_id, self._position(request.step))
+            _, shards = self._c.fleet()
+        return self._ckpt.save(request, list(shards), self._run_id, self._position(request.step))
 
     def await_final(self, known_generation: int, step: int) -> FinalView:
         """Called by each trainer once the last step committed: waits until the final

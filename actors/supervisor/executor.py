@@ -24,7 +24,8 @@ __all__ = ["RecoveryExecutor", "Outcome", "ShardsLost", "ChainMismatch"]
 
 class RecoveryExecutor:
     def __init__(self, fleet: ShardFleet, restart_timeline: Callable[[int, list[int]], list[int]], uri: str,
-                 timeout_s: float, hooks: RunHooks):
+                 timeout_s: float, hooks: RunHooks, wait=ray.wait, get=ray.get):
+        self._wait, self._get = wait, get  # Ray's, or a test's
         self.fleet = fleet
         self.restart_timeline = restart_timeline
         self.uri = uri
@@ -55,11 +56,11 @@ class RecoveryExecutor:
             k: (h.load_checkpoint.remote(self.uri, list(chain), why) if chain else h.reset_to_init.remote(why))
             for k, h in handles.items()
         }
-        ray.wait(list(refs.values()), num_returns=len(refs), timeout=self.timeout_s)
+        self._wait(list(refs.values()), num_returns=len(refs), timeout=self.timeout_s)
         loaded, lost = {}, []
         for k, ref in refs.items():
             try:
-                loaded[k] = ray.get(ref, timeout=0.01)
+                loaded[k] = self._get(ref, timeout=0.01)
             except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
                 self.fleet.kill(handles[k])
                 lost.append(k)

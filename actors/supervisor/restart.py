@@ -42,7 +42,7 @@ def rebuild(p: Parts, doc: dict) -> None:
     p.books.persist()
     kill = next((k for k in reversed(p.ledger.kills()) if k.target == "supervisor"), None)
     p.events.record(
-        "supervisor_restarted", rebuilt_s=round(time.time() - t0, 3), state=p.controller.state.name,
+        "supervisor_restarted", rebuilt_s=round(time.time() - t0, 3), state=p.controller.state_now().name,
         detection_s=round(t0 - kill.time, 3) if kill else None, restarts=restarts,
         shards_found=p.inputs.plan.num_shards - len(missing), last_checkpoint_step=p.checkpoints.last_checkpoint_step,
     )
@@ -51,8 +51,8 @@ def rebuild(p: Parts, doc: dict) -> None:
         p.controller.fail(over)
     p.controller.recover_missing(missing)
     p.ledger.recount_open_counts()  # counts that were in flight when the previous supervisor died
-    p.spares.readopt(p.trainers.started)
-    if p.controller.started:
+    p.spares.readopt(p.trainers.has_started())
+    if p.controller.has_started():
         p.hosts.start()
     p.controller.wake()
 

@@ -42,9 +42,9 @@ def run_summary(p: Parts) -> RunSummary:
     interval = ck.interval_steps_in_use
     with p.lock:
         return RunSummary(
-            run_id=p.inputs.run_id, state=_state_view(p.controller.state), events=p.events.all(),
+            run_id=p.inputs.run_id, state=_state_view(p.controller.state_now()), events=p.events.all(),
             progress=tuple(p.trainers.all_progress()), failures=failures, eval=evaluation, shards=shards,
-            shards_error=error, total_steps=p.inputs.schedule.total_steps, resumed_from_step=p.controller.resume_step,
+            shards_error=error, total_steps=p.inputs.schedule.total_steps, resumed_from_step=p.controller.resume_point(),
             last_checkpoint_step=ck.last_checkpoint_step,
             final_checkpoint_step=final if ck.full_checkpoint_of(final) else None,
             recovery_mode=RecoveryModes(cfg.recovery, tuple(sorted({f.recovery for f in failures})),

@@ -59,7 +59,9 @@ class TrainerBook:
         book: AppendLog,
         num_trainers: int,
         samples_per_step: int,
+        on_replaced: Callable[[int, str], None] = lambda pid, node: None,
     ):
+        self._on_replaced = on_replaced
         self._lock = lock
         self._events = events
         self._persist = persist
@@ -94,6 +96,8 @@ class TrainerBook:
         with self._lock:
             known = self._trainers.get(start.rank)
             if known is None or known.pid != start.pid:  # a new process (the call repeats until all are in)
+                if known is not None and known.pid is not None:
+                    self._on_replaced(known.pid, known.node_id)  # what the dead process left (its slabs)
                 starts = (known.starts if known else 0) + 1
                 self._trainers[start.rank] = _Trainer(start.pid, start.node_id, time.time(), starts)
                 self._events.append("trainer_started", rank=start.rank, pid=start.pid, starts=starts,
@@ -114,9 +118,10 @@ class TrainerBook:
         self._events.record("training_started", step=step, trainers=trainers, wall_time=wall_time)
         return True
 
-    @property
-    def started(self) -> bool:
-        return self._started
+    def has_started(self) -> bool:
+        """Whether training is under way (a trainer that registers now replaces a dead one)."""
+        with self._lock:
+            return self._started
 
     def healed(self, rank: int, step: int, heal_s: float, wall_time: float) -> None:
         with self._lock:

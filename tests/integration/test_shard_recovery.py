@@ -167,7 +167,7 @@ def test_partial_recovery_respawns_only_the_dead_shard(ray_local, small_data, tm
     assert failure["adoption_s"] < failure["recovery_s"] and failure["serving_s"] >= failure["recovery_s"]
 
     # The respawned shard: checkpoint rows plus only the updates applied after recovery.
-    first = states[1]["first_step_after_load"]
+    first = states[1].first_step_after_load
     assert restored <= first <= failure["failed_at_step"] + 1
     after_recovery = _looked_up(job, cfg, plan, range(first, 234))
     ckpt1 = _checkpoint_rows(cfg, restored, 1, plan)

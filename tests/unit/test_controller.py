@@ -12,7 +12,8 @@ import threading
 import pytest
 
 from actors.supervisor.books import Books
-from actors.supervisor.controller import Collaborators, RecoveryController
+from actors.supervisor.collaborators import Collaborators
+from actors.supervisor.controller import RecoveryController
 from actors.supervisor.events import EventLog
 from actors.supervisor.guard import start_guarded
 from actors.supervisor.hooks import HookList
@@ -183,3 +184,43 @@ def test_a_thread_that_raises_reports_its_name_and_error():
     start_guarded("spare-keeper", boom, crash)
     assert done.wait(5)
     assert crashes == [("spare-keeper", "KeyError('no such shard')")]
+
+
+def test_a_load_that_does_not_answer_in_time_kills_the_slow_actor_before_it_is_replaced():
+    # Before, a load that always exceeded its timeout respawned forever and left every slow
+    # shard process running beside its replacement.
+    import ray
+
+    from actors.supervisor.executor import RecoveryExecutor
+    from actors.supervisor.machine import RecoveringShards
+
+    class Method:
+        def __init__(self, name):
+            self.name = name
+
+        def remote(self, *args):
+            return self.name
+
+    class Actor:
+        def __init__(self, k):
+            self.load_checkpoint = Method(f"load of shard {k}")
+
+    class Fleet:
+        def __init__(self):
+            self.killed: list = []
+
+        def adopt_or_spawn(self, targets, spares):
+            return {k: (Actor(k), None) for k in targets}, []
+
+        def kill(self, handle):
+            self.killed.append(handle)
+
+    def get(ref, timeout):
+        raise ray.exceptions.GetTimeoutError(f"{ref} did not answer")
+
+    fleet = Fleet()
+    executor = RecoveryExecutor(fleet, lambda step, chain: [], "uri", 0.01, HookList(), wait=lambda *a, **k: None, get=get)
+    with pytest.raises(ShardsLost) as lost:
+        executor.run(RecoveringShards({1: 3}, (10,), (), None), [])
+    assert lost.value.shards == [1]
+    assert len(fleet.killed) == 1, "the slow actor is killed, not left beside its replacement"

@@ -1,0 +1,42 @@
+"""What the recovery controller is given: its collaborators (``Supervisor`` builds the real
+ones from the other parts; a unit test passes fakes), and which errors of a recovery attempt
+it retries."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from actors.supervisor.hooks import RunHooks
+from actors.supervisor.ledger import FailureLedger
+from core.errors import CprError
+from policies import FailurePolicy, RecoveryDecision
+
+__all__ = ["Collaborators", "RETRIED_ERRORS"]
+
+# Failures of a recovery attempt that are retried (up to budgets.max_executor_errors): a Ray
+# call that failed or timed out, storage, a checkpoint refused. Anything else is a bug: the
+# executor thread crashes and the run ends as Failed, naming it.
+RETRIED_ERRORS: tuple[type[BaseException], ...] = (OSError, TimeoutError, CprError)
+
+
+@dataclass(frozen=True)
+class Collaborators:
+    """What the controller is given (``Supervisor`` builds the real ones; tests pass fakes)."""
+
+    executor: object  # run(state, committed handles) -> Outcome
+    fleet: object  # watch(k, generation, handle), find(k, gen), spawn(k, gen, taken), ready(handles), kill(handle)
+    ledger: FailureLedger
+    spares: object  # candidate(avoid), take(names), wake()
+    prune_commits: Callable[[int], None]
+    observe: object  # OnlineCostModel: observe_failure, observe_reschedule, observe_load, clock_s
+    decide: Callable[[], RecoveryDecision]
+    host_down_since: Callable[[str | None], float | None]
+    suspects: Callable[[], set]
+    partial_chain: Callable[[], tuple[int, ...]]
+    consistent_chain: Callable[[], tuple[int, ...]]
+    policy: FailurePolicy
+    hooks: RunHooks
+    start_thread: Callable[..., threading.Thread]
+    retried: tuple[type[BaseException], ...] = RETRIED_ERRORS

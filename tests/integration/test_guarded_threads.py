@@ -1,0 +1,76 @@
+"""Nothing fails silently: an unexpected exception in any background thread of the supervisor
+(raised there through a fault point, as a bug would) ends the run as Failed with a reason that
+names the thread and the error, the report is written, and ``cpr train`` exits non-zero within
+30 s. Before, the shard watcher, the executor's handler and the spare keeper died on their
+first exception and the run wedged."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import yaml
+
+from app.job import TrainingJob
+from core.config import config_from_dict
+from core.errors import RunFailed
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+
+# Every background thread of the supervisor, and where the fault fires: a few steps into
+# training (the save pipeline runs at the first save, the spare keeper once training started).
+THREADS = ("shard-watch", "recovery-executor", "spare-keeper", "host-watch", "save-pipeline")
+
+
+def _raw(tmp_path, small_data, thread: str) -> dict:
+    return {
+        "run_dir": str(tmp_path / "run"), "seed": 5,
+        "data": {"train": [small_data.train_path], "eval": [small_data.eval_path]},
+        "model": {"embedding_dim": 8, "table_rows": 20_000, "dense_arch": [32, 8], "over_arch": [32, 1]},
+        "training": {"num_trainers": 2, "microbatch_rows": 128, "microbatches_per_step": 4, "epochs": 1},
+        "checkpoint": {"every_steps": 10},
+        "embeddings": {"spares": 1},
+        "faults": {"max_failures": 0, "at_points": [{"at": f"thread.{thread}", "error": "planted", "after_step": 12}]},
+    }
+
+
+def _crash_time(report: dict) -> float:
+    [failed] = [e for e in report["events"] if e["kind"] == "state_changed" and e["state"] == "failed"]
+    return failed["time"]
+
+
+@pytest.mark.parametrize("thread", THREADS)
+def test_a_thread_that_raises_fails_the_run_naming_it(ray_local, small_data, tmp_path, thread):
+    cfg = config_from_dict(_raw(tmp_path, small_data, thread))
+    job = TrainingJob(cfg, show_progress=False)
+    try:
+        job.start(wait=False)
+        training = job.fit_in_background()
+        training.join(timeout_s=200)
+        ended = time.time()
+        with pytest.raises(RunFailed, match=f"thread {thread} crashed: InjectedFault: planted"):
+            job.finish()
+    finally:
+        job.close()
+    report = json.loads((tmp_path / "run" / "report.json").read_text())
+    assert report["state"]["state"] == "failed"
+    assert report["state"]["reason"].startswith(f"thread {thread} crashed: InjectedFault: planted"), report["state"]
+    assert report["steps"] < 234, "the run stopped instead of finishing"
+    assert ended - _crash_time(report) < 30, "the trainers stopped within 30 s of the crash"
+
+
+def test_cpr_train_exits_non_zero_with_the_reason(ray_local, small_data, tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(_raw(tmp_path, small_data, "recovery-executor")))
+    env = {**os.environ, "RAY_ADDRESS": ray_local.get_runtime_context().gcs_address}
+    done = subprocess.run([sys.executable, "-m", "app", "train", "--no-progress", "--config", str(path)], env=env,
+                          capture_output=True, text=True, timeout=240)
+    exited = time.time()
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert "thread recovery-executor crashed: InjectedFault: planted" in done.stderr, done.stderr[-3000:]
+    report = json.loads((tmp_path / "run" / "report.json").read_text())
+    assert exited - _crash_time(report) < 30, "cpr train ended within 30 s of the crash"

@@ -1,0 +1,138 @@
+"""Nested timeouts, read from the real values: the timeout every caller passes through
+``SupervisorClient`` (recorded from its calls), against how long the supervisor's methods
+really block before they answer or give up (measured on the trainer desk with fakes).
+Before, the driver waited 2 T for ``restore`` (which waits up to 4 T) and trainers 5 T for
+``await_final`` (2 T of draining, then 4 T)."""
+
+from __future__ import annotations
+
+import inspect
+import threading
+import time
+
+import pytest
+
+from actors.client import SupervisorClient
+from actors.supervisor.desk import TrainerDesk
+from actors.supervisor.events import EventLog
+from actors.supervisor.hooks import HookList
+from actors.supervisor.machine import RecoveringShards
+from core.deadlines import BLOCKING, Deadlines
+from core.errors import ShardUnavailable
+from core.records import TrainerSetup
+from policies import BudgetLimits, FailurePolicy
+
+pytestmark = pytest.mark.timeout(60)
+
+T = 0.05  # embeddings.call_timeout_s, small so the desk gives up quickly
+
+
+class _Remote:
+    def __init__(self, name: str):
+        self.name = name
+
+    def remote(self, *args):
+        return self.name
+
+
+class _Handle:
+    def __getattr__(self, name: str) -> _Remote:
+        return _Remote(name)
+
+
+def caller_timeouts(deadlines: Deadlines) -> dict[str, float]:
+    """method -> the timeout each SupervisorClient method passes to ray.get."""
+    seen: dict[str, float] = {}
+    client = SupervisorClient(_Handle(), deadlines, get=lambda ref, timeout: seen.setdefault(ref, timeout))
+    for name, method in inspect.getmembers(client, inspect.ismethod):
+        if name.startswith("_") or name in ("wait", "status_ref", "start"):
+            continue
+        arity = len(inspect.signature(method).parameters)
+        method(*[0] * arity)
+    client.wait("start", "start")
+    return seen
+
+
+def test_every_caller_waits_longer_than_the_method_it_calls():
+    d = Deadlines(shard_call_s=30.0)
+    seen = caller_timeouts(d)
+    assert set(BLOCKING) <= set(seen), "every blocking method is called through the client"
+    for method, timeout in seen.items():
+        assert timeout > d.inner_s(method), (method, timeout, d.inner_s(method))
+    assert seen["await_final"] > d.save_drain_s + d.supervisor_wait_s
+    assert seen["restore"] > d.supervisor_wait_s
+
+
+class _StuckController:
+    """A recovery that never settles, shards that started."""
+
+    def __init__(self, started: bool = True):
+        self.started = started
+        self.changed = threading.Condition()
+
+    def wait_started(self, timeout_s):
+        if not self.started:
+            time.sleep(timeout_s)
+        return self.started, None
+
+    def state_now(self):
+        return RecoveringShards({0: 1}, (10,), (), None)
+
+    def fleet(self):
+        return 1, ("shard-0", "shard-1")
+
+    def rollback_after(self, known):
+        return None
+
+    def resume_point(self):
+        return None
+
+    def wait_settled(self, timeout_s):
+        time.sleep(timeout_s)
+        return False
+
+    def wait_generation_after(self, generation, timeout_s):
+        time.sleep(timeout_s)
+
+
+class _Trainers:
+    def has_started(self):
+        return False
+
+    def live_established(self, rank, timeout_s):
+        return {}
+
+    def unpin(self, rank):
+        pass
+
+
+class _Checkpoints:
+    def next_due(self):
+        return None
+
+
+def _desk(controller) -> TrainerDesk:
+    lock = threading.RLock()
+    events = EventLog(lock, HookList(), lambda: None)
+    return TrainerDesk(lock, controller, _Checkpoints(), _Trainers(), events, FailurePolicy(BudgetLimits()),
+                       Deadlines(T), TrainerSetup(finished=False), lambda step: None, True, "r")
+
+
+def _blocked_s(call) -> float:
+    t0 = time.monotonic()
+    with pytest.raises(ShardUnavailable):
+        call()
+    return time.monotonic() - t0
+
+
+@pytest.mark.parametrize("method, call", [
+    ("await_shards", lambda desk: desk.await_shards(0, 5)),
+    ("fallback_to_checkpoint", lambda desk: desk.fallback_to_checkpoint(5, 1)),
+    ("trainer_setup", lambda desk: desk.trainer_setup(0)),
+])
+def test_a_supervisor_method_gives_up_before_its_caller_does(method, call):
+    desk = _desk(_StuckController(started=method != "trainer_setup"))
+    blocked_s = _blocked_s(lambda: call(desk))
+    caller_s = caller_timeouts(Deadlines(T))[method]
+    assert blocked_s <= Deadlines(T).inner_s(method) + 0.05, (method, blocked_s)
+    assert caller_s > blocked_s, (method, caller_s, blocked_s)

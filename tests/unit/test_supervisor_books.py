@@ -1,0 +1,195 @@
+"""The supervisor's books without Ray: what a restarted supervisor reads back (every commit
+and failed step, not only the last ones), a trainer whose node is gone, the failure ledger's
+closing and counting rules, and retention keeping what a restore in flight needs."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+from actors.supervisor.events import EventLog
+from actors.supervisor.hooks import HookList, RunHooks
+from actors.supervisor.ledger import FailureLedger
+from actors.supervisor.machine import replacement_at_checkpoint
+from actors.supervisor.trainers import TrainerBook
+from core.books import FailureRecord, KillRecord
+from core.checkpoint import FULL, CheckpointStore, ShardRows, write_blob, write_shard_file
+from core.journal import AppendLog
+from core.records import CommitRecord, StepFailure, TrainerStart
+from policies import BudgetLimits, FailurePolicy
+
+pytestmark = pytest.mark.timeout(30)
+
+
+class Detections(RunHooks):
+    def __init__(self):
+        self.seen: list[float] = []
+
+    def on_trainer_detected(self, detection_s: float) -> None:
+        self.seen.append(detection_s)
+
+
+def _book(tmp_path, kills=(), alive=lambda pid, node, timeout_s: True, hooks=None, fails=None, limits=BudgetLimits()):
+    lock = threading.RLock()
+    hooks = hooks or HookList()
+    events = EventLog(lock, hooks, lambda: None)
+    book = TrainerBook(
+        lock, events, lambda: None, hooks, FailurePolicy(limits), fail=(fails if fails is not None else []).append,
+        kills=lambda: list(kills), on_commit=lambda step, generation: None, alive=alive,
+        book=AppendLog(tmp_path / "trainer_book.jsonl"), num_trainers=2, samples_per_step=1024,
+    )
+    return book
+
+
+def _commit(step, rank, participants=2, time=0.0, microbatches=(0, 1)):
+    return CommitRecord(step, rank, tuple(m + 4 * step for m in microbatches), 4, participants, time, 0)
+
+
+def test_a_restarted_supervisor_reads_back_every_commit_and_failed_step(tmp_path):
+    # Before, commits and failed steps lived only in memory: a restarted supervisor reported
+    # 0 steps with fewer trainers and closed open failures at step 0.
+    book = _book(tmp_path)
+    book.register(TrainerStart(0, 11, "n"))
+    for step in range(5):
+        book.commit(_commit(step, 0, participants=1 if step >= 3 else 2, time=float(step)))
+    book.step_failed(StepFailure(5, 0, 5.5, "shard 1: ActorDiedError", broken_quorum=7))
+    book.prune(4)  # a rollback to step 4
+    restarted = _book(tmp_path)
+    restarted.load(book.doc(), AppendLog.read(tmp_path / "trainer_book.jsonl"))
+    assert sorted(restarted.commits()) == [0, 1, 2, 3]
+    assert [c.participants for c in restarted.commits().values()] == [2, 2, 2, 1]
+    assert restarted.group_broken(7, 5) and restarted.last_step_committed() == 3
+
+
+def test_a_torn_last_record_is_read_past_and_a_torn_middle_one_is_an_error(tmp_path):
+    path = tmp_path / "book.jsonl"
+    path.write_text('{"kind": "pruned", "step": 3}\n{"kind": "comm')
+    assert AppendLog.read(path) == [{"kind": "pruned", "step": 3}]
+    path.write_text('{"kind": "comm\n{"kind": "pruned", "step": 3}\n')
+    with pytest.raises(ValueError, match="book.jsonl:1"):
+        AppendLog.read(path)
+
+
+def test_a_trainer_whose_node_is_gone_is_not_alive_and_the_caller_goes_on(tmp_path):
+    # Before, the probe of a dead node raised into the replacement trainer, which crash-looped.
+    def alive(pid, node, timeout_s):
+        if node == "gone":
+            raise RuntimeError("the node of this task is dead")
+        return True
+
+    book = _book(tmp_path, alive=alive)
+    book.register(TrainerStart(0, 11, "gone"))
+    book.register(TrainerStart(1, 12, "here"))
+    book.commit(_commit(3, 0, time=1e12))
+    book.commit(_commit(3, 1, time=1e12))
+    assert book.live_established(exclude=2, timeout_s=1.0) == {1: 3}
+
+
+def test_the_redo_budget_stops_the_run_with_one_message_format(tmp_path):
+    fails: list[str] = []
+    book = _book(tmp_path, fails=fails, limits=BudgetLimits(max_step_redos=2))
+    for _ in range(3):
+        book.step_failed(StepFailure(9, 1, 1.0, "a peer trainer's step failed"))
+    assert len(fails) == 1 and fails[0].startswith("budgets.max_step_redos: 3 (max 2): step 9 failed 3 times")
+
+
+def test_a_trainer_failure_is_exported_when_detected_not_when_healed(tmp_path):
+    # Once per failure, also across a supervisor restart (the journal keeps what was exported).
+    kills = [KillRecord("trainer:1", 10.0, 22, "at step 0")]
+    hooks = Detections()
+    book = _book(tmp_path, kills=kills, hooks=hooks)
+    book.commit(_commit(0, 0, time=9.0))
+    book.commit(_commit(1, 0, time=10.2))  # the full quorum had formed before the kill
+    assert hooks.seen == []
+    book.commit(_commit(2, 0, participants=1, time=10.5))
+    book.commit(_commit(3, 0, participants=1, time=10.7))
+    assert hooks.seen == [0.5]
+    again = Detections()
+    restarted = _book(tmp_path, kills=kills, hooks=again)
+    restarted.load(book.doc(), AppendLog.read(tmp_path / "trainer_book.jsonl"))
+    restarted.commit(_commit(4, 0, participants=1, time=11.0))
+    assert again.seen == []
+
+
+def test_a_rollback_lowers_the_last_committed_step_of_live_trainers(tmp_path):
+    # After a rollback to 100, a survivor that had committed 130 is at 100 again: a replacement
+    # starting from the checkpoint of 100 must join it, not wait to heal from it.
+    book = _book(tmp_path)
+    for rank, pid in ((0, 10), (1, 11)):
+        book.register(TrainerStart(rank, pid, "n"))
+    for step in (98, 99, 100, 130):
+        book.commit(_commit(step, 0, time=1e12))
+    book.commit(_commit(90, 1, time=1e12))
+    book.prune(100)
+    assert sorted(book.commits()) == [90, 98, 99]
+    live = book.live_established(exclude=2, timeout_s=1.0)
+    assert live == {0: 99, 1: 90}
+    assert replacement_at_checkpoint(100, live).action == "join"
+
+
+def _failure(recovery, failed_at_step, restored_step, generation_after=1, shard=0):
+    return FailureRecord(
+        actor=f"shard:{shard}", shard=shard, generation=0, cause="x", detected_at=0.0, killed_at=None,
+        detection_s=None, first_step=0, recovery=recovery, decision=None, generation_after=generation_after,
+        spare=None, adoption_s=0.0, reschedule_s=0.0, load_s=0.0, recovery_s=0.0, serving_s=None,
+        restored_step=restored_step, chain=(restored_step,), rows_reloaded=0, bytes_reloaded=0,
+        failed_at_step=failed_at_step, lost_samples=None if recovery == "partial" else 0.0,
+    )
+
+
+def _ledger(counted):
+    lock = threading.RLock()
+    hooks = HookList()
+    events = EventLog(lock, hooks, lambda: None)
+    return FailureLedger(lock, events, lambda: None, lambda f: counted.append(f.actor) or 5.0,
+                         lambda name, fn, *args: fn(*args), hooks)
+
+
+def test_a_rollback_closes_earlier_partial_recoveries_at_its_step():
+    counted: list[str] = []
+    ledger = _ledger(counted)
+    ledger.add([
+        _failure("partial", None, 30, shard=0),  # open: its redo step never came
+        _failure("partial", 45, 30, shard=1),  # redone past the rollback
+        _failure("partial", 12, 10, shard=2),  # redone before it: unchanged
+        _failure("full", None, 40, shard=3),  # this rollback's own
+    ])
+    ledger.reopen_after_rollback(40, 3)
+    assert [f.failed_at_step for f in ledger.records()] == [40, 40, 12, None]
+    assert counted == ["shard:0", "shard:1"]
+    assert [f.lost_samples for f in ledger.records()[:2]] == [5.0, 5.0]
+
+
+def test_a_commit_settles_recoveries_no_trainer_asked_about():
+    # Seen in the soak: shards recovered while the trainers were being restarted; the new
+    # trainers learned the fleet from trainer_setup, never called await_shards, and the
+    # failures stayed open until a rollback 100 steps later closed them there.
+    counted: list[str] = []
+    ledger = _ledger(counted)
+    ledger.add([_failure("partial", None, 30, generation_after=3, shard=0),
+                _failure("partial", None, 30, generation_after=5, shard=1)])  # newer than the commit's fleet
+    assert ledger.settle(-1, 56, upto_generation=4) == [0]
+    assert [f.failed_at_step for f in ledger.records()] == [56, None] and counted == ["shard:0"]
+
+
+def _commit_full(store, uri, step):
+    rows = ShardRows(np.zeros(1, np.int32), np.zeros(1, np.int64), np.zeros((1, 4), np.float32), np.zeros(1, np.float32))
+    store.commit(step, [write_shard_file(uri, step, 0, rows), write_blob(uri, step, "dense.pt", b"d")], kind=FULL)
+
+
+def test_retention_keeps_the_checkpoint_a_replacement_trainer_starts_from(tmp_path):
+    # keep_last: 1, and a save commits while every trainer is being replaced: before, retention
+    # deleted the step the replacements had loaded, and the fallback found no chain ending there.
+    uri = str(tmp_path / "ckpt")
+    pinned: set[int] = set()
+    store = CheckpointStore(uri, keep_last=1, keep=lambda: pinned)
+    _commit_full(store, uri, 10)
+    pinned.add(10)  # trainer_setup handed step 10 to a replacement
+    _commit_full(store, uri, 20)
+    assert store.list_committed() == [10, 20]
+    assert store.verified_chain(10) == [10]
+    pinned.clear()  # it healed, joined or fell back
+    _commit_full(store, uri, 30)
+    assert store.list_committed() == [30]
