@@ -133,3 +133,32 @@ def test_all_trainers_dead_falls_back_to_the_checkpoint(ray_local, small_data, t
     assert fallback["steps_lost"] >= 1
     _assert_every_microbatch_once(report, logs, 150)
     assert "fell back to checkpoint step" in (tmp_path / "run" / "summary.txt").read_text()
+
+
+def test_trainers_failing_past_their_budget_still_write_the_report(ray_local, small_data, tmp_path):
+    # Before, Ray Train's WorkerGroupError (not a ControllerError) escaped the driver: no
+    # finish(), no report.json.
+    import json
+
+    from core.errors import RunFailed
+
+    raw = _config(tmp_path, small_data, trainers=2, checkpoint_every=20, max_steps=120).model_dump()
+    raw["budgets"] = {"max_trainer_failures": 0}
+    raw["faults"] = {"max_failures": 0, "at_steps": {"trainer:1": [30]}}
+    job = TrainingJob(config_from_dict(raw), show_progress=False)
+    try:
+        job.start(wait=False)
+        error = None
+        try:
+            job.fit_in_background().join(timeout_s=300)
+        except Exception as err:  # what run_training hands to finish()
+            error = err
+        assert error is not None, "Ray Train gave up on the trainers"
+        with pytest.raises(RunFailed, match=r"budgets\.max_trainer_failures: 1 \(max 0\)"):
+            job.finish(training_error=error)
+    finally:
+        job.close()
+    report = json.loads((tmp_path / "run" / "report.json").read_text())
+    assert report["state"]["state"] == "failed"
+    assert "budgets.max_trainer_failures: 1 (max 0)" in report["state"]["reason"]
+    assert [k["target"] for k in report["faults_injected"]] == ["trainer:1"]

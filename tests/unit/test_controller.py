@@ -224,3 +224,70 @@ def test_a_load_that_does_not_answer_in_time_kills_the_slow_actor_before_it_is_r
         executor.run(RecoveringShards({1: 3}, (10,), (), None), [])
     assert lost.value.shards == [1]
     assert len(fleet.killed) == 1, "the slow actor is killed, not left beside its replacement"
+
+
+def _rollback_executor(loaded_chain):
+    from actors.supervisor.executor import RecoveryExecutor
+
+    class Method:
+        def __init__(self, name):
+            self.name = name
+
+        def remote(self, *args):
+            return self.name
+
+    class Actor:
+        def __init__(self, k):
+            self.load_checkpoint = Method(k)
+
+    class Fleet:
+        def adopt_or_spawn(self, targets, spares):
+            return {}, []
+
+        def kill(self, handle):
+            pass
+
+    fenced = []
+    executor = RecoveryExecutor(Fleet(), lambda step, chain: fenced.append(step) or [], "uri", 1.0, HookList(),
+                                wait=lambda *a, **k: None,
+                                get=lambda k, timeout: LoadResult(10, 80, loaded_chain(k)))
+    return executor, [Actor(0), Actor(1)], fenced
+
+
+def test_a_rollback_whose_chain_does_not_end_at_its_step_is_refused():
+    # Before, a rollback could go ahead on chain [] (its checkpoint deleted by retention):
+    # every shard reset to its initial rows under a later dense model, with no error.
+    from actors.supervisor.machine import EVERY_TRAINER_DIED, RollingBack
+    from actors.supervisor.outcome import ChainMismatch
+
+    executor, actors, fenced = _rollback_executor(lambda k: ())
+    with pytest.raises(ChainMismatch, match="ends at step 0"):
+        executor.run(RollingBack(40, EVERY_TRAINER_DIED, ()), actors)
+    assert fenced == [], "nothing was fenced: the abandoned timeline is still there to resume from"
+
+
+def test_a_rollback_where_a_shard_loaded_another_chain_is_refused():
+    from actors.supervisor.machine import FULL_RECOVERY, RollingBack
+    from actors.supervisor.outcome import ChainMismatch
+
+    executor, actors, fenced = _rollback_executor(lambda k: (40,) if k == 0 else (30,))
+    with pytest.raises(ChainMismatch, match=r"shards \[1\] loaded chains \[\[30\]\]"):
+        executor.run(RollingBack(40, FULL_RECOVERY, (40,)), actors)
+    assert fenced == []
+    executor, actors, fenced = _rollback_executor(lambda k: (40,))
+    assert executor.run(RollingBack(40, FULL_RECOVERY, (40,)), actors).fenced == [] and fenced == [40]
+
+
+def test_a_refused_rollback_fails_the_run_saying_why():
+    from actors.supervisor.machine import ResumeRequested
+    from actors.supervisor.outcome import ChainMismatch
+
+    class Refusing:
+        def run(self, state, committed):
+            raise ChainMismatch("rollback to step 40 has chain [], which ends at step 0")
+
+    journal = MemoryJournal()
+    controller, _, _ = _controller(journal, Refusing())
+    controller.transition(ResumeRequested(40, ()))
+    controller.execute_once()
+    assert isinstance(controller.state, Failed) and controller.state.reason.startswith("invariant: rollback to step 40")

@@ -31,8 +31,9 @@ class Detections(RunHooks):
         self.seen.append(detection_s)
 
 
-def _book(tmp_path, kills=(), alive=lambda pid, node, timeout_s: True, hooks=None, fails=None, limits=BudgetLimits()):
-    lock = threading.RLock()
+def _book(tmp_path, kills=(), alive=lambda pid, node, timeout_s: True, hooks=None, fails=None, limits=BudgetLimits(),
+          lock=None):
+    lock = lock or threading.RLock()
     hooks = hooks or HookList()
     events = EventLog(lock, hooks, lambda: None)
     book = TrainerBook(
@@ -193,3 +194,57 @@ def test_retention_keeps_the_checkpoint_a_replacement_trainer_starts_from(tmp_pa
     pinned.clear()  # it healed, joined or fell back
     _commit_full(store, uri, 30)
     assert store.list_committed() == [30]
+
+
+def test_a_checkpoint_is_verified_outside_the_books_lock(tmp_path):
+    # Before, trainer_setup verified the newest checkpoint in full under the supervisor's lock:
+    # seconds in which no death and no commit could be recorded on a large model.
+    from actors.supervisor.desk import TrainerDesk
+    from actors.supervisor.machine import Running
+    from core.deadlines import Deadlines
+    from core.records import TrainerSetup
+
+    verifying, release = threading.Event(), threading.Event()
+
+    class Controller:
+        def wait_started(self, timeout_s):
+            return True, None
+
+        def state_now(self):
+            return Running()
+
+        def fleet(self):
+            return 0, ()
+
+    class Checkpoints:
+        def consistent_chain(self):
+            verifying.set()
+            release.wait(10)  # reading and hashing every file of the checkpoint
+            return (40,)
+
+        def full_checkpoint_of(self, step):
+            return True
+
+        def read_dense(self, step):
+            return b"dense"
+
+        def next_due(self):
+            return 50
+
+    lock = threading.RLock()  # the books' lock, shared by every part
+    book = _book(tmp_path, lock=lock)
+    book.start_training(0, 2, 0.0)
+    desk = TrainerDesk(lock, Controller(), Checkpoints(), book, EventLog(lock, HookList(), lambda: None),
+                       FailurePolicy(BudgetLimits()), Deadlines(30.0), TrainerSetup(finished=False), lambda s: None,
+                       True, "r")
+    setups = []
+    waiter = threading.Thread(target=lambda: setups.append(desk.trainer_setup(1)))
+    waiter.start()
+    assert verifying.wait(5)
+    committed = threading.Thread(target=book.commit, args=(_commit(41, 0),))
+    committed.start()
+    committed.join(2)
+    assert not committed.is_alive(), "a commit went through while the checkpoint was being verified"
+    release.set()
+    waiter.join(5)
+    assert setups[0].resume.step == 40 and 40 in book.pinned()
