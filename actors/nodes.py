@@ -27,7 +27,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 import psutil  # noqa: E402 - Ray's vendored copy, on the path once ray is imported
 
 __all__ = [
-    "cpu_nodes", "other_nodes", "pinned", "pid_alive_on", "least_loaded", "placement", "interface_for", "HostWatch",
+    "cpu_nodes", "other_nodes", "pinned", "pids_alive", "least_loaded", "placement", "interface_for", "HostWatch",
 ]
 
 logger = logging.getLogger(__name__)
@@ -61,13 +61,26 @@ def _pid_alive(pid: int) -> bool:
         return False
 
 
-def pid_alive_on(pid: int, node_id: str, timeout_s: float) -> bool:
-    """Whether process ``pid`` runs on node ``node_id``. A node that is gone cannot run the
-    probe: its processes are gone too (False), never an error for the caller."""
-    try:
-        return bool(ray.get(pinned(_pid_alive, node_id).remote(pid), timeout=timeout_s))
-    except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError, ValueError):
-        return False
+def pids_alive(processes: dict, timeout_s: float) -> dict:
+    """For each key of ``processes`` (key -> (pid, node id)): True if that process runs, False
+    if it or its node is gone (a node that is gone cannot run the probe: Ray refuses the task),
+    None if the probe did not answer in time (cannot tell). Probed in parallel."""
+    out, refs = {}, {}
+    for key, (pid, node) in processes.items():
+        try:
+            refs[key] = pinned(_pid_alive, node).remote(pid)
+        except (ray.exceptions.RayError, ValueError):
+            out[key] = False
+    ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=timeout_s) if refs else ([], [])
+    for key, ref in refs.items():
+        if ref not in ready:
+            out[key] = None
+            continue
+        try:
+            out[key] = bool(ray.get(ref))
+        except ray.exceptions.RayError:
+            out[key] = False
+    return out
 
 
 def least_loaded(nodes: list[str], taken: list, avoid: set | frozenset = frozenset()) -> str | None:

@@ -242,9 +242,9 @@ class TrainingJob:
         ``training_error``: what ended the trainers' worker group, if it failed (the run then
         fails with it). Raises RunFailed (after writing the report) when the run did not
         complete; when even the summary cannot be had, the report is rebuilt from the files."""
-        if training_error is not None:
-            self.client.fail_run(f"the trainers failed: {_one_line(training_error)}")
         try:
+            if training_error is not None:
+                self.client.fail_run(f"the trainers failed: {_one_line(training_error)}")
             summary = self.client.summary()
         except (ray.exceptions.RayError, TimeoutError) as err:
             logger.error("the supervisor's summary could not be had (%s); rebuilding the report from the files", err)

@@ -5,7 +5,8 @@ waits longer than the longest wait inside the method it calls.
     a recovery                supervisor_wait_s = 4 T (a respawn T, a load T, one retry of each)
     the save in flight        save_drain_s = 2 T (its background write and commit)
     a supervisor method       inner_s(method): what it waits for, at most (the table below)
-    its caller                caller_s(method) = inner_s(method) + T
+    its caller                caller_s(method) = inner_s(method) + 2 T (a supervisor that Ray
+                              restarts meanwhile answers the retried call once rebuilt)
 
 ``SupervisorClient`` (``actors.client``) passes ``caller_s`` to every call; the supervisor's
 methods bound their own waits by ``inner_s``.
@@ -54,8 +55,9 @@ class Deadlines:
         return BLOCKING.get(method, 0) * self.shard_call_s
 
     def caller_s(self, method: str) -> float:
-        """How long a caller waits for ``method``: longer than anything inside it."""
-        return self.inner_s(method) + self.shard_call_s
+        """How long a caller waits for ``method``: longer than anything inside it, with room for
+        a supervisor restart (a new process, its journal read, its shards found by name)."""
+        return self.inner_s(method) + 2 * self.shard_call_s
 
 
 class Deadline:

@@ -66,7 +66,19 @@ class AppendLog:
 
     def __init__(self, path: Path, fresh: bool = False):
         self.path = Path(path)
+        if not fresh:
+            self._drop_torn_tail()
         self._file = open(self.path, "w" if fresh else "a", buffering=1)
+
+    def _drop_torn_tail(self) -> None:
+        """A line torn by a killed writer is cut before appending, or it would end up in the
+        middle of the file, where reading refuses it."""
+        if not self.path.exists():
+            return
+        data = self.path.read_bytes()
+        if data and not data.endswith(b"\n"):
+            with open(self.path, "r+b") as f:
+                f.truncate(data.rfind(b"\n") + 1)
 
     def append(self, record: dict) -> None:
         self._file.write(json.dumps(encode(record), default=str) + "\n")

@@ -67,10 +67,20 @@ class Supervisor:
         restarted = ray.get_runtime_context().was_current_actor_reconstructed and previous is not None
         self._p: Parts = assemble(inputs, self._crashed, fresh_files=not (restarted or (resume and previous)))
         if restarted:
-            rebuild(self._p, previous)
+            self._rebuild(previous)
         elif resume and previous is not None:
             continue_history(self._p, previous)
         self._p.controller.start_executor()
+
+    def _rebuild(self, previous: dict) -> None:
+        """Ray restarted this actor. A journal that cannot be read back fails the run (kept on
+        disk as it is) instead of failing this constructor, which Ray would restart forever."""
+        try:
+            rebuild(self._p, previous)
+        except Exception as err:  # noqa: BLE001 - the run stops, saying why
+            logger.exception("rebuilding the supervisor's books failed")
+            self._p.books.freeze()
+            self._p.controller.fail(f"the supervisor could not rebuild its books after a restart: {err!r}"[:500])
 
     def _crashed(self, thread: str, err: BaseException) -> None:
         """A guarded thread died: the run ends as Failed with the thread and the error."""
@@ -160,11 +170,10 @@ class Supervisor:
     def report_shard_failure(self, k: int, generation: int, reason: str, step: int) -> None:
         """A trainer's call to shard ``k`` failed or timed out at ``step``. A shard that hangs
         is killed, so that hangs and deaths take the same recovery path (the watch sees it)."""
-        current, handles = self._p.controller.fleet()
-        if generation != current or not self._p.controller.is_running():
-            return
-        logger.warning("trainer reports shard %d unavailable (%s); killing it", k, reason)
-        self._p.fleet.kill(handles[k])
+        handle = self._p.controller.handle_if_current(k, generation)
+        if handle is not None:
+            logger.warning("trainer reports shard %d unavailable (%s); killing it", k, reason)
+            self._p.fleet.kill(handle)
 
     def await_shards(self, known_generation: int, step: int) -> FleetView:
         return self._p.desk.await_shards(known_generation, step)

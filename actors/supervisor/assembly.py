@@ -18,12 +18,13 @@ import ray
 from actors.faults import FaultInjector, Killer
 from actors.fleet import ShardFleet, shard_name
 from actors.metrics import MetricsHook, RunMetrics
-from actors.nodes import HostWatch, pid_alive_on
+from actors.nodes import HostWatch, pids_alive
 from actors.shm import remove_process_files_on
 from actors.supervisor.books import Books
 from actors.supervisor.checkpoints import CheckpointCoordinator
 from actors.supervisor.collaborators import RETRIED_ERRORS, Collaborators
 from actors.supervisor.controller import RecoveryController
+from actors.supervisor.costs import SharedCosts
 from actors.supervisor.desk import TrainerDesk
 from actors.supervisor.events import EventLog
 from actors.supervisor.executor import RecoveryExecutor
@@ -31,6 +32,7 @@ from actors.supervisor.guard import start_guarded
 from actors.supervisor.hooks import HookList, RunLogHook
 from actors.supervisor.hosts import HostLossReporter
 from actors.supervisor.ledger import FailureLedger
+from actors.supervisor.machine import TERMINAL
 from actors.supervisor.spares import SparePool
 from actors.supervisor.trainers import TrainerBook
 from core.accounting import LostSpan, chain_rows, count_lost_samples
@@ -58,14 +60,6 @@ class RunInputs:
     eval_cache: str
 
 
-class _CostsPart:
-    def __init__(self, costs: OnlineCostModel):
-        self.costs = costs
-
-    def doc(self) -> dict:
-        return self.costs.state()
-
-
 class _Value:
     """A journaled value of the facade's own (the evaluation)."""
 
@@ -91,7 +85,7 @@ class Parts:
     desk: TrainerDesk
     fleet: ShardFleet
     hosts: HostWatch
-    costs: OnlineCostModel
+    costs: SharedCosts
     policy: FailurePolicy
     deadlines: Deadlines
     run_log: RunLog
@@ -105,7 +99,8 @@ def assemble(inputs: RunInputs, on_crash: Callable[[str, BaseException], None], 
     lock = threading.RLock()
     deadlines = Deadlines(cfg.embeddings.call_timeout_s)
     policy = FailurePolicy(cfg.budgets.limits())
-    books = Books(Journal(inputs.run_dir), lock, {"run_id": run_id, "attempt": 1, "supervisor_restarts": 0})
+    books = Books(Journal(inputs.run_dir), lock,
+                  {"run_id": run_id, "attempt": 1, "supervisor_restarts": 0, "attempt_restarts": 0})
     persist, hooks, run_log = books.persist, HookList(), RunLog(inputs.run_dir, fresh=fresh_files)
     events = EventLog(lock, hooks, persist)
 
@@ -113,8 +108,8 @@ def assemble(inputs: RunInputs, on_crash: Callable[[str, BaseException], None], 
         return start_guarded(name, fn, on_crash, *args)
 
     ck = cfg.checkpoint
-    costs = OnlineCostModel(mtbf_s=ck.mtbf_s, save_cost_s=ck.save_cost_s, load_cost_s=ck.load_cost_s,
-                            reschedule_cost_s=ck.reschedule_cost_s, start_s=time.time())
+    costs = SharedCosts(OnlineCostModel(mtbf_s=ck.mtbf_s, save_cost_s=ck.save_cost_s, load_cost_s=ck.load_cost_s,
+                                        reschedule_cost_s=ck.reschedule_cost_s, start_s=time.time()))
     n = inputs.plan.num_shards
     # The callables below name parts built further down: closures find them when called.
     def count_lost(f: FailureRecord) -> float:
@@ -126,9 +121,9 @@ def assemble(inputs: RunInputs, on_crash: Callable[[str, BaseException], None], 
     ledger = FailureLedger(lock, events, persist, count_lost, start_thread, hooks)
     trainers = TrainerBook(
         lock, events, persist, hooks, policy, fail=lambda reason: controller.fail(reason),
-        kills=lambda: _trainer_kills(ledger, events),
+        kills=_TrainerKills(ledger, events),
         on_commit=lambda step, generation: controller.settle(-1, step, upto_generation=generation),
-        alive=pid_alive_on, book=AppendLog(inputs.run_dir / BOOK_FILE, fresh=fresh_files),
+        alive=pids_alive, book=AppendLog(inputs.run_dir / BOOK_FILE, fresh=fresh_files),
         num_trainers=cfg.training.num_trainers,
         samples_per_step=cfg.training.microbatches_per_step * cfg.training.microbatch_rows,
         on_replaced=lambda pid, node: remove_process_files_on(node, run_id, pid),
@@ -152,7 +147,7 @@ def assemble(inputs: RunInputs, on_crash: Callable[[str, BaseException], None], 
     )
     spares = SparePool(
         lock, events, persist, fleet, hosts.usable, occupied, lambda: set(controller.shard_nodes()),
-        lambda: controller.running(), cfg.embeddings.spares, run_id, deadlines.shard_call_s, start_thread, hooks,
+        lambda: not isinstance(controller.state_now(), TERMINAL), cfg.embeddings.spares, run_id, deadlines.shard_call_s, start_thread, hooks,
     )
     executor = RecoveryExecutor(fleet, checkpoints.restart_timeline, cfg.checkpoint_uri, deadlines.shard_call_s, hooks)
     controller = _controller(inputs, lock, events, persist, Collaborators(
@@ -191,7 +186,7 @@ def _register_books(p: Parts) -> None:
     """Every part with state gets its section of the journal."""
     for name, part in (("controller", p.controller), ("events", p.events), ("ledger", p.ledger),
                        ("trainers", p.trainers), ("spares", p.spares), ("checkpoints", p.checkpoints),
-                       ("costs", _CostsPart(p.costs)), ("eval", p.eval), ("faults", p.faults)):
+                       ("costs", p.costs), ("eval", p.eval), ("faults", p.faults)):
         if part is not None:
             p.books.add(name, part)
 
@@ -212,16 +207,28 @@ def record_kill(ledger: FailureLedger, events: EventLog, kill: KillRecord) -> No
     events.record("fault_injected", target=kill.target, pid=kill.pid, at=kill.time, trigger=kill.trigger)
 
 
-def _trainer_kills(ledger: FailureLedger, events: EventLog) -> list[KillRecord]:
-    """Trainer kills in time order. A trainer lost with its host fails like a killed one,
-    from when the host stopped answering."""
-    lost = [KillRecord(actor, e.get("unreachable_since") or e["declared_dead_at"], None, f"host {e['node_ip']} lost")
-            for e in events.of("host_lost") for actor in e["actors"] if actor.startswith("trainer:")]
-    return sorted([k for k in ledger.kills() if k.target.startswith("trainer:")] + lost, key=lambda k: k.time)
+class _TrainerKills:
+    """Trainer kills in time order. A trainer lost with its host fails like a killed one, from
+    when the host stopped answering. Kept until kills or events grow: a run that trains with
+    fewer trainers asks at every commit."""
+
+    def __init__(self, ledger: FailureLedger, events: EventLog):
+        self._ledger, self._events = ledger, events
+        self._cached: tuple[tuple[int, int], list[KillRecord]] = ((-1, -1), [])
+
+    def __call__(self) -> list[KillRecord]:
+        key = (len(self._ledger.kills()), self._events.count())
+        if self._cached[0] != key:
+            lost = [KillRecord(actor, e.get("unreachable_since") or e["declared_dead_at"], None,
+                               f"host {e['node_ip']} lost")
+                    for e in self._events.of("host_lost") for actor in e["actors"] if actor.startswith("trainer:")]
+            kills = [k for k in self._ledger.kills() if k.target.startswith("trainer:")] + lost
+            self._cached = (key, sorted(kills, key=lambda k: k.time))
+        return self._cached[1]
 
 
 def _actor_nodes(controller: RecoveryController, spares: SparePool, trainers: TrainerBook) -> set:
-    return set(controller.shard_nodes()) | set(spares.nodes(spares.ready())) | trainers.nodes()
+    return set(controller.shard_nodes()) | spares.known_nodes() | trainers.nodes()
 
 
 def _targets(controller: RecoveryController, trainers: TrainerBook, spares: SparePool) -> dict[str, Target]:

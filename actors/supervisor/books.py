@@ -24,11 +24,19 @@ class Books:
         self.lock = lock
         self.header = dict(header)  # run id, attempt, supervisor restarts...
         self._parts: dict[str, Part] = {}
+        self._frozen = False
 
     def add(self, name: str, part: Part) -> None:
         self._parts[name] = part
 
+    def freeze(self) -> None:
+        """Stops writing: the journal on disk is kept as it is (a rebuild from it failed, and
+        books half loaded from it must not replace it)."""
+        self._frozen = True
+
     def persist(self) -> None:
         with self.lock:
+            if self._frozen:
+                return
             self.journal.write({"format": JOURNAL_FORMAT, **self.header,
                                 **{name: part.doc() for name, part in self._parts.items()}})

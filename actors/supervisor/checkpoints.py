@@ -23,13 +23,14 @@ from dataclasses import dataclass
 
 import ray
 
+from actors.supervisor.costs import SharedCosts
 from actors.supervisor.hooks import RunHooks
 from core.checkpoint import DATA_POSITION_FILE, DENSE_FILE, FULL, INCREMENTAL, CheckpointStore, DataPosition, write_blob
 from core.config import RunConfig
 from core.deadlines import Deadlines
 from core.errors import ConfigError, CprError
 from core.records import SaveRequest, SaveResult, Snapshot, WrittenPart
-from policies import IntervalController, OnlineCostModel, interval_steps
+from policies import IntervalController, interval_steps
 
 __all__ = ["CheckpointCoordinator"]
 
@@ -80,7 +81,7 @@ class CheckpointCoordinator:
         self,
         cfg: RunConfig,
         num_shards: int,
-        costs: OnlineCostModel,
+        costs: SharedCosts,
         record_event: Callable[..., dict],
         step_time_s: Callable[[], float | None],
         hooks: RunHooks,
@@ -109,6 +110,7 @@ class CheckpointCoordinator:
         self._timeline = threading.Lock()
         self._epoch = 0  # bumped by every rollback: a save snapshotted before it never commits
         self._in_flight: _SaveJob | None = None
+        self._final_attempts: dict[int, int] = {}  # step -> final saves begun (snapshotted or tried)
 
     # ------------------------------------------------------------------ persisted schedule
 
@@ -152,13 +154,13 @@ class CheckpointCoordinator:
         return step + self.interval_steps_in_use
 
     def _auto_interval(self, scale: float, step_time_s: float | None, fallback_steps: int) -> int:
-        self.costs.observe_time(max(self.clock(), self.costs.clock_s))
+        self.costs.observe_time(self.clock())
         decision, change = self.controller.update()
         steps = interval_steps(decision.interval_s * scale, step_time_s) if step_time_s else fallback_steps
         if change is not None or steps != self.interval_steps_in_use:
             self.record_event(
                 "interval_changed", interval_s=round(decision.interval_s * scale, 3), interval_steps=steps,
-                step_time_s=round(step_time_s, 4) if step_time_s else None, mtbf_s=round(self.costs.mtbf_s, 3),
+                step_time_s=round(step_time_s, 4) if step_time_s else None, mtbf_s=round(self.costs.mtbf_s(), 3),
                 mode=decision.mode.value, reason=change.reason if change is not None else "measured step time changed",
             )
         return steps
@@ -193,6 +195,10 @@ class CheckpointCoordinator:
     def read_dense(self, step: int) -> bytes | None:
         """The dense state saved with checkpoint ``step`` (None at step 0: the initial state)."""
         return self.store.read_blob(step, DENSE_FILE) if step > 0 and self.store is not None else None
+
+    def final_attempts(self, step: int) -> int:
+        """How many final saves of ``step`` began (the budget of a final save that keeps failing)."""
+        return self._final_attempts.get(step, 0)
 
     def full_checkpoint_of(self, step: int) -> bool:
         """Whether a full checkpoint of ``step`` is committed."""
@@ -229,10 +235,12 @@ class CheckpointCoordinator:
         if not final and (self.next_checkpoint_step is None or step < self.next_checkpoint_step):
             return SaveResult(False, self.next_checkpoint_step)
         committed = self.store.list_committed()
-        if step in committed:
+        if step in committed or self.in_flight_step == step:
             # A call retried after a supervisor restart, or a second trainer saving the final
-            # checkpoint: the save already happened.
+            # checkpoint: the save happened, or is being written.
             return SaveResult(False, self.next_checkpoint_step)
+        if final:
+            self._final_attempts[step] = self._final_attempts.get(step, 0) + 1
         t0 = time.perf_counter()
         uri = self.cfg.checkpoint_uri
         # After a supervisor restart a shard may still hold the rows of a save whose commit

@@ -30,7 +30,7 @@ class Collaborators:
     ledger: FailureLedger
     spares: object  # candidate(avoid), take(names), wake()
     prune_commits: Callable[[int], None]
-    observe: object  # OnlineCostModel: observe_failure, observe_reschedule, observe_load, clock_s
+    observe: object  # SharedCosts: observe_failure, observe_reschedule, observe_load
     decide: Callable[[], RecoveryDecision]
     host_down_since: Callable[[str | None], float | None]
     suspects: Callable[[], set]

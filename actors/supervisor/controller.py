@@ -1,11 +1,8 @@
 """The recovery controller: owns the recovery state, the committed fleet of shard actors and
-the generations reserved for new ones.
-
-Events go in through ``transition(event)``: it decides (``machine.transition``), persists the
-intent with every part's books, and only then changes the state and wakes the executor
-thread. The executor's outcome comes back as ``WorkDone``, whose transition commits the new
-fleet and the failure records together. No Ray here: the fleet, the executor and the
-journal are collaborators it is given, so a unit test drives it with fakes.
+the generations reserved for new ones. Events go in through ``transition(event)``: it decides
+(``machine.transition``), persists the intent with every part's books, and only then changes
+the state and wakes the executor thread, whose outcome comes back as ``WorkDone``. No Ray
+here: the fleet, the executor and the journal are collaborators it is given (fakes in tests).
 """
 
 from __future__ import annotations
@@ -58,6 +55,7 @@ class RecoveryController:
         self.started = False
         self.start_error: str | None = None
         self._deaths: list[tuple] = []  # (node id, actor, detected at) of each shard death
+        self._deciding: set[tuple[int, int]] = set()  # (shard, generation) of deaths being decided
         self._outcome: Outcome | None = None
         self._work = threading.Event()
         self._stop = threading.Event()
@@ -68,7 +66,7 @@ class RecoveryController:
         """The only place the state changes: decide, persist the intent, then act on it."""
         with self._lock:
             pending = len(self.state.targets) if isinstance(self.state, RECOVERING) else 0
-            t = transition(self.state, event, self._p.ledger.count() + pending, self._p.policy)
+            t = transition(self.state, event, self._p.ledger.count_this_attempt() + pending, self._p.policy)
             if t is None:
                 return False
             previous = self.state
@@ -90,8 +88,7 @@ class RecoveryController:
         return True
 
     def fail(self, reason: str) -> None:
-        """Ends the run as Failed. If even that cannot be journaled (the journal's disk is
-        gone), the state still changes here: everyone waiting on the supervisor stops."""
+        """Ends the run as Failed; if even that cannot be journaled, in memory all the same."""
         try:
             self.transition(Fail(reason))
         except Exception:  # noqa: BLE001 - the run stops either way; say so, then force it
@@ -109,15 +106,17 @@ class RecoveryController:
 
     def on_shard_death(self, k: int, generation: int, cause: str, detected: float) -> None:
         """A watched shard actor is gone: decide its recovery and transition. The chain is
-        read (and, for a rollback, verified once) outside the lock."""
+        read (and, for a rollback, verified once) outside the lock; a second report of the same
+        death meanwhile (the watch, and a recovery that lost the shard) is dropped at once."""
         with self._lock:
-            if not self._is_current(k, generation):
+            if not self._is_current(k, generation) or (k, generation) in self._deciding:
                 return
+            self._deciding.add((k, generation))
             kill = self._p.ledger.kill_of(f"shard:{k}", before=detected)
             node = self.infos[k].node_id if self.infos[k] is not None else None
             self._deaths.append((node, f"shard:{k}", detected))  # a host's loss names it
             killed_at = kill.time if kill is not None else self._p.host_down_since(node)
-            self._p.observe.observe_failure(max(detected, self._p.observe.clock_s))
+            self._p.observe.observe_failure(detected)
             decision = self._p.decide()
             partial = decision.mode == RecoveryMode.PARTIAL
             death = DeathCause(
@@ -125,14 +124,17 @@ class RecoveryController:
                 killed_at=killed_at, detection_s=round(detected - killed_at, 3) if killed_at is not None else None,
                 first_step=self.live_since[k],
             )
-        chain = self._p.partial_chain() if partial else ()
-        consistent = () if partial else self._p.consistent_chain()
-        with self._lock:
-            if not self._is_current(k, generation):
-                return
-            spare = self._p.spares.candidate(self._p.suspects())
-            self.transition(ShardDied(k, generation, self.gens[k], self.next_gens[k], death, partial, decision,
-                                      tuple(chain), tuple(consistent), spare))
+        try:
+            chain = self._p.partial_chain() if partial else ()
+            consistent = () if partial else self._p.consistent_chain()
+            with self._lock:
+                if self._is_current(k, generation):
+                    spare = self._p.spares.candidate(self._p.suspects())
+                    self.transition(ShardDied(k, generation, self.gens[k], self.next_gens[k], death, partial,
+                                              decision, tuple(chain), tuple(consistent), spare))
+        finally:
+            with self._lock:
+                self._deciding.discard((k, generation))
 
     def _is_current(self, k: int, generation: int) -> bool:
         if isinstance(self.state, TERMINAL) or generation != self.gens[k]:
@@ -255,12 +257,25 @@ class RecoveryController:
     # ------------------------------------------------------------------ views
 
     def settle(self, known_generation: int, redo_step: int, upto_generation: float = float("inf")) -> None:
-        """Trainers redo ``redo_step`` on a newer fleet: close the failures recovered since, and
-        start the replaced shards' spans there (a rollback set them already)."""
-        for k in self._p.ledger.settle(known_generation, redo_step, upto_generation):
-            with self._lock:
+        """Trainers redo ``redo_step`` on a newer fleet: close the failures recovered since and
+        start the replaced shards' spans there (a rollback set them already), journaled in one
+        piece; their lost samples are counted afterwards, outside the lock."""
+        with self._lock:
+            shards, todo = self._p.ledger.close_settled(known_generation, redo_step, upto_generation)
+            for k in shards:
                 if self.live_since[k] is None:
                     self.live_since[k] = redo_step
+            if todo or shards:
+                self._persist()
+        self._p.ledger.count_later(todo)
+
+    def handle_if_current(self, k: int, generation: int):
+        """Shard ``k``'s actor, if training runs normally on fleet ``generation``: a trainer's
+        report about an older fleet, or during a recovery, must not kill a newer actor."""
+        with self._lock:
+            if generation != self.generation or not isinstance(self.state, Running):
+                return None
+            return self.handles[k]
 
     def wait_settled(self, timeout_s: float) -> bool:
         """Waits until no recovery is in flight; False if ``timeout_s`` passed first."""
@@ -323,13 +338,6 @@ class RecoveryController:
             return sorted({f"shard:{k}" for k, i in enumerate(self.infos) if i is not None and i.node_id == node_id}
                           | {a for n, a, t in self._deaths if n == node_id and t >= since})
 
-    def running(self) -> bool:
-        """Not over yet (recovering counts)."""
-        return not isinstance(self.state, TERMINAL)
-
-    def is_running(self) -> bool:
-        """Training normally: no recovery in flight, not over."""
-        return isinstance(self.state, Running)
 
     def commit_start(self, handles: list, infos: list[ShardInfo]) -> None:
         """The first fleet (generation 0) answers."""
@@ -344,6 +352,7 @@ class RecoveryController:
             self.changed.notify_all()
 
     def reserve_first_fleet(self) -> None:
+        """Generation 0 of every shard is reserved in the journal before it is spawned."""
         with self._lock:
             self.next_gens = [max(g, 1) for g in self.next_gens]
             self._persist()

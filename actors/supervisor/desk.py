@@ -55,7 +55,6 @@ class TrainerDesk:
         self._setup = setup  # the run's constant part of every trainer's setup
         self._position = position
         self._final_checkpoint = final_checkpoint
-        self._final_attempts = 0
         self._fallback_lock = threading.Lock()
 
     # ------------------------------------------------------------------ start
@@ -171,7 +170,7 @@ class TrainerDesk:
 
     def _roll_back_to(self, step: int, rank: int, deadline: Deadline) -> FleetView:
         while True:
-            if not self._c.wait_settled(deadline.remaining()):
+            if deadline.expired() or not self._c.wait_settled(deadline.remaining()):
                 raise ShardUnavailable(f"shards not back within {deadline.total_s:.0f}s for the fallback")
             generation, shards = self._c.fleet()
             try:
@@ -230,9 +229,7 @@ class TrainerDesk:
         view = self.await_shards(known_generation, step)
         saved = not self._final_checkpoint or self._ckpt.full_checkpoint_of(step)
         if not saved and not view.stop and view.generation == known_generation:
-            with self._lock:
-                self._final_attempts += 1
-                attempts = self._final_attempts
+            attempts = self._ckpt.final_attempts(step)
             over = self._policy.exceeded(Budget.STEP_REDOS, attempts,
                                          f"the final checkpoint of step {step} was not saved after {attempts} attempts")
             if over is not None:

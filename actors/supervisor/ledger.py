@@ -43,6 +43,10 @@ class FailureLedger:
         self._hooks = hooks
         self._failures: list[FailureRecord] = []
         self._kills: list[KillRecord] = []
+        # Where this attempt of the run began (--resume starts a new one): its budgets count
+        # from there, and a death is matched with kills of this attempt only.
+        self._first_failure = 0
+        self._first_kill = 0
 
     # ------------------------------------------------------------------ kills
 
@@ -51,9 +55,16 @@ class FailureLedger:
             self._kills.append(kill)
 
     def kill_of(self, target: str, before: float) -> KillRecord | None:
-        """The latest kill of ``target`` at or before ``before``: when its failure began."""
+        """The latest kill of ``target`` in this attempt, at or before ``before``: when its
+        failure began."""
         with self._lock:
-            return next((k for k in reversed(self._kills) if k.target == target and k.time <= before), None)
+            return next((k for k in reversed(self._kills[self._first_kill:]) if k.target == target and k.time <= before),
+                        None)
+
+    def begin_attempt(self) -> None:
+        """A new attempt of the run (--resume): what came before is history."""
+        with self._lock:
+            self._first_failure, self._first_kill = len(self._failures), len(self._kills)
 
     def kills(self) -> tuple[KillRecord, ...]:
         with self._lock:
@@ -66,8 +77,14 @@ class FailureLedger:
             return tuple(self._failures)
 
     def count(self) -> int:
+        """Failures recorded, every attempt."""
         with self._lock:
             return len(self._failures)
+
+    def count_this_attempt(self) -> int:
+        """Failures of this attempt: what ``budgets.max_shard_recoveries`` counts."""
+        with self._lock:
+            return len(self._failures) - self._first_failure
 
     def add(self, records: list[FailureRecord]) -> None:
         """Part of a transition (the caller persists)."""
@@ -85,21 +102,18 @@ class FailureLedger:
         self._failures[i] = dataclasses.replace(f, failed_at_step=redo_step, lost_steps_recomputed=recomputed)
         return partial
 
-    def settle(self, known_generation: int, redo_step: int, upto_generation: float = float("inf")) -> list[int]:
+    def close_settled(self, known_generation: int, redo_step: int,
+                      upto_generation: float = float("inf")) -> tuple[list[int], list[int]]:
         """Trainers redo ``redo_step`` on a fleet newer than ``known_generation`` (up to
-        ``upto_generation``): the failures recovered since are complete now, and their lost
-        samples are counted. Returns the shards of the partial recoveries closed here."""
+        ``upto_generation``): the failures recovered since are complete now. Returns the
+        shards whose partial recoveries closed here and the failures whose lost samples are
+        to count (``count_later``). The caller journals the change (a supervisor restarted
+        later must not close them again at a later step: seen in the soak, 80 steps on)."""
         with self._lock:
             closing = [i for i, f in enumerate(self._failures)
                        if known_generation < f.generation_after <= upto_generation and f.failed_at_step is None]
             todo = [i for i in closing if self._close(i, redo_step)]
-            if closing:
-                # Journaled: a supervisor restarted later must not close them again at a
-                # later step (seen in the soak: closed at a rollback 80 steps on).
-                self._persist()
-            shards = [self._failures[i].shard for i in todo]
-        self.count_later(todo)
-        return shards
+            return [self._failures[i].shard for i in todo], todo
 
     def reopen_after_rollback(self, step: int, before: int) -> None:
         """Everything went back to ``step`` and trainers redo every step from there: a partial
@@ -126,7 +140,7 @@ class FailureLedger:
         their lost samples are counted now (before the summary reads them)."""
         with self._lock:
             todo = [i for i in range(len(self._failures)) if self._close(i, final_step)]
-        self._count(todo)
+        self._count(todo, errors=(Exception,))  # for the report: an error is recorded with the failure
 
     def recount_open_counts(self) -> None:
         """After a supervisor restart: counts that were in flight when the previous one died."""
@@ -143,14 +157,14 @@ class FailureLedger:
         self._hooks.at_point("thread.lost-samples")
         self._count(indices)
 
-    def _count(self, indices: list[int]) -> None:
+    def _count(self, indices: list[int], errors: tuple[type[BaseException], ...] = _COUNT_ERRORS) -> None:
         for i in indices:
             with self._lock:
                 f = self._failures[i]
             error = None
             try:
                 lost = self._count_lost(f)
-            except _COUNT_ERRORS as err:
+            except errors as err:
                 logger.exception("counting lost samples of %s failed", f.actor)
                 lost, error = 0.0, repr(err)
             with self._lock:
@@ -164,8 +178,10 @@ class FailureLedger:
     # ------------------------------------------------------------------ journal
 
     def doc(self) -> dict:
-        return {"failures": encode(self._failures), "kills": encode(self._kills)}
+        return {"failures": encode(self._failures), "kills": encode(self._kills),
+                "first_failure": self._first_failure, "first_kill": self._first_kill}
 
     def load(self, doc: dict) -> None:
         self._failures = [decode(FailureRecord, f) for f in doc["failures"]]
         self._kills = [decode(KillRecord, k) for k in doc["kills"]]
+        self._first_failure, self._first_kill = doc.get("first_failure", 0), doc.get("first_kill", 0)

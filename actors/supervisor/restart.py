@@ -30,7 +30,8 @@ def rebuild(p: Parts, doc: dict) -> None:
     """The same attempt, in a new supervisor process: everything continues."""
     t0 = time.time()
     restarts = doc["supervisor_restarts"] + 1
-    p.books.header.update(attempt=doc["attempt"], supervisor_restarts=restarts)
+    this_attempt = doc.get("attempt_restarts", 0) + 1  # what the budget counts
+    p.books.header.update(attempt=doc["attempt"], supervisor_restarts=restarts, attempt_restarts=this_attempt)
     _load_history(p, doc)
     p.controller.load(doc["controller"])
     p.trainers.load(doc["trainers"], AppendLog.read(p.inputs.run_dir / BOOK_FILE))
@@ -46,7 +47,8 @@ def rebuild(p: Parts, doc: dict) -> None:
         detection_s=round(t0 - kill.time, 3) if kill else None, restarts=restarts,
         shards_found=p.inputs.plan.num_shards - len(missing), last_checkpoint_step=p.checkpoints.last_checkpoint_step,
     )
-    over = p.policy.exceeded(Budget.SUPERVISOR_RESTARTS, restarts, f"the supervisor was restarted {restarts} times")
+    over = p.policy.exceeded(Budget.SUPERVISOR_RESTARTS, this_attempt,
+                             f"the supervisor was restarted {this_attempt} times in this attempt")
     if over is not None:
         p.controller.fail(over)
     p.controller.recover_missing(missing)
@@ -60,8 +62,10 @@ def rebuild(p: Parts, doc: dict) -> None:
 def continue_history(p: Parts, doc: dict) -> None:
     """``--resume``: a new attempt of the run in the same directory. The earlier attempts'
     failures, kills, events, commits and cost estimates carry over; their actors are gone."""
-    p.books.header.update(attempt=doc["attempt"] + 1, supervisor_restarts=doc["supervisor_restarts"])
+    p.books.header.update(attempt=doc["attempt"] + 1, supervisor_restarts=doc["supervisor_restarts"],
+                          attempt_restarts=0)
     _load_history(p, doc)
+    p.ledger.begin_attempt()
     p.trainers.load(doc["trainers"], AppendLog.read(p.inputs.run_dir / BOOK_FILE), history_only=True)
     p.events.record("attempt_started", attempt=doc["attempt"] + 1, previous_run_id=doc["run_id"],
                     previous_state=doc["controller"]["state"]["state"])

@@ -84,6 +84,12 @@ class SparePool:
         with self._lock:
             return [self._info[n].node_id for n in names if n in self._info]
 
+    def known_nodes(self) -> set:
+        """Nodes of every spare this pool started (ready, adopted or lost): the host watch
+        probes them, so a host that held only a spare is still seen going."""
+        with self._lock:
+            return {i.node_id for i in self._info.values()}
+
     def _node(self, name: str) -> str | None:
         info = self._info.get(name)
         return info.node_id if info else None

@@ -6,6 +6,7 @@ rewritten with the journal; the rest is journaled with the other parts."""
 from __future__ import annotations
 
 import dataclasses
+import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -22,8 +23,10 @@ from policies import Budget, FailurePolicy
 
 __all__ = ["TrainerBook", "LivenessProbe"]
 
-# (pid, node id) -> whether that process is alive; raising means "cannot tell", i.e. not alive.
-LivenessProbe = Callable[[int, str, float], bool]
+logger = logging.getLogger(__name__)
+
+# {rank: (pid, node id)}, timeout -> {rank: True (alive) / False (gone, or its node) / None (no answer)}
+LivenessProbe = Callable[[dict, float], dict]
 
 
 @dataclass
@@ -183,9 +186,9 @@ class TrainerBook:
             self._prune(step)
             self._book.append({"kind": "pruned", "step": step})
 
-    def _prune(self, step: int) -> None:
+    def _prune(self, step: int, trainers: bool = True) -> None:
         self._commits = {s: c for s, c in self._commits.items() if s < step}
-        for t in self._trainers.values():
+        for t in self._trainers.values() if trainers else ():
             if t.committed_step is not None and t.committed_step >= step:
                 t.committed_step = step - 1
 
@@ -215,20 +218,19 @@ class TrainerBook:
 
     def live_established(self, exclude: int, timeout_s: float) -> dict[int, int | None]:
         """Ranks other than ``exclude`` whose current process has committed a step and is alive,
-        with the last step each committed. A trainer whose liveness cannot be told (its node
-        is gone: the probe cannot run there) is not alive."""
+        with the last step each committed. A trainer whose node is gone is not alive (before, the
+        probe's error reached the replacement trainer asking, which crash-looped); one whose
+        probe did not answer in time counts as alive: the replacement then waits to heal from
+        it rather than roll the shards back under a trainer that may be ahead."""
         with self._lock:
             candidates = {r: t for r, t in self._trainers.items()
                           if r != exclude and t.committed_at > t.registered and t.pid is not None}
-        live = {}
-        for r, t in candidates.items():
-            try:
-                alive = self._alive(t.pid, t.node_id, timeout_s)
-            except Exception:  # noqa: BLE001 - the probe could not reach its node: that trainer is gone
-                alive = False
-            if alive:
-                live[r] = t.committed_step
-        return live
+        answers = self._alive({r: (t.pid, t.node_id) for r, t in candidates.items()}, timeout_s) if candidates else {}
+        for r, alive in answers.items():
+            if alive is None:
+                logger.warning("trainer %d (pid %s) did not answer a liveness probe in %.1fs; counted as alive",
+                               r, candidates[r].pid, timeout_s)
+        return {r: candidates[r].committed_step for r, alive in answers.items() if alive is not False}
 
     def failures(self) -> list[TrainerFailure]:
         with self._lock:
@@ -316,11 +318,19 @@ class TrainerBook:
             self._trainers = {int(r): _Trainer(**t) for r, t in doc["trainers"].items()}
             self._started = doc["started"]
             self._pins = {int(r): s for r, s in doc.get("pins", {}).items()}
+        # The journaled trainers are already as every prune left them; replaying a prune must
+        # not lower the committed step of trainers that committed later steps since. An earlier
+        # attempt's failed steps are history: they count in the report, not in this attempt's
+        # redo budget.
         for record in book:
             kind = record.pop("kind")
             if kind == "commit":
                 self._add_commit(decode(CommitRecord, record))
             elif kind == "failed":
-                self._add_failure(decode(StepFailure, record))
+                failure = decode(StepFailure, record)
+                if history_only:
+                    self._failed.append(failure)
+                else:
+                    self._add_failure(failure)
             elif kind == "pruned":
-                self._prune(record["step"])
+                self._prune(record["step"], trainers=False)

@@ -54,9 +54,9 @@ def train_loop(loop_config: dict) -> None:
         return  # Ray Train replaced a trainer that died after the run was over: nothing to do
     trainer = _make_trainer(rank, cfg, supervisor, setup, loop_config, marks)
     try:
-        stopped = _train(trainer)
-        if rank == 0 and not stopped:
-            _evaluate_and_report(trainer, setup)
+        # A full recovery during the evaluation rolls the run back: rank 0 redoes the steps.
+        while not _train(trainer) and rank == 0 and not _evaluate_and_report(trainer, setup):
+            pass
     finally:
         if trainer.audit is not None:
             trainer.audit.close()
@@ -239,7 +239,10 @@ def _finish(t: Trainer) -> bool | None:
     return False
 
 
-def _evaluate_and_report(t: Trainer, setup: TrainerSetup) -> None:
+def _evaluate_and_report(t: Trainer, setup: TrainerSetup) -> bool:
+    """Evaluates on the held-out split and reports it. A shard that dies meanwhile is recovered
+    like any other and the evaluation runs again; a full recovery's rollback returns False:
+    the steps since its checkpoint are to be trained again first."""
     steps = t.manager.current_step()
     t.supervisor.record_training_finished(steps, time.time())
     t0 = time.perf_counter()
@@ -248,9 +251,14 @@ def _evaluate_and_report(t: Trainer, setup: TrainerSetup) -> None:
             metrics = evaluate(t.model, t.shards, MicrobatchFile(setup.eval_cache), t.cfg.model.rows_per_table)
             break
         except ShardCallFailed as err:
-            # A shard died during evaluation: it is recovered like any other; evaluate again.
             t.supervisor.report_shard_failure(err.shard, t.generation, err.reason, steps)
-            t.use_fleet(t.supervisor.await_shards(t.generation, steps))
+            fleet = t.supervisor.await_shards(t.generation, steps)
+            if fleet.stop:
+                return True
+            t.use_fleet(fleet)
+            if fleet.rollback is not None:
+                return False
             if attempt == _EVAL_ATTEMPTS - 1:
                 raise
     t.supervisor.record_eval(EvalResult(eval_s=time.perf_counter() - t0, steps=steps, **metrics))
+    return True

@@ -11,6 +11,7 @@ import ray
 
 from core.checkpoint import FULL, INCREMENTAL, CheckpointStore, DataPosition, ShardRows, write_blob, write_shard_file
 from actors.supervisor.checkpoints import CheckpointCoordinator
+from actors.supervisor.costs import SharedCosts
 from actors.supervisor.guard import start_guarded
 from actors.supervisor.hooks import HookList, RunHooks
 from core.config import config_from_dict
@@ -38,7 +39,8 @@ POSITION = DataPosition(next_step=0, microbatches_per_step=4, microbatch_rows=8,
 
 
 def _coordinator(cfg, clock=lambda: 0.0, mtbf_s=100.0, start_s=0.0, hooks: RunHooks = HookList(), crashes=None):
-    costs = OnlineCostModel(mtbf_s=mtbf_s, save_cost_s=1.0, load_cost_s=1.0, reschedule_cost_s=1.0, start_s=start_s)
+    costs = SharedCosts(OnlineCostModel(mtbf_s=mtbf_s, save_cost_s=1.0, load_cost_s=1.0, reschedule_cost_s=1.0,
+                                        start_s=start_s))
     events = []
     crashes = [] if crashes is None else crashes
 

@@ -14,6 +14,7 @@ import pytest
 from actors.supervisor.books import Books
 from actors.supervisor.collaborators import Collaborators
 from actors.supervisor.controller import RecoveryController
+from actors.supervisor.costs import SharedCosts
 from actors.supervisor.events import EventLog
 from actors.supervisor.guard import start_guarded
 from actors.supervisor.hooks import HookList
@@ -88,7 +89,8 @@ def _controller(journal: MemoryJournal, executor, limits: BudgetLimits = BudgetL
     events = EventLog(lock, hooks, books.persist, clock=lambda: 1000.0)
     ledger = FailureLedger(lock, events, books.persist, count_lost=lambda f: 0.0,
                            start_thread=lambda name, fn, *args: fn(*args), hooks=hooks)
-    costs = OnlineCostModel(mtbf_s=3600.0, save_cost_s=1.0, load_cost_s=1.0, reschedule_cost_s=3.0, start_s=0.0)
+    costs = SharedCosts(OnlineCostModel(mtbf_s=3600.0, save_cost_s=1.0, load_cost_s=1.0, reschedule_cost_s=3.0,
+                                        start_s=0.0))
     policy = FailurePolicy(limits)
     decision = decide_recovery(RecoveryMode.PARTIAL, CostInputs(3600.0, 1.0, 1.0, 3.0, 2, 0.02))
     parts = Collaborators(
