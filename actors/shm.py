@@ -33,7 +33,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = [
     "SHM_DIR", "ShmArray", "ShmSlab", "ShmReader", "shm_available", "remove_run_files", "remove_run_files_everywhere",
-    "remove_process_files", "remove_process_files_on",
+    "remove_process_files_on",
 ]
 
 SHM_DIR = "/dev/shm"
@@ -67,11 +67,15 @@ def _prefix(run_id: str) -> str:
     return f"cpr-{run_id}-"
 
 
-def remove_run_files(run_id: str) -> int:
-    """Removes every slab file of run ``run_id`` (those of trainers that were killed).
-    Returns how many."""
+def remove_run_files(run_id: str, pid: int | None = None) -> int:
+    """Removes the slab files of run ``run_id`` (``cpr-<run>-s<k>-<pid>-<slab>-<n>``): every
+    one, or only process ``pid``'s (a trainer that was killed leaves them behind). Returns how
+    many."""
+    only = None if pid is None else re.compile(rf"^{re.escape(_prefix(run_id))}s\d+-{pid}-\d+-\d+$")
     n = 0
     for p in Path(SHM_DIR).glob(_prefix(run_id) + "*") if shm_available() else []:
+        if only is not None and not only.match(p.name):
+            continue
         try:
             p.unlink()
             n += 1
@@ -92,24 +96,10 @@ def remove_run_files_everywhere(run_id: str, timeout_s: float = 30.0) -> int:
         return n
 
 
-def remove_process_files(run_id: str, pid: int) -> int:
-    """Removes the slab files process ``pid`` of run ``run_id`` made (``cpr-<run>-s<k>-<pid>-
-    <slab>-<n>``): a trainer that was killed leaves them behind. Returns how many."""
-    pattern = re.compile(rf"^{re.escape(_prefix(run_id))}s\d+-{pid}-\d+-\d+$")
-    n = 0
-    for p in Path(SHM_DIR).glob(_prefix(run_id) + "*") if shm_available() else []:
-        if pattern.match(p.name):
-            try:
-                p.unlink()
-                n += 1
-            except FileNotFoundError:
-                pass
-    return n
-
-
 def remove_process_files_on(node_id: str, run_id: str, pid: int) -> None:
-    """``remove_process_files`` on node ``node_id``, as a task nobody waits for."""
-    pinned(remove_process_files, node_id).remote(run_id, pid)
+    """Process ``pid``'s slab files (``remove_run_files``) on node ``node_id``, as a task
+    nobody waits for."""
+    pinned(remove_run_files, node_id).remote(run_id, pid)
 
 
 class ShmSlab:

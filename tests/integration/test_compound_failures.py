@@ -226,19 +226,16 @@ def test_supervisor_killed_during_a_rollback(ray_local, small_data, tmp_path):
     assert after["shard:1"] == before["shard:1"] and after["shard:0"] != before["shard:0"]
 
 
-@pytest.mark.parametrize("kill, at", [
-    ("shard:0", {"at_points": [{"at": "save.files_written", "kill": "shard:0", "after_step": STEPS}]}),
-    ("trainer:0", {"at_steps": {"trainer:0": [STEPS - 1]}}),
-])
-def test_a_completed_run_always_has_the_final_checkpoint_of_its_last_step(small_data, tmp_path, kill, at):
-    # Before, a shard dying after the last commit but before the final manifest (or trainer 0
-    # dying right after the last commit) left no final checkpoint, the report still said
-    # completed, and `cpr export` silently took an older one.
-    cfg = _config(tmp_path, small_data, **at)
+def test_a_completed_run_always_has_the_final_checkpoint_of_its_last_step(small_data, tmp_path):
+    # Before, a shard dying after the last commit but before the final manifest, or trainer 0
+    # dying right after the last commit, left no final checkpoint, the report still said
+    # completed, and `cpr export` silently took an older one. Both happen here: trainer 0 dies
+    # once the last step committed, and shard 0 while the final save's files are written.
+    cfg = _config(tmp_path, small_data, at_steps={"trainer:0": [STEPS - 1]},
+                  at_points=[{"at": "save.files_written", "kill": "shard:0", "after_step": STEPS}])
     report, before, after, violations = _train(cfg)
     assert violations == []
-    assert [k["target"] for k in report["faults_injected"]] == [kill]
+    assert sorted(k["target"] for k in report["faults_injected"]) == ["shard:0", "trainer:0"]
     assert report["state"]["state"] == "finished" and report["steps"] == STEPS and report["auc"] > 0.6
     assert report["final_checkpoint_step"] == STEPS
-    info = CheckpointStore(cfg.checkpoint_uri).info(STEPS)
-    assert info.kind == "full"
+    assert CheckpointStore(cfg.checkpoint_uri).info(STEPS).kind == "full"

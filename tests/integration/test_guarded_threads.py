@@ -43,8 +43,8 @@ def _crash_time(report: dict) -> float:
     return failed["time"]
 
 
-@pytest.mark.parametrize("thread", [t for t in THREADS if t != "recovery-executor"])
-def test_a_thread_that_raises_fails_the_run_naming_it(ray_local, small_data, tmp_path, thread):
+@pytest.mark.parametrize("thread", ["spare-keeper", "save-pipeline"])
+def test_a_thread_that_raises_mid_training_fails_the_run_naming_it(ray_local, small_data, tmp_path, thread):
     cfg = config_from_dict(_raw(tmp_path, small_data, thread))
     job = TrainingJob(cfg, show_progress=False)
     try:
@@ -56,11 +56,35 @@ def test_a_thread_that_raises_fails_the_run_naming_it(ray_local, small_data, tmp
             job.finish()
     finally:
         job.close()
+    report = _failed_report(tmp_path, thread)
+    assert report["steps"] < 234, "the run stopped instead of finishing"
+    assert ended - _crash_time(report) < 30, "the trainers stopped within 30 s of the crash"
+
+
+@pytest.mark.parametrize("thread", ["shard-watch", "host-watch"])
+def test_a_watch_that_raises_fails_the_run_naming_it(ray_local, small_data, tmp_path, thread):
+    # These threads run from the shards' start: the fault fires on their first pass, before
+    # any trainer (which would only find the run over), so no trainer is started here.
+    raw = _raw(tmp_path, small_data, thread)
+    raw["faults"]["at_points"][0]["after_step"] = 0
+    job = TrainingJob(config_from_dict(raw), show_progress=False)
+    try:
+        job.start(wait=True)
+        deadline = time.time() + 30
+        while not job.client.is_finished() and time.time() < deadline:
+            time.sleep(0.2)
+        with pytest.raises(RunFailed, match=f"thread {thread} crashed: InjectedFault: planted"):
+            job.finish()
+    finally:
+        job.close()
+    _failed_report(tmp_path, thread)
+
+
+def _failed_report(tmp_path, thread: str) -> dict:
     report = json.loads((tmp_path / "run" / "report.json").read_text())
     assert report["state"]["state"] == "failed"
     assert report["state"]["reason"].startswith(f"thread {thread} crashed: InjectedFault: planted"), report["state"]
-    assert report["steps"] < 234, "the run stopped instead of finishing"
-    assert ended - _crash_time(report) < 30, "the trainers stopped within 30 s of the crash"
+    return report
 
 
 def test_cpr_train_exits_non_zero_within_30_s_naming_the_thread(ray_local, small_data, tmp_path):

@@ -142,9 +142,9 @@ def test_trainers_failing_past_their_budget_still_write_the_report(ray_local, sm
 
     from core.errors import RunFailed
 
-    raw = _config(tmp_path, small_data, trainers=2, checkpoint_every=20, max_steps=120).model_dump()
+    raw = _config(tmp_path, small_data, trainers=2, checkpoint_every=10, max_steps=60).model_dump()
     raw["budgets"] = {"max_trainer_failures": 0}
-    raw["faults"] = {"max_failures": 0, "at_steps": {"trainer:1": [30]}}
+    raw["faults"] = {"max_failures": 0, "at_steps": {"trainer:1": [15]}}
     job = TrainingJob(config_from_dict(raw), show_progress=False)
     try:
         job.start(wait=False)

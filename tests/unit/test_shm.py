@@ -157,3 +157,19 @@ def test_a_new_slab_after_a_recovery_is_never_served_from_the_old_mapping(run_id
     assert reader.get(d_new).tolist() == [2] * 4
     assert len(reader._maps) == 1  # the old, unlinked file's mapping is gone
     new.close()
+
+
+def test_a_dead_trainers_slabs_go_and_no_one_elses(tmp_path):
+    # A killed trainer's slabs are removed when its replacement registers; only its own.
+    if not shm_available():
+        pytest.skip("no /dev/shm on this machine")
+    ours, theirs = ShmSlab("rmtest", "s0"), ShmSlab("rmtest", "s1")
+    for slab in (ours, theirs):
+        slab.layout([((8,), np.float32)])
+    other_pid = f"{SHM_DIR}/cpr-rmtest-s0-{os.getpid() + 1}-0-1"
+    open(other_pid, "w").close()
+    try:
+        assert remove_run_files("rmtest", pid=os.getpid()) == 2
+        assert os.path.exists(other_pid) and not os.path.exists(ours.path)
+    finally:
+        assert remove_run_files("rmtest") == 1
