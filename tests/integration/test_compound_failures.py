@@ -89,26 +89,37 @@ def test_two_shards_at_once_under_full_recovery(ray_local, small_data, tmp_path)
     assert len(report["faults_injected"]) == 2, brief
 
 
-def test_shard_killed_during_a_checkpoint_save(ray_local, small_data, tmp_path):
-    cfg = _config(tmp_path, small_data, at_points=[{"at": "save.files_written", "kill": "shard:1"}])
+def test_shards_killed_while_the_first_and_the_final_save_are_written(ray_local, small_data, tmp_path):
+    # Shard 1 dies once it wrote its file of the first save (step 20). At the end, trainer 0
+    # dies once the last step committed and shard 0 while the final save's files are written:
+    # before, either left no final checkpoint, the report still said completed, and
+    # `cpr export` silently took an older one.
+    cfg = _config(tmp_path, small_data, at_steps={"trainer:0": [STEPS - 1]},
+                  at_points=[{"at": "save.files_written", "kill": "shard:1"},
+                             {"at": "save.files_written", "kill": "shard:0", "after_step": STEPS}])
     report, before, after, violations = _train(cfg)
-    assert violations == []
-    assert report["steps"] == STEPS
-    [failure] = report["failures"]
-    # Shard 1 died after writing its file of the first save (step 20). Whether that save
-    # committed before the recovery read the store or not, shard 1 came back alone from a
-    # checkpoint that verifies (step 20), or from the initial rows (no checkpoint yet).
-    assert failure["actor"] == "shard:1" and failure["recovery"] == "partial"
-    assert failure["restored_step"] in (0, EVERY) and failure["chain"] in ([], [EVERY])
-    assert after["shard:0"] == before["shard:0"] and after["shard:1"] != before["shard:1"]
+    brief = _brief(report)
+    assert violations == [], brief
+    assert sorted((k["target"], k["trigger"]) for k in report["faults_injected"]) == [
+        ("shard:0", "at save.files_written"), ("shard:1", "at save.files_written"),
+        ("trainer:0", f"at step {STEPS - 1}")], brief
+    first, last = sorted(report["failures"], key=lambda f: f["failed_at_step"])
+    # Whether the first save committed before the recovery read the store or not, shard 1
+    # came back alone from a checkpoint that verifies (step 20), or from the initial rows.
+    assert first["actor"] == "shard:1" and first["recovery"] == "partial", brief
+    assert first["restored_step"] in (0, EVERY) and first["chain"] in ([], [EVERY]), brief
+    # From the initial rows, its first 20 steps are lost. Restored from the save it died in,
+    # it loses only what it applied after that save's snapshot (training goes on while the
+    # files are written), which may be nothing; check_run recounted it from the audit.
+    assert first["restored_step"] == EVERY or first["lost_samples"] > 0
+    assert last["actor"] == "shard:0" and last["failed_at_step"] == STEPS, brief
+    assert after["shard:0"] != before["shard:0"] and after["shard:1"] != before["shard:1"]
+    # A completed run has the final full checkpoint of its last step, after the periodic ones.
+    assert report["state"]["state"] == "finished" and report["steps"] == STEPS and report["auc"] > 0.6
+    assert report["final_checkpoint_step"] == STEPS
     store = CheckpointStore(cfg.checkpoint_uri)
-    # The periodic saves after it, then the final checkpoint of the last step.
     assert [s for s in store.list_committed() if s > EVERY] == list(range(2 * EVERY, STEPS, EVERY)) + [STEPS]
-    # From the initial rows, its first 20 steps are lost. Restored from the save it died
-    # in, it loses only what it applied after that save's snapshot (training goes on while
-    # the files are written), which may be nothing; check_run recounted it from the audit.
-    assert failure["restored_step"] == EVERY or failure["lost_samples"] > 0
-    assert [e["trigger"] for e in report["faults_injected"]] == ["at save.files_written"]
+    assert store.info(STEPS).kind == "full"
 
 
 @pytest.mark.parametrize("victim", ["shard:1", "supervisor"])
@@ -224,18 +235,3 @@ def test_supervisor_killed_during_a_rollback(ray_local, small_data, tmp_path):
     # The abandoned timeline was fenced once the restarted supervisor finished the rollback.
     assert _kinds(report, "supervisor_restarted")[0]["state"] == "rolling_back"
     assert after["shard:1"] == before["shard:1"] and after["shard:0"] != before["shard:0"]
-
-
-def test_a_completed_run_always_has_the_final_checkpoint_of_its_last_step(small_data, tmp_path):
-    # Before, a shard dying after the last commit but before the final manifest, or trainer 0
-    # dying right after the last commit, left no final checkpoint, the report still said
-    # completed, and `cpr export` silently took an older one. Both happen here: trainer 0 dies
-    # once the last step committed, and shard 0 while the final save's files are written.
-    cfg = _config(tmp_path, small_data, at_steps={"trainer:0": [STEPS - 1]},
-                  at_points=[{"at": "save.files_written", "kill": "shard:0", "after_step": STEPS}])
-    report, before, after, violations = _train(cfg)
-    assert violations == []
-    assert sorted(k["target"] for k in report["faults_injected"]) == ["shard:0", "trainer:0"]
-    assert report["state"]["state"] == "finished" and report["steps"] == STEPS and report["auc"] > 0.6
-    assert report["final_checkpoint_step"] == STEPS
-    assert CheckpointStore(cfg.checkpoint_uri).info(STEPS).kind == "full"
