@@ -18,13 +18,20 @@ import yaml
 from app.job import TrainingJob
 from core.config import config_from_dict
 from core.errors import RunFailed
+from core.points import THREADS
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
-# Every background thread of the supervisor, and where the fault fires: a few steps into
-# training for the save pipeline (it runs at the first save) and the spare keeper (once
-# training started); at their first pass for the others, which run from the shards' start.
-THREADS = ("shard-watch", "recovery-executor", "spare-keeper", "host-watch", "save-pipeline")
+# Where each background thread of the supervisor raises: a few steps into training for the
+# save pipeline (it runs at the first save) and the spare keeper (once training started,
+# through the command line); at their first pass for the others, which run from the shards'
+# start. The lost-samples thread's crash is tested without Ray, in tests/unit/test_supervisor_books.py.
+MID_TRAINING, THROUGH_CLI = "save-pipeline", "spare-keeper"
+FROM_THE_START = ("shard-watch", "host-watch", "recovery-executor")
+
+
+def test_every_background_thread_is_covered():
+    assert {MID_TRAINING, THROUGH_CLI, *FROM_THE_START, "lost-samples"} == set(THREADS)
 
 
 def _raw(tmp_path, small_data, thread: str) -> dict:
@@ -45,7 +52,7 @@ def _crash_time(report: dict) -> float:
 
 
 def test_a_thread_that_raises_mid_training_fails_the_run_naming_it(ray_local, small_data, tmp_path):
-    thread = "save-pipeline"  # the spare keeper's case runs through the command line, below
+    thread = MID_TRAINING
     cfg = config_from_dict(_raw(tmp_path, small_data, thread))
     job = TrainingJob(cfg, show_progress=False)
     try:
@@ -62,7 +69,7 @@ def test_a_thread_that_raises_mid_training_fails_the_run_naming_it(ray_local, sm
     assert ended - _crash_time(report) < 30, "the trainers stopped within 30 s of the crash"
 
 
-@pytest.mark.parametrize("thread", ["shard-watch", "host-watch", "recovery-executor"])
+@pytest.mark.parametrize("thread", FROM_THE_START)
 def test_a_watch_that_raises_fails_the_run_naming_it(ray_local, small_data, tmp_path, thread):
     # These threads run from the shards' start (the executor waits for work on its own
     # thread): the fault fires on their first pass, before any trainer (which would only
@@ -92,7 +99,7 @@ def _failed_report(tmp_path, thread: str) -> dict:
 def test_cpr_train_exits_non_zero_within_30_s_naming_the_thread(ray_local, small_data, tmp_path):
     # The spare keeper's case, through the command line: it starts once training runs.
     path = tmp_path / "c.yaml"
-    path.write_text(yaml.safe_dump(_raw(tmp_path, small_data, "spare-keeper")))
+    path.write_text(yaml.safe_dump(_raw(tmp_path, small_data, THROUGH_CLI)))
     env = {**os.environ, "RAY_ADDRESS": ray_local.get_runtime_context().gcs_address}
     done = subprocess.run([sys.executable, "-m", "app", "train", "--no-progress", "--config", str(path)], env=env,
                           capture_output=True, text=True, timeout=240)

@@ -9,12 +9,15 @@ import threading
 import numpy as np
 import pytest
 
+from actors.faults import FaultInjector
 from actors.supervisor.events import EventLog
+from actors.supervisor.guard import start_guarded
 from actors.supervisor.hooks import HookList, RunHooks
 from actors.supervisor.ledger import FailureLedger
 from actors.supervisor.machine import replacement_at_checkpoint
 from actors.supervisor.trainers import TrainerBook
 from core.books import FailureRecord, KillRecord
+from core.config_failures import FaultPoint, FaultsConfig
 from core.checkpoint import FULL, CheckpointStore, ShardRows, write_blob, write_shard_file
 from core.journal import AppendLog
 from core.records import CommitRecord, StepFailure, TrainerStart
@@ -174,6 +177,41 @@ def test_a_commit_settles_recoveries_no_trainer_asked_about():
     assert shards == [0]
     ledger.count_later(todo)
     assert [f.failed_at_step for f in ledger.records()] == [56, None] and counted == ["shard:0"]
+
+
+def test_the_lost_samples_thread_crashing_is_reported_not_swallowed():
+    # Counting runs on a guarded thread: an error it expects (a file unreadable) is recorded
+    # with the failure; anything else, or the planted fault at its point, reaches the
+    # supervisor's crash handler, which ends the run as Failed naming the thread.
+    crashes: list[tuple[str, BaseException]] = []
+
+    def start(name, fn, *args):
+        thread = start_guarded(name, fn, lambda n, err: crashes.append((n, err)), *args)
+        thread.join(5)
+        return thread
+
+    lock = threading.RLock()
+    hooks = HookList()
+    events = EventLog(lock, hooks, lambda: None)
+
+    def count_lost(f):
+        raise OSError("cache unreadable") if f.actor == "shard:0" else RuntimeError("a bug")
+
+    ledger = FailureLedger(lock, events, lambda: None, count_lost, start, hooks)
+    ledger.add([_failure("partial", 31, 30, shard=0), _failure("partial", 31, 30, shard=1)])
+    ledger.count_later([0])
+    assert crashes == [] and ledger.records()[0].lost_samples == 0.0
+    assert "cache unreadable" in ledger.records()[0].lost_samples_error
+    ledger.count_later([1])
+    assert [(n, type(e).__name__, str(e)) for n, e in crashes] == [("lost-samples", "RuntimeError", "a bug")]
+
+    faults = FaultsConfig(max_failures=0, at_points=[FaultPoint(at="thread.lost-samples", error="planted")])
+    hooks.add(FaultInjector(faults, lock, lambda: None, kill=lambda *a: None, start_thread=start, num_shards=2,
+                            num_trainers=1))
+    crashes.clear()
+    ledger.count_later([0])
+    assert [(n, type(e).__name__) for n, e in crashes] == [("lost-samples", "InjectedFault")]
+    assert "planted" in str(crashes[0][1])
 
 
 def _commit_full(store, uri, step):
