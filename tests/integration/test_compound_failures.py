@@ -113,6 +113,9 @@ def test_shards_killed_while_the_first_and_the_final_save_are_written(ray_local,
     # files are written), which may be nothing; check_run recounted it from the audit.
     assert first["restored_step"] == EVERY or first["lost_samples"] > 0
     assert last["actor"] == "shard:0" and last["failed_at_step"] == STEPS, brief
+    # Shard 0 kept its process through shard 1's recovery: the one killed at the end is the first.
+    [end_kill] = [k for k in report["faults_injected"] if k["target"] == "shard:0"]
+    assert end_kill["pid"] == before["shard:0"], brief
     assert after["shard:0"] != before["shard:0"] and after["shard:1"] != before["shard:1"]
     # A completed run has the final full checkpoint of its last step, after the periodic ones.
     assert report["state"]["state"] == "finished" and report["steps"] == STEPS and report["auc"] > 0.6

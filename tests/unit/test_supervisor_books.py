@@ -142,12 +142,12 @@ def _failure(recovery, failed_at_step, restored_step, generation_after=1, shard=
     )
 
 
-def _ledger(counted):
+def _ledger(counted, count_lost=None, start_thread=None, hooks=None):
     lock = threading.RLock()
-    hooks = HookList()
+    hooks = HookList() if hooks is None else hooks
     events = EventLog(lock, hooks, lambda: None)
-    return FailureLedger(lock, events, lambda: None, lambda f: counted.append(f.actor) or 5.0,
-                         lambda name, fn, *args: fn(*args), hooks)
+    return FailureLedger(lock, events, lambda: None, count_lost or (lambda f: counted.append(f.actor) or 5.0),
+                         start_thread or (lambda name, fn, *args: fn(*args)), hooks)
 
 
 def test_a_rollback_closes_earlier_partial_recoveries_at_its_step():
@@ -190,14 +190,11 @@ def test_the_lost_samples_thread_crashing_is_reported_not_swallowed():
         thread.join(5)
         return thread
 
-    lock = threading.RLock()
-    hooks = HookList()
-    events = EventLog(lock, hooks, lambda: None)
-
     def count_lost(f):
         raise OSError("cache unreadable") if f.actor == "shard:0" else RuntimeError("a bug")
 
-    ledger = FailureLedger(lock, events, lambda: None, count_lost, start, hooks)
+    hooks = HookList()
+    ledger = _ledger([], count_lost=count_lost, start_thread=start, hooks=hooks)
     ledger.add([_failure("partial", 31, 30, shard=0), _failure("partial", 31, 30, shard=1)])
     ledger.count_later([0])
     assert crashes == [] and ledger.records()[0].lost_samples == 0.0
@@ -206,8 +203,8 @@ def test_the_lost_samples_thread_crashing_is_reported_not_swallowed():
     assert [(n, type(e).__name__, str(e)) for n, e in crashes] == [("lost-samples", "RuntimeError", "a bug")]
 
     faults = FaultsConfig(max_failures=0, at_points=[FaultPoint(at="thread.lost-samples", error="planted")])
-    hooks.add(FaultInjector(faults, lock, lambda: None, kill=lambda *a: None, start_thread=start, num_shards=2,
-                            num_trainers=1))
+    hooks.add(FaultInjector(faults, threading.RLock(), lambda: None, kill=lambda *a: None, start_thread=start,
+                            num_shards=2, num_trainers=1))
     crashes.clear()
     ledger.count_later([0])
     assert [(n, type(e).__name__) for n, e in crashes] == [("lost-samples", "InjectedFault")]
