@@ -140,3 +140,6 @@ class SupervisorClient:
 
     def record_kill(self, kill: KillRecord) -> None:
         self._call("record_kill", kill)
+
+    def fault_log_dir(self) -> str:
+        return self._call("fault_log_dir")

@@ -21,6 +21,7 @@ from actors.nodes import pinned
 from actors.supervisor.hooks import RunHooks
 from core.config import FaultsConfig
 from core.books import KillRecord
+from core.faultlog import FaultLog
 from core.records import Target
 
 __all__ = ["sigkill_on_node", "kill_process", "InjectedFault", "FaultInjector", "Killer"]
@@ -28,27 +29,36 @@ __all__ = ["sigkill_on_node", "kill_process", "InjectedFault", "FaultInjector", 
 logger = logging.getLogger(__name__)
 
 
-def kill_process(supervisor, target: str, pid: int, trigger: str) -> float | None:
-    """Runs on the target's node: records the kill with the supervisor, then SIGKILLs ``pid``.
-    The time is taken right before the kill, so detection latency starts there."""
+def kill_process(supervisor, target: str, pid: int, trigger: str, log_dir: str) -> float | None:
+    """Runs on the target's node: writes the kill to the fault log (``core.faultlog``),
+    records it with the supervisor, SIGKILLs ``pid`` and logs that the signal went. The time
+    is taken right before the kill, so detection latency starts there."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return None  # already dead (e.g. being recovered): nothing to record
+    log = FaultLog(log_dir)
     now = time.time()
-    ray.get(supervisor.record_kill.remote(KillRecord(target, now, pid, trigger)), timeout=30)
-    os.kill(pid, signal.SIGKILL)
+    log.write("sending", "kill", target, pid, trigger, t=now)
+    try:
+        ray.get(supervisor.record_kill.remote(KillRecord(target, now, pid, trigger)), timeout=30)
+        os.kill(pid, signal.SIGKILL)
+    except BaseException as err:
+        log.write("aborted", "kill", target, pid, trigger, kill_time=now, error=repr(err))
+        raise
+    log.write("sent", "kill", target, pid, trigger, kill_time=now)
     return now
 
 
-def sigkill_on_node(supervisor, target: str, info: Target, trigger: str, timeout_s: float = 30.0) -> float | None:
+def sigkill_on_node(supervisor, target: str, info: Target, trigger: str, log_dir: str,
+                    timeout_s: float = 30.0) -> float | None:
     """SIGKILLs ``info.pid`` on ``info.node_id``; returns the kill time. From this process
     when the target runs on this node: a task may first need a new worker process (1-3 s on a
     busy node), and a kill tied to a training step would land many steps late."""
     if info.node_id == ray.get_runtime_context().get_node_id():
-        return kill_process(supervisor, target, info.pid, trigger)
+        return kill_process(supervisor, target, info.pid, trigger, log_dir)
     killer = pinned(kill_process, info.node_id)
-    return ray.get(killer.remote(supervisor, target, info.pid, trigger), timeout=timeout_s)
+    return ray.get(killer.remote(supervisor, target, info.pid, trigger, log_dir), timeout=timeout_s)
 
 
 class InjectedFault(RuntimeError):
@@ -61,14 +71,18 @@ class Killer:
     as each trainer, anything else on its node (``sigkill_on_node``)."""
 
     def __init__(self, targets: Callable[[], dict[str, Target]], record_kill: Callable[[KillRecord], None],
-                 timeout_s: float):
+                 timeout_s: float, log_dir: str):
         self.targets = targets
         self.record_kill = record_kill
         self.timeout_s = timeout_s
+        self.log_dir = log_dir
 
     def __call__(self, target: str, trigger: str) -> None:
         if target == "supervisor":
-            self.record_kill(KillRecord("supervisor", time.time(), os.getpid(), trigger))
+            # Its own kill: only the "sending" line can be written (the sender dies with it).
+            now = time.time()
+            FaultLog(self.log_dir).write("sending", "kill", "supervisor", os.getpid(), trigger, t=now)
+            self.record_kill(KillRecord("supervisor", now, os.getpid(), trigger))
             os.kill(os.getpid(), signal.SIGKILL)
         me = ray.get_runtime_context().current_actor
         targets = self.targets()
@@ -76,7 +90,7 @@ class Killer:
         for name in names:
             if name in targets and targets[name].pid is not None:
                 try:
-                    sigkill_on_node(me, name, targets[name], trigger, timeout_s=self.timeout_s)
+                    sigkill_on_node(me, name, targets[name], trigger, self.log_dir, timeout_s=self.timeout_s)
                 except Exception as err:  # noqa: BLE001 - a target already gone is not an error of the run
                     logger.warning("injected kill of %s failed: %s", name, err)
 

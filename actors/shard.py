@@ -8,6 +8,7 @@ import dataclasses
 import json
 import logging
 import os
+import socket
 import threading
 import time
 
@@ -119,6 +120,8 @@ class EmbeddingShard:
             os.makedirs(self._audit_dir, exist_ok=True)
             path = os.path.join(self._audit_dir, f"shard-{shard_id}-g{generation}.jsonl")
             self._audit = open(path, "a", buffering=1)
+            self._log({"event": "open", "pid": os.getpid(), "host": socket.gethostname(),
+                       "slices": [[s.table, s.row_start, s.row_end] for s in self.slices]})
         self.tracking_s = 0.0
         self.steps_dropped = 0
         self.first_step_after_load: int | None = None

@@ -29,11 +29,13 @@ logger = logging.getLogger(__name__)
 _TARGET_KINDS = {"shards": "shard:", "trainers": "trainer:", "supervisor": "supervisor", "all_trainers": "all_trainers"}
 
 
-def write_run_info(run_dir: Path, run_id: str, namespace: str, address: str, metrics_url: str | None = None) -> None:
-    """What `cpr chaos --run RUN_DIR` needs to find a running job (and where its metrics are)."""
+def write_run_info(run_dir: Path, run_id: str, namespace: str, address: str, metrics_url: str | None = None,
+                   train_cache: str | None = None) -> None:
+    """What `cpr chaos --run RUN_DIR` needs to find a running job (and where its metrics are),
+    and the training data cache `cpr verify` reads."""
     (Path(run_dir) / "run.json").write_text(
         json.dumps({"run_id": run_id, "namespace": namespace, "address": address, "pid": os.getpid(),
-                    "metrics_url": metrics_url})
+                    "metrics_url": metrics_url, "train_cache": train_cache})
     )
 
 
@@ -58,10 +60,11 @@ def find_supervisor(run_dir: str) -> SupervisorClient:
         raise ConfigError(f"run {info['run_id']} has no live supervisor; has it finished?") from None
 
 
-def kill_target(supervisor, target: str, timeout_s: float = 30.0, trigger: str = "chaos") -> dict:
+def kill_target(supervisor, target: str, timeout_s: float = 30.0, trigger: str = "chaos", log_dir: str | None = None) -> dict:
     """SIGKILLs the process of ``target`` ("shard:1", "trainer:0", "supervisor") on its node.
 
-    The kill is recorded with the supervisor first (a ``fault_injected`` event), so detection
+    The kill is written to the run's fault log (``log_dir``, by default the one the supervisor
+    names) and recorded with the supervisor first (a ``fault_injected`` event), so detection
     latency is measured from the kill. Returns what was killed.
     """
     client = as_client(supervisor, timeout_s)
@@ -71,7 +74,7 @@ def kill_target(supervisor, target: str, timeout_s: float = 30.0, trigger: str =
     info = targets[target]
     if info.pid is None:
         raise ConfigError(f"{target} is being recovered; it has no process to kill yet")
-    now = sigkill_on_node(client.handle, target, info, trigger, timeout_s)
+    now = sigkill_on_node(client.handle, target, info, trigger, log_dir or client.fault_log_dir(), timeout_s)
     if now is None:
         raise ConfigError(f"{target} (pid {info.pid}) is already dead")
     logger.warning("killed %s (pid %d) at %.3f", target, info.pid, now)
@@ -125,12 +128,13 @@ def run_schedule(supervisor, schedule: FaultSchedule, stop: threading.Event, on_
     """Kills per ``schedule`` until it is done or ``stop`` is set; returns the kills."""
     supervisor = as_client(supervisor)
     targets = supervisor.targets()
+    log_dir = supervisor.fault_log_dir()
     start = time.monotonic()
     kills = []
     for at_s, target in schedule.plan(list(targets)):
         if stop.wait(max(0.0, at_s - (time.monotonic() - start))):
             break
-        landed = _kill_retrying(supervisor, target, stop)
+        landed = _kill_retrying(supervisor, target, stop, log_dir)
         if landed is None:
             break  # training is over, or the schedule was stopped
         kills.extend(landed)
@@ -139,7 +143,8 @@ def run_schedule(supervisor, schedule: FaultSchedule, stop: threading.Event, on_
     return kills
 
 
-def _kill_retrying(supervisor: SupervisorClient, target: str, stop: threading.Event) -> list[dict] | None:
+def _kill_retrying(supervisor: SupervisorClient, target: str, stop: threading.Event,
+                   log_dir: str) -> list[dict] | None:
     """Kills ``target`` (every trainer for ``all_trainers``). A target that is being replaced
     has no process yet, so it is tried again for a few seconds and the schedule's kills all
     land. Returns the kills that landed; None if none did before training ended (a kill then
@@ -150,11 +155,11 @@ def _kill_retrying(supervisor: SupervisorClient, target: str, stop: threading.Ev
             return landed or None
         try:
             if target != "all_trainers":
-                landed.append(kill_target(supervisor, target, trigger="schedule"))
+                landed.append(kill_target(supervisor, target, trigger="schedule", log_dir=log_dir))
                 return landed
             # Every trainer at once: Ray Train restarts the whole group from the checkpoint.
             for t in sorted(x for x in supervisor.targets() if x.startswith("trainer:")):
-                landed.append(kill_target(supervisor, t, trigger="schedule"))
+                landed.append(kill_target(supervisor, t, trigger="schedule", log_dir=log_dir))
             return landed
         except (ConfigError, ray.exceptions.RayError, TimeoutError) as err:  # the run may be ending: try again
             logger.warning("could not kill %s (attempt %d): %s", target, attempt + 1, err)

@@ -1,4 +1,5 @@
-"""The ``cpr`` command line (also ``python -m app``): datagen, train, emulate, report, export, chaos, soak, config-docs."""
+"""The ``cpr`` command line (also ``python -m app``): datagen, train, emulate, report, export, chaos, soak, verify,
+config-docs."""
 
 from __future__ import annotations
 
@@ -206,6 +207,29 @@ def export(run_dir: str, out_dir: str, step: int | None) -> None:
     click.echo(f"exported step {result.step} ({result.embedding_rows:,} embedding rows) to {result.model_pt}")
     if result.skipped_newer:
         click.echo(f"newer checkpoints not exported (incremental or corrupt): {list(result.skipped_newer)}")
+
+
+@main.command()
+@click.argument("run_dir", type=click.Path(file_okay=False, exists=True))
+@click.option("--wait", "wait_s", type=click.FloatRange(0), default=10.0, show_default=True,
+              help="Seconds to give the run's processes to go before they count as left behind.")
+def verify(run_dir: str, wait_s: float) -> None:
+    """Checks a finished RUN_DIR from what its processes wrote (fault log, audit logs, data
+    cache, checkpoint files), never trusting its report: lists every violation and exits 1,
+    or prints one line and exits 0. Needs the run's audit log (``audit_log: true``)."""
+    from verify import verify_run  # import cost: 0.2 s (pyarrow, numpy); see the note at the top
+
+    try:
+        verdict = verify_run(run_dir, wait_s)
+    except FileNotFoundError as err:
+        raise CprError(str(err)) from None
+    if verdict.sound:
+        click.echo(verdict.summary())
+        return
+    for line in verdict.violations:
+        click.echo(f"violation: {line}")
+    click.echo(f"{run_dir}: {len(verdict.violations)} violations")
+    sys.exit(1)
 
 
 @main.command()

@@ -138,7 +138,8 @@ class TrainingJob:
         self._starting = self.client.start()
         self.metrics_url = metrics_url()
         write_run_info(
-            self.run_dir, self.run_id, cfg.ray.namespace, ray.get_runtime_context().gcs_address, self.metrics_url
+            self.run_dir, self.run_id, cfg.ray.namespace, ray.get_runtime_context().gcs_address, self.metrics_url,
+            train_cache=self.data["train"].path,
         )
         if wait or self.resume:
             return self.await_start()

@@ -235,6 +235,10 @@ class Supervisor:
     def shard_handles(self) -> list:
         return list(self._p.controller.fleet()[1])
 
+    def fault_log_dir(self) -> str:
+        """Where the processes that inject faults write their own log (``core.faultlog``)."""
+        return self._p.killer.log_dir
+
     def record_kill(self, kill: KillRecord) -> None:
         """A kill is about to happen (chaos tool, fault schedule, named point): an event, and
         the start of that failure's detection time."""

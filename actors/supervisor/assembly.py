@@ -38,6 +38,7 @@ from actors.supervisor.trainers import TrainerBook
 from core.accounting import LostSpan, chain_rows, count_lost_samples
 from core.checkpoint import DataPosition
 from core.config import RunConfig
+from core.faultlog import fault_log_dir
 from core.deadlines import Deadlines
 from core.journal import BOOK_FILE, AppendLog, Journal, RunLog
 from core.plan import ShardingPlan
@@ -165,7 +166,7 @@ def assemble(inputs: RunInputs, on_crash: Callable[[str, BaseException], None], 
     desk = TrainerDesk(lock, controller, checkpoints, trainers, events, policy, deadlines, setup,
                        lambda step: _position(cfg, inputs.schedule, step), ck.final, run_id)
     killer = Killer(lambda: _targets(controller, trainers, spares), lambda kill: record_kill(ledger, events, kill),
-                    deadlines.shard_call_s)
+                    deadlines.shard_call_s, fault_log_dir(inputs.run_dir))
     faults = None
     if cfg.faults is not None and (cfg.faults.at_points or cfg.faults.at_steps):
         faults = FaultInjector(cfg.faults, lock, persist, killer, start_thread, n, cfg.training.num_trainers)

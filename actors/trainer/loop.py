@@ -6,7 +6,9 @@ step), and the held-out evaluation on the first trainer."""
 from __future__ import annotations
 
 import copy
+import json
 import os
+import socket
 import time
 from datetime import timedelta
 from urllib.parse import urlsplit
@@ -105,6 +107,7 @@ def _make_trainer(rank: int, cfg: RunConfig, supervisor: SupervisorClient, setup
             trainer.load_dense(setup.resume.dense)
         m = cfg.training.microbatches_per_step
         manager.load_state_dict({"step": setup.resume.step, "batches_committed": setup.resume.step * m})
+        trainer.audit_load(setup.resume.step, "resume")
     return trainer
 
 
@@ -163,7 +166,10 @@ def _audit_file(setup: TrainerSetup, rank: int):
     if setup.audit_dir is None:
         return None
     os.makedirs(setup.audit_dir, exist_ok=True)
-    return open(os.path.join(setup.audit_dir, f"trainer-{rank}-{os.getpid()}.jsonl"), "a", buffering=1)
+    audit = open(os.path.join(setup.audit_dir, f"trainer-{rank}-{os.getpid()}.jsonl"), "a", buffering=1)
+    audit.write(json.dumps({"t": round(time.time(), 6), "event": "open", "rank": rank, "pid": os.getpid(),
+                            "host": socket.gethostname()}) + "\n")
+    return audit
 
 
 def _process_start() -> float | None:

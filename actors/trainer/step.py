@@ -246,6 +246,13 @@ class Trainer:
             self.optimizer.load_state_dict(self.initial_state["optim"])
         m = self.schedule.microbatches_per_step
         self.manager.load_state_dict({"step": rollback.step, "batches_committed": rollback.step * m})
+        self.audit_load(rollback.step, "rollback")
+
+    def audit_load(self, step: int, why: str) -> None:
+        """The dense state is now that of ``step`` committed steps (a resume or a rollback)."""
+        if self.audit is not None:
+            self.audit.write(json.dumps({"t": round(time.time(), 6), "event": "load", "step": step, "rank": self.rank,
+                                         "why": why}) + "\n")
 
     def load_dense(self, blob: bytes) -> None:
         sd = torch.load(io.BytesIO(blob), weights_only=True)

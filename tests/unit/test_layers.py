@@ -1,7 +1,9 @@
 """The layers run one way, and the code stays readable in pieces.
 
 From the ground up: ``policies`` (standard library and numpy) <- ``core`` (no Ray) <-
-``actors`` (Ray mechanism) <- ``app`` (the drivers). Every import of every module is read
+``actors`` (Ray mechanism) <- ``app`` (the drivers). Beside them, ``verify`` (the independent
+checker of finished runs) imports no project module but the step schedule of ``core``: not
+``actors``, not ``app``, not the accounting it checks; only ``app`` imports it. Every import of every module is read
 with ``ast``, imports inside functions included; an import inside a function is allowed
 only with a comment on its line or the line above that says ``import cost`` (a measured
 cost of loading the module where it is not needed). No module over 400 lines, no function
@@ -20,8 +22,10 @@ pytestmark = pytest.mark.timeout(60)
 
 ROOT = Path(__file__).resolve().parents[2]
 LAYERS = ("policies", "core", "actors", "app")  # each may import only itself and those before it
-PROJECT = set(LAYERS)
-THIRD_PARTY_ALLOWED = {"policies": {"numpy"}}  # None: any third-party package
+CHECKER = "verify"
+CHECKER_MAY_IMPORT = {"verify", "core.schedule"}  # modules, or packages by their top name
+PROJECT = set(LAYERS) | {CHECKER}
+THIRD_PARTY_ALLOWED = {"policies": {"numpy"}, CHECKER: {"numpy", "pyarrow", "yaml"}}  # None: any third-party package
 THIRD_PARTY_FORBIDDEN = {"core": {"ray"}, "policies": set()}
 MAX_FILE_LINES = 400
 MAX_FUNCTION_LINES = 80
@@ -29,7 +33,7 @@ COST_MARK = "import cost"
 
 
 def _modules() -> list[Path]:
-    return sorted(p for layer in LAYERS for p in (ROOT / layer).rglob("*.py"))
+    return sorted(p for layer in (*LAYERS, CHECKER) for p in (ROOT / layer).rglob("*.py"))
 
 
 def _imports(tree: ast.AST) -> list[tuple[ast.stmt, str, bool]]:
@@ -64,7 +68,6 @@ def _explained(lines: list[str], node: ast.stmt) -> bool:
 
 def _violations(path: Path) -> list[str]:
     layer = path.relative_to(ROOT).parts[0]
-    rank = LAYERS.index(layer)
     source = path.read_text()
     lines = source.splitlines()
     where = path.relative_to(ROOT)
@@ -73,8 +76,7 @@ def _violations(path: Path) -> list[str]:
         top = module.split(".")[0]
         line = f"{where}:{node.lineno}: import {module}"
         if top in PROJECT:
-            if LAYERS.index(top) > rank:
-                found.append(f"{line}: {layer}/ must not import {top}/ (layers: {' <- '.join(LAYERS)})")
+            found += _project_import(layer, top, module, line)
         elif top not in sys.stdlib_module_names and top != "__future__":
             allowed = THIRD_PARTY_ALLOWED.get(layer)
             if allowed is not None and top not in allowed:
@@ -84,6 +86,19 @@ def _violations(path: Path) -> list[str]:
         if in_function and not _explained(lines, node):
             found.append(f"{line}: inside a function without a '# {COST_MARK}: ...' comment saying why")
     return found
+
+
+def _project_import(layer: str, top: str, module: str, line: str) -> list[str]:
+    if layer == CHECKER:
+        if top not in CHECKER_MAY_IMPORT and module not in CHECKER_MAY_IMPORT:
+            return [f"{line}: {CHECKER}/ may import only {sorted(CHECKER_MAY_IMPORT)} of the project: it checks the "
+                    "rest"]
+        return []
+    if top == CHECKER:
+        return [] if layer == "app" else [f"{line}: only app/ may import {CHECKER}/"]
+    if LAYERS.index(top) > LAYERS.index(layer):
+        return [f"{line}: {layer}/ must not import {top}/ (layers: {' <- '.join(LAYERS)})"]
+    return []
 
 
 def test_imports_run_one_way_and_none_hides_in_a_function_without_a_reason():
@@ -117,3 +132,17 @@ def test_the_rule_itself_catches_an_upward_import(tmp_path, monkeypatch):
     assert any("must not import ray" in v for v in found), found
     assert any("core/ must not import app/" in v for v in found), found
     assert any("without a '# import cost" in v for v in found), found
+
+
+def test_the_rule_keeps_the_checker_off_the_product(tmp_path):
+    probe = ROOT / CHECKER / "_layer_probe_for_test.py"
+    probe.write_text("import ray\nfrom actors import shard\nfrom core.accounting import chain_rows\n"
+                     "from core.schedule import StepSchedule\n")
+    try:
+        found = _violations(probe)
+    finally:
+        probe.unlink()
+    assert any("import ray" in v and "may import only the standard library" in v for v in found), found
+    assert any("import actors" in v and "of the project" in v for v in found), found
+    assert any("import core.accounting" in v for v in found), found
+    assert not any(":4: import core.schedule" in v for v in found), found

@@ -1,0 +1,60 @@
+"""The fault injector's own log: one JSON line per step of every injected fault, written and
+fsynced by the process that acts (the one that sends the signal, stops the process, plants
+the file), before it acts and after. ``cpr verify`` reads it to check the supervisor's report,
+so nothing here goes through the supervisor.
+
+A line: ``{"t", "event": "sending" | "sent" | "aborted", "fault", "target", "pid", "trigger",
+"sender", "host", ...}``. "sending" is written before the act and "sent" after it; an act whose
+sender dies with it (the supervisor killing itself) has only its "sending" line.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+from pathlib import Path
+
+__all__ = ["FAULT_LOG_DIR", "fault_log_dir", "FaultLog"]
+
+FAULT_LOG_DIR = "faults"
+
+
+def fault_log_dir(run_dir: str | os.PathLike) -> str:
+    return str(Path(run_dir) / FAULT_LOG_DIR)
+
+
+class FaultLog:
+    """Appends to ``<dir>/faults-<host>-<pid>.jsonl``, each line made durable before return."""
+
+    def __init__(self, directory: str | os.PathLike):
+        self.directory = Path(directory)
+
+    def write(self, event: str, fault: str, target: str, pid: int | None, trigger: str, t: float | None = None,
+              **extra) -> dict:
+        record = {"t": time.time() if t is None else t, "event": event, "fault": fault, "target": target, "pid": pid,
+                  "trigger": trigger, "sender": os.getpid(), "host": socket.gethostname(), **extra}
+        new = not self.directory.exists()
+        self.directory.mkdir(parents=True, exist_ok=True)
+        if new:
+            _fsync_dir(self.directory.parent)
+        path = self.directory / f"faults-{socket.gethostname()}-{os.getpid()}.jsonl"
+        created = not path.exists()
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            os.write(fd, (json.dumps(record) + "\n").encode())
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        if created:
+            _fsync_dir(self.directory)
+        return record
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -1,0 +1,138 @@
+"""``cpr verify RUN_DIR``: a finished run checked from what other processes wrote.
+
+It reads the fault injector's own log, the audit logs of the shards and trainers, the data
+cache and the checkpoint files, and checks the supervisor's report against them; it never
+takes the report's word for anything.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from core.schedule import StepSchedule
+from verify.files import RunFiles, load_run
+from verify.kills import check_kills, landed_kills
+from verify.leftovers import leftovers
+from verify.lost import DataCache, recount_lost
+from verify.store import Store
+from verify.timeline import torn_lines, walk_dense, walk_shard
+
+__all__ = ["Verdict", "verify_run"]
+
+
+@dataclass
+class Verdict:
+    run_dir: str
+    violations: list[str] = field(default_factory=list)
+    facts: dict = field(default_factory=dict)
+
+    @property
+    def sound(self) -> bool:
+        return not self.violations
+
+    def summary(self) -> str:
+        f = self.facts
+        return (f"{self.run_dir}: sound: {f.get('steps')} steps, {f.get('kills', 0)} kills, "
+                f"{f.get('partial_recoveries', 0)} partial recoveries, {f.get('lost_samples', 0.0):.1f} lost samples, "
+                f"{f.get('checkpoints_verified', 0)} checkpoints verified")
+
+
+def _train_cache(run: RunFiles) -> str | None:
+    path = run.run_info.get("train_cache")
+    if path and Path(path).exists():
+        return path
+    cache_dir = run.resolve(run.config["data"].get("cache_dir") or str(Path(run.config["run_dir"]) / "cache"))
+    sources = [str(p) for p in run.config["data"]["train"]]
+    for meta in sorted(cache_dir.glob("train-*.json")):
+        if json.loads(meta.read_text()).get("sources") == sources and meta.with_suffix(".arrow").exists():
+            return str(meta.with_suffix(".arrow"))
+    return None
+
+
+def _checkpoint_uri(run: RunFiles) -> str:
+    storage = run.config["checkpoint"].get("storage")
+    return storage if storage else str(run.run_dir.resolve() / "checkpoints")
+
+
+def verify_run(run_dir: str | Path, wait_s: float = 10.0) -> Verdict:
+    run = load_run(run_dir)
+    verdict = Verdict(str(run_dir))
+    v = verdict.violations
+    report = run.report
+    if report is None:
+        v.append("no report.json: the run ended without its report")
+        report = {}
+    cache_path = _train_cache(run)
+    if cache_path is None:
+        v.append("the training data cache of this run is not found (run.json names none, and no cache in "
+                 "data.cache_dir lists the run's train files)")
+        return verdict
+    tr = run.config["training"]
+    cache = DataCache(cache_path)
+    schedule = StepSchedule.from_config(len(cache), tr["microbatches_per_step"], tr["epochs"], tr["max_steps"],
+                                        run.config["seed"])
+    total = schedule.total_steps
+    state = (report.get("state") or {}).get("state")
+    if state != "finished" or report.get("auc") is None:
+        v.append(f"the run did not finish: the report says state {state!r}, AUC {report.get('auc')}")
+    if report.get("steps") != total:
+        v.append(f"the report says {report.get('steps')} steps, the run has {total}")
+    kills, problems = landed_kills(run)
+    v += problems + check_kills(run, kills)
+    killed = {k.pid for k in kills}
+    every_file = [f for files in run.shards.values() for f in files] + run.trainers
+    v += torn_lines(every_file, killed)
+    spans = []
+    for k in range(int(run.config["embeddings"]["num_shards"])):
+        if k not in run.shards:
+            v.append(f"shard {k} has no audit log (is audit_log on?)")
+            continue
+        found, shard_spans = walk_shard(k, run.shards[k], run.m, total)
+        v += found
+        spans += shard_spans
+    if not run.trainers:
+        v.append("no trainer audit log (is audit_log on?)")
+    v += walk_dense(run.trainers, run.m, total, killed)
+    store = Store(_checkpoint_uri(run))
+    lost = _check_lost(run, report, spans, store, cache, schedule, v)
+    committed = store.committed()
+    for step in committed:
+        v += store.problems(step)
+    if run.config["checkpoint"].get("final", True) and state == "finished" and total not in committed:
+        v.append(f"the final checkpoint (step {total}) is not committed")
+    v += leftovers(run, wait_s)
+    verdict.facts = {"steps": total, "kills": len(kills), "partial_recoveries": len(spans), "lost_samples": lost,
+                     "checkpoints_verified": len(committed)}
+    return verdict
+
+
+def _check_lost(run: RunFiles, report: dict, spans, store: Store, cache: DataCache, schedule, v: list[str]) -> float:
+    """The report's lost samples, per failure and in total, against the recount."""
+    slices = {}
+    for k, files in run.shards.items():
+        opened = [r["slices"] for f in files for r in f.records if r.get("event") == "open"]
+        if opened:
+            slices[k] = opened[0]
+    mine: dict[tuple[int, int], float] = defaultdict(float)
+    for span in spans:
+        if span.shard not in slices:
+            v.append(f"shard {span.shard} wrote no open line naming its rows: its lost samples cannot be recounted")
+            continue
+        mine[(span.shard, span.generation)] = recount_lost(span, slices[span.shard], store, cache, schedule,
+                                                          run.config["model"])
+    theirs: dict[tuple[int, int], float] = defaultdict(float)
+    for f in report.get("failures", []):
+        if f.get("recovery") == "partial":
+            theirs[(f["shard"], f["generation"])] += float(f.get("lost_samples") or 0.0)
+    for key in sorted(set(mine) | set(theirs)):
+        a, b = theirs.get(key, 0.0), mine.get(key, 0.0)
+        if not math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-6):
+            v.append(f"shard {key[0]} generation {key[1]}: the report says {a:.3f} lost samples, recounted {b:.3f}")
+    total = sum(mine.values())
+    if not math.isclose(float(report.get("lost_samples", 0.0)), total, rel_tol=1e-9, abs_tol=1e-6):
+        v.append(f"the report says {report.get('lost_samples')} lost samples in all, recounted {total:.3f}")
+    return total

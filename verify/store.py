@@ -1,0 +1,88 @@
+"""The checkpoint files, read with the checker's own code: every committed checkpoint's files
+hashed against its manifest, and a shard's saved rows read back for the lost-samples recount."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.fs as pafs
+
+__all__ = ["Store"]
+
+_STEP_DIR = re.compile(r"^ckpt-(\d{12})$")
+_CHUNK = 8 << 20
+
+
+class Store:
+    def __init__(self, uri: str):
+        self.fs, self.root = pafs.FileSystem.from_uri(uri)
+        self.uri = uri
+
+    def _path(self, step: int, name: str | None = None) -> str:
+        d = f"{self.root.rstrip('/')}/ckpt-{step:012d}"
+        return d if name is None else f"{d}/{name}"
+
+    def committed(self) -> list[int]:
+        """Steps whose directory holds a manifest (what commits a checkpoint)."""
+        try:
+            infos = self.fs.get_file_info(pafs.FileSelector(self.root, allow_not_found=True))
+        except (OSError, pa.ArrowException):
+            return []
+        steps = []
+        for info in infos:
+            m = _STEP_DIR.match(info.base_name)
+            if m and self.fs.get_file_info(self._path(int(m.group(1)), "manifest.json")).type == pafs.FileType.File:
+                steps.append(int(m.group(1)))
+        return sorted(steps)
+
+    def manifest(self, step: int) -> dict:
+        with self.fs.open_input_stream(self._path(step, "manifest.json")) as f:
+            return json.loads(f.read())
+
+    def problems(self, step: int) -> list[str]:
+        """What does not match the manifest of ``step``: a file missing, of another size, or
+        whose bytes hash to another digest."""
+        try:
+            manifest = self.manifest(step)
+            files = manifest["files"]
+        except (OSError, ValueError, KeyError, TypeError) as err:
+            return [f"checkpoint {step}: its manifest is unreadable ({err})"]
+        if manifest.get("step") != step:
+            return [f"checkpoint {step}: its manifest names step {manifest.get('step')}"]
+        out = []
+        for name, entry in sorted(files.items()):
+            algo, _, digest = str(entry.get("checksum", "")).partition(":")
+            if "/" in name or name.startswith(".") or algo not in ("sha256", "sha512", "blake2b"):
+                out.append(f"checkpoint {step}: file entry {name!r} with checksum {entry.get('checksum')!r} is not one "
+                           "its writer makes")
+                continue
+            h, size = hashlib.new(algo), 0
+            try:
+                with self.fs.open_input_stream(self._path(step, name)) as f:
+                    while chunk := f.read(_CHUNK):
+                        h.update(chunk)
+                        size += len(chunk)
+            except (OSError, pa.ArrowException) as err:
+                out.append(f"checkpoint {step}: file {name} cannot be read ({err})")
+                continue
+            if size != entry.get("size_bytes"):
+                out.append(f"checkpoint {step}: file {name} holds {size} bytes, its manifest says {entry.get('size_bytes')}")
+            elif h.hexdigest() != digest:
+                out.append(f"checkpoint {step}: file {name} hashes to {algo}:{h.hexdigest()[:16]}..., "
+                           f"its manifest says {digest[:16]}...")
+        return out
+
+    def shard_rows(self, step: int, shard: int) -> tuple[np.ndarray, np.ndarray]:
+        """(table, row) of every row shard ``shard`` saved in checkpoint ``step``."""
+        with self.fs.open_input_file(self._path(step, f"shard-{shard}.arrow")) as f:
+            reader = pa.ipc.open_file(f)
+            tables, rows = [], []
+            for i in range(reader.num_record_batches):
+                batch = reader.get_batch(i)
+                tables.append(batch.column("table").to_numpy(zero_copy_only=False).astype(np.int64))
+                rows.append(batch.column("row").to_numpy(zero_copy_only=False).astype(np.int64))
+        return np.concatenate(tables), np.concatenate(rows)

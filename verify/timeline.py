@@ -1,0 +1,170 @@
+"""Exactly once, as equalities over the audit logs the shards and trainers wrote.
+
+Each shard and the dense optimizer are walked in time order as a count of the steps in
+their state: an apply or a commit of step ``s`` must find exactly ``s`` steps there (no gap,
+no repeat); a load of a checkpoint at step ``c`` sets the count to ``c`` (a rollback or a
+resume: steps ``c``.. are then applied exactly once more), except a partial recovery, which
+keeps the steps its predecessor applied and loses the updates no checkpoint held (counted
+in lost samples). At the end every count equals the run's number of steps.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from verify.files import AuditFile
+
+__all__ = ["LostSpanSeen", "walk_shard", "walk_dense", "torn_lines"]
+
+
+@dataclass
+class LostSpanSeen:
+    """A generation of a shard that died and was recovered partially: what it applied since
+    its last load (step -> microbatch ids), the chain its replacement loaded, and the first
+    step anyone redid after it."""
+
+    shard: int
+    generation: int
+    chain: list[int]
+    applied: dict[int, list[int]] = field(default_factory=dict)
+    redo: int | None = None
+
+
+def _expected(step: int, m: int) -> list[int]:
+    return list(range(step * m, step * m + m))
+
+
+def walk_shard(k: int, files: list[AuditFile], m: int, total: int) -> tuple[list[str], list[LostSpanSeen]]:
+    events = sorted((r for f in files for r in f.records), key=lambda r: (r["t"], r.get("gen", 0), r["_line"]))
+    v: list[str] = []
+    done, holder, pending = 0, None, None  # steps in the state; the generation serving; an unresolved load
+    stretch: dict[int, dict[int, list[int]]] = {}  # gen -> its applies since its last load
+    spans: list[LostSpanSeen] = []
+    open_spans: list[LostSpanSeen] = []  # spans whose redo step has not come yet
+    for e in events:
+        gen, kind = e.get("gen", 0), e.get("event")
+        if kind == "load":
+            c = e["chain"][-1] if e["chain"] else 0
+            if holder is not None and gen < holder:
+                v.append(f"shard {k} generation {gen} loaded a checkpoint after generation {holder} took over")
+            if e.get("why") == "recovery" and holder is not None and holder != gen and stretch.get(holder):
+                span = LostSpanSeen(k, holder, list(e["chain"]), dict(stretch[holder]))
+                spans.append(span)
+                open_spans.append(span)
+            if e.get("why") != "recovery":
+                for span in spans:  # a later rollback redoes what it reverts
+                    span.redo = c if span.redo is None else min(span.redo, c)
+            holder, pending = gen, (c, e.get("why"), done)
+            stretch[gen] = {}
+            if e.get("why") != "recovery":
+                done = c
+        elif kind == "apply":
+            s = e["step"]
+            if sorted(e["microbatches"]) != _expected(s, m):
+                v.append(f"shard {k} applied step {s} with microbatches {e['microbatches']}, not {_expected(s, m)}")
+            if holder is not None and gen < holder:
+                v.append(f"shard {k} generation {gen} applied step {s} after generation {holder} took over")
+                continue
+            holder = gen if holder is None else holder
+            if pending is not None:
+                c, why, before = pending
+                if why == "recovery":
+                    if not c <= s <= before:
+                        v.append(f"shard {k} generation {gen} loaded step {c} and then applied step {s}, "
+                                 f"outside [{c}, {before}]")
+                    done = s
+                pending = None
+            for span in open_spans:
+                span.redo = s if span.redo is None else min(span.redo, s)
+            open_spans = []
+            if s < done:
+                v.append(f"shard {k} applied step {s} again (generation {gen}) with no load reverting it")
+            elif s > done:
+                v.append(f"shard {k} skipped steps {done}..{s - 1}: applied step {s} next (generation {gen})")
+            done = s + 1
+            stretch.setdefault(gen, {})[s] = e["microbatches"]
+    for span in open_spans:
+        span.redo = total if span.redo is None else span.redo
+    if done != total:
+        v.append(f"shard {k} holds {done} applied steps at the end, the run has {total}")
+    return v, spans
+
+
+def walk_dense(trainers: list[AuditFile], m: int, total: int, killed: set[int]) -> list[str]:
+    """The dense optimizer: one commit group per (step, quorum), its trainers' shares exactly
+    the step's M microbatch ids; a group of step ``s`` finds ``s`` steps committed, or a
+    rollback or resume to ``s`` since the previous group."""
+    v: list[str] = []
+    groups: dict[tuple[int, int], list[dict]] = {}
+    loads: list[dict] = []
+    for f in trainers:
+        for r in f.records:
+            if r.get("event") == "commit":
+                groups.setdefault((r["step"], r["quorum"]), []).append({**r, "_file": f})
+            elif r.get("event") == "load":
+                loads.append(r)
+    order = sorted(groups.items(), key=lambda kv: min(c["t"] for c in kv[1]))
+    loads.sort(key=lambda r: r["t"])
+    done, li, last_t = 0, 0, float("-inf")
+    for (step, quorum), commits in order:
+        t = min(c["t"] for c in commits)
+        since = []
+        while li < len(loads) and loads[li]["t"] <= t:
+            if loads[li]["t"] > last_t:
+                since.append(loads[li]["step"])
+            li += 1
+        v += _check_group(step, quorum, commits, m, trainers, killed)
+        if step < done:
+            if step not in since:
+                v.append(f"dense step {step} committed again (quorum {quorum}) with no rollback or resume to it")
+        elif step > done:
+            v.append(f"dense steps {done}..{step - 1} never committed before step {step} (quorum {quorum})")
+        done, last_t = step + 1, max(c["t"] for c in commits)
+    if done != total:
+        v.append(f"the dense model holds {done} committed steps at the end, the run has {total}")
+    return v
+
+
+def _check_group(step: int, quorum: int, commits: list[dict], m: int, trainers: list[AuditFile],
+                 killed: set[int]) -> list[str]:
+    v = []
+    if any(c["total"] != m for c in commits):
+        v.append(f"step {step} (quorum {quorum}) committed {[c['total'] for c in commits]} microbatches, not {m}")
+    ids = sorted(i for c in commits for i in c["microbatches"])
+    if len(ids) != len(set(ids)) or not set(ids) <= set(_expected(step, m)):
+        v.append(f"step {step} (quorum {quorum}): the trainers' shares {ids} overlap or stray from {_expected(step, m)}")
+    elif ids != _expected(step, m) and not _share_of_killed(step, commits, trainers, killed):
+        v.append(f"step {step} (quorum {quorum}) committed microbatches {ids}, not all of {_expected(step, m)}")
+    return v
+
+
+def _share_of_killed(step: int, commits: list[dict], trainers: list[AuditFile], killed: set[int]) -> bool:
+    """A share missing from a commit group is explained only by a trainer killed while it
+    committed: a killed writer whose file ends before this step."""
+    ranks = {c["rank"] for c in commits}
+    for f in trainers:
+        if f.key in ranks or not set(f.writers()) & killed:
+            continue
+        last = [r["step"] for r in f.records if r.get("event") == "commit"]
+        if last and last[-1] == step - 1:
+            return True
+    return False
+
+
+def torn_lines(files: list[AuditFile], killed: set[int]) -> list[str]:
+    """A torn line is accepted only as the last line its writer wrote (the end of the file,
+    or the line before the next writer's "open"), and only if that writer was killed."""
+    v = []
+    for f in files:
+        opens = sorted((r["_line"], r.get("pid")) for r in f.records if r.get("event") == "open")
+        for line, text in f.torn:
+            writer = next((pid for at, pid in reversed(opens) if at < line), None)
+            if writer is None and f.kind == "trainer":
+                writer = f.writers()[0]
+            following = [at for at, _ in opens if at > line]
+            last_of_writer = line == f.lines or (following and following[0] == line + 1)
+            if not last_of_writer:
+                v.append(f"{f.path.name} line {line} does not parse and is not its writer's last: {text[:80]!r}")
+            elif writer not in killed:
+                v.append(f"{f.path.name} line {line} is torn but its writer (pid {writer}) was not killed: {text[:80]!r}")
+    return v
