@@ -17,9 +17,11 @@ from collections.abc import Callable
 import numpy as np
 import ray
 
+from actors.fault_kinds import damage_checkpoint, stall_on_node
 from actors.nodes import pinned
 from actors.supervisor.hooks import RunHooks
 from core.config import FaultsConfig
+from core.config_failures import FaultSpec
 from core.books import KillRecord
 from core.faultlog import FaultLog
 from core.records import Target
@@ -68,14 +70,32 @@ class InjectedFault(RuntimeError):
 
 class Killer:
     """Kills a run's actor from inside the supervisor: itself by its own pid, ``all_trainers``
-    as each trainer, anything else on its node (``sigkill_on_node``)."""
+    as each trainer, anything else on its node (``sigkill_on_node``); and injects the faults
+    that are not kills (``inject``)."""
 
     def __init__(self, targets: Callable[[], dict[str, Target]], record_kill: Callable[[KillRecord], None],
-                 timeout_s: float, log_dir: str):
+                 timeout_s: float, log_dir: str, checkpoint_uri: str):
         self.targets = targets
         self.record_kill = record_kill
         self.timeout_s = timeout_s
         self.log_dir = log_dir
+        self.checkpoint_uri = checkpoint_uri
+
+    def inject(self, spec: FaultSpec, trigger: str) -> None:
+        """A stall of ``spec.target``, or damage to its newest checkpoint file. A fault that
+        cannot be injected (its target is being replaced) is logged as aborted, not raised:
+        the run is not at fault."""
+        try:
+            if spec.kind == "stall":
+                info = self.targets().get(spec.target)
+                if info is None or info.pid is None:
+                    raise LookupError(f"{spec.target} has no process now")
+                stall_on_node(spec.target, info, spec.seconds, trigger, self.log_dir, self.timeout_s)
+            else:
+                damage_checkpoint(self.checkpoint_uri, spec.kind, int(spec.target.split(":")[1]), trigger, self.log_dir)
+        except Exception as err:  # noqa: BLE001 - see the docstring
+            logger.warning("injected %s of %s failed: %s", spec.kind, spec.target, err)
+            FaultLog(self.log_dir).write("aborted", spec.kind, spec.target, None, trigger, error=repr(err))
 
     def __call__(self, target: str, trigger: str) -> None:
         if target == "supervisor":
@@ -102,11 +122,12 @@ class FaultInjector(RunHooks):
 
     def __init__(self, faults: FaultsConfig, lock: threading.RLock, persist: Callable[[], None],
                  kill: Callable[[str, str], None], start_thread: Callable[..., threading.Thread],
-                 num_shards: int, num_trainers: int):
+                 num_shards: int, num_trainers: int, inject: Callable[[FaultSpec, str], None] | None = None):
         self.faults = faults
         self._lock = lock
         self._persist = persist
         self._kill = kill
+        self._inject = inject
         self._start_thread = start_thread
         self._counts = {"shard": num_shards, "trainer": num_trainers}
         self._fired: list[str] = []
@@ -130,6 +151,11 @@ class FaultInjector(RunHooks):
             if spec.error is not None:
                 raise InjectedFault(f"{spec.error} (injected at {point})")
             self._kill(spec.kill, f"at {point}")
+        for i, fault in enumerate(self.faults.inject):
+            if fault.at != point or self._steps_done < fault.after_step or self._inject is None:
+                continue
+            if self._claim(f"inject {i}: {fault.kind} {fault.target}"):
+                self._inject(fault, f"at {point}")  # here, before the work goes on: it meets the fault
 
     def after_commit(self, step: int) -> None:
         """``faults.at_steps``: kill a target once ``step`` committed."""
@@ -142,6 +168,12 @@ class FaultInjector(RunHooks):
             if kind in self._counts:
                 target = f"{kind}:{int(np.random.default_rng([self.faults.seed, step]).integers(self._counts[kind]))}"
             self._start_thread("fault-at-step", self._kill, target, f"at step {step}")
+        for i, spec in enumerate(self.faults.inject):
+            if spec.at is not None or spec.after_step != step or self._inject is None:
+                continue
+            if not self._claim(f"inject {i}: {spec.kind} {spec.target}"):
+                continue
+            self._start_thread("fault-inject", self._inject, spec, f"at step {step}")
 
     def doc(self) -> list[str]:
         return list(self._fired)

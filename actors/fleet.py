@@ -98,6 +98,7 @@ class ShardFleet:
         self.occupied = occupied or (lambda exclude: [])
         self.avoid = avoid or set  # nodes not to place on (actors.nodes.HostWatch.suspects)
         self.timeout_s = cfg.embeddings.call_timeout_s
+        self.start_timeout_s = max(cfg.embeddings.start_timeout_s, self.timeout_s)
         self._watch: dict[Any, tuple[int | str, int | None]] = {}  # ref -> (shard or spare name, generation)
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -183,7 +184,9 @@ class ShardFleet:
             else:
                 handles[k] = self.find(k, g) or self.spawn(k, g, taken)
                 refs[k] = handles[k].ready.remote()
-        ray.wait(list(refs.values()), num_returns=len(refs), timeout=self.timeout_s)
+        # A new process needs its start time; an adopted spare is a call to a started process.
+        wait_s = self.start_timeout_s if set(targets) - set(spares) else self.timeout_s
+        ray.wait(list(refs.values()), num_returns=len(refs), timeout=wait_s)
         out, lost = {}, [k for k in targets if k not in refs]
         for k, ref in refs.items():
             try:
@@ -196,10 +199,10 @@ class ShardFleet:
 
     def ready(self, handles: list) -> list[ShardInfo]:
         try:
-            return ray.get([h.ready.remote() for h in handles], timeout=self.timeout_s)
+            return ray.get([h.ready.remote() for h in handles], timeout=self.start_timeout_s)
         except ray.exceptions.GetTimeoutError:
             raise ShardUnavailable(
-                f"{len(handles)} shard(s) did not answer within embeddings.call_timeout_s={self.timeout_s}s"
+                f"{len(handles)} shard(s) did not start within embeddings.start_timeout_s={self.start_timeout_s}s"
             ) from None
 
     @staticmethod

@@ -159,7 +159,7 @@ class TrainingJob:
             .remote(cfg.model_dump(), self.run_id, self.data["train"].path, self.data["eval"].path,
                     self.data["train"].microbatches, self.resume)
         )
-        self.client = SupervisorClient(self.supervisor, Deadlines(cfg.embeddings.call_timeout_s))
+        self.client = SupervisorClient(self.supervisor, Deadlines.of(cfg))
 
     def await_start(self):
         """Waits until every shard answers (and, resuming, holds the checkpoint); raises

@@ -113,6 +113,9 @@ class EmbeddingsConfig(_Section):
     """Ray GPUs per shard; with a GPU the tables live in CUDA memory."""
     call_timeout_s: float = Field(60.0, gt=0.0, le=3600.0)
     """A shard that does not answer within this is treated as unavailable."""
+    start_timeout_s: float = Field(120.0, gt=0.0, le=3600.0)
+    """A new shard process (started, torch and fbgemm imported, tables allocated) that is not ready within
+    this is treated as unavailable; calls to a started shard are bounded by call_timeout_s."""
     threads: int = Field(1, ge=1, le=256)
     """torch intra-op threads in each shard process."""
     spares: int = Field(1, ge=0, le=64)
@@ -248,7 +251,7 @@ class RunConfig(_Section):
     from these production figures on an emulated clock; none when absent."""
     audit_log: bool = False
     """Shards and trainers append every applied update and commit to ``<run_dir>/audit/*.jsonl``, for
-    ``cpr soak``'s exactly-once checks (independent of the supervisor's bookkeeping)."""
+    ``cpr verify``'s exactly-once checks (independent of the supervisor's bookkeeping)."""
     ray: RayConfig = RayConfig()
 
     @model_validator(mode="after")
@@ -256,6 +259,12 @@ class RunConfig(_Section):
         f = self.faults
         if self.emulation is not None and f is not None and (f.max_failures > 0 or f.at_steps or f.at_points):
             raise ValueError("emulation places its own failures on the emulated clock; remove the faults section")
+        counts = {"shard": self.embeddings.num_shards, "trainer": self.training.num_trainers}
+        for i, spec in enumerate(f.inject if f is not None else []):
+            kind, _, index = spec.target.partition(":")
+            if int(index) >= counts[kind]:
+                raise ValueError(f"faults.inject[{i}].target: {spec.target} does not exist; the run has "
+                                 f"{counts[kind]} {kind}s (0..{counts[kind] - 1})")
         return self
 
     @model_validator(mode="after")

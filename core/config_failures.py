@@ -12,7 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from core.points import POINTS
 from policies import BudgetLimits
 
-__all__ = ["Section", "FaultPoint", "FaultsConfig", "EmulationConfig", "BudgetsConfig"]
+__all__ = ["Section", "FaultPoint", "FaultSpec", "FaultsConfig", "EmulationConfig", "BudgetsConfig"]
 
 
 class Section(BaseModel):
@@ -26,7 +26,8 @@ class FaultPoint(Section):
     at: str
     """save.snapshotted: every shard copied the rows to save, files being written in the background;
     save.files_written: shard files written, manifest not; recovery.spawned: new shards answer, nothing
-    loaded; recovery.loaded: loaded, fleet not committed; rollback.loaded: every shard loaded, nothing fenced;
+    loaded; recovery.loaded: loaded, fleet not committed; rollback.spawned: a rollback's respawned shards answer,
+    nothing loaded; rollback.loaded: every shard loaded, nothing fenced;
     thread.NAME: a pass of the supervisor's background thread NAME (shard-watch, recovery-executor,
     spare-keeper, host-watch, save-pipeline, lost-samples)."""
     kill: str | None = Field(None, pattern=r"^(supervisor|all_trainers|shard:\d+|trainer:\d+)$")
@@ -50,6 +51,39 @@ class FaultPoint(Section):
         return self
 
 
+class FaultSpec(Section):
+    """A fault other than a kill, injected once: when training step ``after_step`` committed, or at a named
+    point of the supervisor's work (``at``) once that many steps committed."""
+
+    kind: Literal["stall", "corrupt_checkpoint", "truncate_checkpoint"]
+    """stall: SIGSTOP the target's process for ``seconds``, then SIGCONT it (a process that stops answering
+    without dying); corrupt_checkpoint: flip bytes in the middle of the target shard's file of the newest
+    committed checkpoint; truncate_checkpoint: cut that file to half its size (a torn or bit-rotted file)."""
+    target: str = Field(..., pattern=r"^(shard:\d+|trainer:\d+)$")
+    """The process to stall (shard:K or trainer:K), or the shard whose checkpoint file is damaged (shard:K)."""
+    after_step: int = Field(0, ge=0)
+    """Without ``at``: injected once this training step committed. With ``at``: only once this many steps
+    committed."""
+    at: str | None = None
+    """A point of the supervisor's work (see faults.at_points[].at), e.g. recovery.spawned: a damaged file
+    there is the one the recovery is about to load."""
+    seconds: float = Field(10.0, gt=0.0, le=3600.0)
+    """How long a stall lasts."""
+
+    @field_validator("at")
+    @classmethod
+    def _check_point(cls, v: str | None) -> str | None:
+        if v is not None and v not in POINTS:
+            raise ValueError(f"must be one of {', '.join(POINTS)}")
+        return v
+
+    @model_validator(mode="after")
+    def _check_target(self) -> "FaultSpec":
+        if self.kind != "stall" and not self.target.startswith("shard:"):
+            raise ValueError(f"{self.kind} damages a shard's checkpoint file: target must be shard:K")
+        return self
+
+
 class FaultsConfig(Section):
     """Injected failures, so that a run with failures is reproducible."""
 
@@ -70,6 +104,9 @@ class FaultsConfig(Section):
     (one chosen by the seed), shard:K, trainer:K, supervisor, all_trainers. Independent of machine speed."""
     at_points: list[FaultPoint] = []
     """Kills at named points of the supervisor's work, each once (see faults.at_points[].at)."""
+    inject: list[FaultSpec] = []
+    """Faults other than kills, each once after a training step: stalls, damaged checkpoint files (see
+    faults.inject[].kind)."""
 
     @field_validator("at_steps")
     @classmethod

@@ -17,7 +17,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-__all__ = ["Deadlines", "Deadline", "BLOCKING"]
+__all__ = ["Deadlines", "Deadline", "BLOCKING", "STARTING"]
 
 # How many shard-call timeouts (T) each blocking supervisor method may wait, at most. Any
 # method not listed answers from memory at once (counted as one T for its caller: the
@@ -36,9 +36,19 @@ BLOCKING = {
 }
 
 
+# Methods that wait for new shard processes to start: at least embeddings.start_timeout_s.
+STARTING = frozenset({"start", "trainer_setup"})
+
+
 @dataclass(frozen=True)
 class Deadlines:
     shard_call_s: float
+    shard_start_s: float = 0.0  # a new shard process's start (embeddings.start_timeout_s)
+
+    @classmethod
+    def of(cls, cfg) -> "Deadlines":
+        """The deadlines of a run config."""
+        return cls(cfg.embeddings.call_timeout_s, cfg.embeddings.start_timeout_s)
 
     @property
     def supervisor_wait_s(self) -> float:
@@ -52,7 +62,8 @@ class Deadlines:
 
     def inner_s(self, method: str) -> float:
         """The longest a supervisor method waits before it answers (0: it answers at once)."""
-        return BLOCKING.get(method, 0) * self.shard_call_s
+        inner = BLOCKING.get(method, 0) * self.shard_call_s
+        return max(inner, self.shard_start_s) if method in STARTING else inner
 
     def caller_s(self, method: str) -> float:
         """How long a caller waits for ``method``: longer than anything inside it, with room for

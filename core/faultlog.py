@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import time
 from pathlib import Path
@@ -58,3 +59,25 @@ def _fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def resume_later(pid: int, until: float, log_dir: str, target: str, trigger: str) -> None:
+    """Sleeps until ``until`` (epoch seconds), then SIGCONTs ``pid``, logging before and
+    after: the end of a stall, run as its own process (``python -m core.faultlog``) so that it
+    happens even if the process that stopped the target dies meanwhile."""
+    time.sleep(max(0.0, until - time.time()))
+    log = FaultLog(log_dir)
+    log.write("sending", "resume", target, pid, trigger)
+    try:
+        os.kill(pid, signal.SIGCONT)
+    except ProcessLookupError:
+        log.write("aborted", "resume", target, pid, trigger, error="the process is gone")
+        return
+    log.write("sent", "resume", target, pid, trigger)
+
+
+if __name__ == "__main__":
+    import sys
+
+    _pid, _until, _dir, _target, _trigger = sys.argv[1:6]
+    resume_later(int(_pid), float(_until), _dir, _target, _trigger)

@@ -11,6 +11,7 @@ WORK_POINTS = {
     "save.files_written": "every shard file of a checkpoint is written, the manifest is not",
     "recovery.spawned": "a recovery's new shard actors answer, nothing is loaded yet",
     "recovery.loaded": "a recovery's shards are loaded, the fleet is not committed yet",
+    "rollback.spawned": "a rollback's respawned shards answer, nothing is loaded yet",
     "rollback.loaded": "a rollback loaded every shard, checkpoints are not fenced yet",
 }
 

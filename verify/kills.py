@@ -55,3 +55,35 @@ def check_kills(run: RunFiles, kills: list[Kill]) -> list[str]:
     v += [f"the report names a kill of {t} (pid {p}) at {s:.3f} that the fault log lacks"
           for (t, p, s), n in sorted((reported - logged).items()) for _ in range(n)]
     return v
+
+
+@dataclass(frozen=True)
+class Damage:
+    """A checkpoint file the injector damaged on purpose (and when)."""
+
+    step: int
+    shard: int
+    file: str
+    time: float
+
+
+def planted_damage(run: RunFiles) -> list[Damage]:
+    return [Damage(int(r["step"]), int(r["target"].split(":")[1]), r["file"], float(r["t"]))
+            for r in run.faults if r["event"] == "sent" and r.get("fault") in ("corrupt_checkpoint", "truncate_checkpoint")]
+
+
+def stalled_pids(run: RunFiles) -> set[int]:
+    return {int(r["pid"]) for r in run.faults if r["event"] == "sent" and r.get("fault") == "stall"}
+
+
+def check_damage_unused(run: RunFiles, damage: list[Damage]) -> list[str]:
+    """No shard loads a checkpoint file after the injector damaged it: the product must refuse
+    it and use the previous valid one."""
+    v = []
+    for d in damage:
+        for f in run.shards.get(d.shard, []):
+            for r in f.records:
+                if r.get("event") == "load" and r["t"] > d.time and d.step in r.get("chain", []):
+                    v.append(f"shard {d.shard} (generation {f.gen}) loaded checkpoint {d.step} at {r['t']:.3f}, after "
+                             f"its file {d.file} was damaged at {d.time:.3f}")
+    return v

@@ -15,7 +15,8 @@ from pathlib import Path
 
 from core.schedule import StepSchedule
 from verify.files import RunFiles, load_run
-from verify.kills import check_kills, landed_kills
+from verify.kills import (check_damage_unused, check_kills, landed_kills, planted_damage,
+                          stalled_pids)
 from verify.leftovers import leftovers
 from verify.lost import DataCache, recount_lost
 from verify.store import Store
@@ -83,7 +84,8 @@ def verify_run(run_dir: str | Path, wait_s: float = 10.0) -> Verdict:
         v.append(f"the report says {report.get('steps')} steps, the run has {total}")
     kills, problems = landed_kills(run)
     v += problems + check_kills(run, kills)
-    killed = {k.pid for k in kills}
+    # A writer killed, or stalled and then killed by the product, may leave a torn last line.
+    killed = {k.pid for k in kills} | stalled_pids(run)
     every_file = [f for files in run.shards.values() for f in files] + run.trainers
     v += torn_lines(every_file, killed)
     spans = []
@@ -100,13 +102,17 @@ def verify_run(run_dir: str | Path, wait_s: float = 10.0) -> Verdict:
     store = Store(_checkpoint_uri(run))
     lost = _check_lost(run, report, spans, store, cache, schedule, v)
     committed = store.committed()
+    damage = planted_damage(run)
+    planted = {(d.step, d.file) for d in damage}
     for step in committed:
-        v += store.problems(step)
+        v += [p for p in store.problems(step) if not any(p.startswith(f"checkpoint {s}: file {f} ") for s, f in planted)]
+    v += check_damage_unused(run, damage)
     if run.config["checkpoint"].get("final", True) and state == "finished" and total not in committed:
         v.append(f"the final checkpoint (step {total}) is not committed")
     v += leftovers(run, wait_s)
     verdict.facts = {"steps": total, "kills": len(kills), "partial_recoveries": len(spans), "lost_samples": lost,
-                     "checkpoints_verified": len(committed)}
+                     "checkpoints_verified": len(committed),
+                     "damaged_checkpoints": len(damage), "stalls": len(stalled_pids(run))}
     return verdict
 
 

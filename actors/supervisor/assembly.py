@@ -98,7 +98,7 @@ class Parts:
 def assemble(inputs: RunInputs, on_crash: Callable[[str, BaseException], None], fresh_files: bool) -> Parts:
     cfg, run_id = inputs.cfg, inputs.run_id
     lock = threading.RLock()
-    deadlines = Deadlines(cfg.embeddings.call_timeout_s)
+    deadlines = Deadlines.of(cfg)
     policy = FailurePolicy(cfg.budgets.limits())
     books = Books(Journal(inputs.run_dir), lock,
                   {"run_id": run_id, "attempt": 1, "supervisor_restarts": 0, "attempt_restarts": 0})
@@ -156,7 +156,7 @@ def assemble(inputs: RunInputs, on_crash: Callable[[str, BaseException], None], 
         decide=lambda: decide_recovery(RecoveryMode(cfg.recovery), costs.inputs(n, ck.pls_target)),
         host_down_since=hosts.since, suspects=hosts.suspects, partial_chain=checkpoints.chain_candidates,
         consistent_chain=checkpoints.consistent_chain, policy=policy, hooks=hooks, start_thread=start_thread,
-        retried=RETRIED_ERRORS + (ray.exceptions.RayError,),
+        retried=RETRIED_ERRORS + (ray.exceptions.RayError,), refuse=checkpoints.refuse, chain_upto=checkpoints.chain_upto,
     ))
     reporter = HostLossReporter(events, controller.shards_on, trainers.ranks_on, spares.on_node)
     setup = TrainerSetup(
@@ -166,10 +166,10 @@ def assemble(inputs: RunInputs, on_crash: Callable[[str, BaseException], None], 
     desk = TrainerDesk(lock, controller, checkpoints, trainers, events, policy, deadlines, setup,
                        lambda step: _position(cfg, inputs.schedule, step), ck.final, run_id)
     killer = Killer(lambda: _targets(controller, trainers, spares), lambda kill: record_kill(ledger, events, kill),
-                    deadlines.shard_call_s, fault_log_dir(inputs.run_dir))
+                    deadlines.shard_call_s, fault_log_dir(inputs.run_dir), cfg.checkpoint_uri)
     faults = None
-    if cfg.faults is not None and (cfg.faults.at_points or cfg.faults.at_steps):
-        faults = FaultInjector(cfg.faults, lock, persist, killer, start_thread, n, cfg.training.num_trainers)
+    if cfg.faults is not None and (cfg.faults.at_points or cfg.faults.at_steps or cfg.faults.inject):
+        faults = FaultInjector(cfg.faults, lock, persist, killer, start_thread, n, cfg.training.num_trainers, killer.inject)
         hooks.add(faults)
     parts = Parts(inputs, lock, books, hooks, events, ledger, trainers, spares, checkpoints, controller, desk, fleet,
                   hosts, costs, policy, deadlines, run_log, faults, killer, _Value())

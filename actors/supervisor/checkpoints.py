@@ -188,6 +188,13 @@ class CheckpointCoordinator:
     def chain_upto(self, step: int) -> tuple[int, ...]:
         return tuple(self.store.verified_chain(step)) if self.store is not None else ()
 
+    def refuse(self, fallbacks) -> None:
+        """Checkpoints a shard found corrupt while loading (``CheckpointFallback``s): no chain
+        the supervisor chooses uses them from now on."""
+        for fb in fallbacks:
+            if self.store is not None:
+                self.store.mark_corrupt(fb.step, fb.reason)
+
     def next_due(self) -> int | None:
         """The step count at which the next save is due (None: saves are off)."""
         return self.next_checkpoint_step

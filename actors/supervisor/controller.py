@@ -15,10 +15,10 @@ from collections.abc import Callable, Sequence
 from actors.supervisor.events import EventLog
 from actors.supervisor.collaborators import Collaborators
 from actors.supervisor.machine import (
-    EVERY_TRAINER_DIED, FULL_RECOVERY, RECOVERING, RESUME, TERMINAL, Fail, Failed, RecoveringShards, RespawnRetry,
+    FULL_RECOVERY, RECOVERING, RESUME, TERMINAL, Fail, Failed, RecoveringShards, RespawnRetry,
     RollingBack, Running, ShardDied, State, WorkDone, state_from_dict, state_to_dict, transition,
 )
-from actors.supervisor.outcome import ChainMismatch, Outcome, ShardsLost, failure_records
+from actors.supervisor.outcome import ChainMismatch, Outcome, ShardsLost, failure_records, refusal, rollback_events
 from core.codec import decode, encode
 from core.books import DeathCause
 from core.records import Rollback, ShardInfo
@@ -165,7 +165,7 @@ class RecoveryController:
         except ShardsLost as lost:
             return attempts + self._on_lost(state, lost.shards, attempts)
         except ChainMismatch as err:
-            self.fail(f"invariant: {err}")
+            self._refused(state, err)
             return attempts
         except self._p.retried as err:
             attempts += 1
@@ -179,6 +179,14 @@ class RecoveryController:
             self._outcome = outcome
             self.transition(WorkDone(state))
         return 0
+
+    def _refused(self, state: State, err: ChainMismatch) -> None:
+        """A shard refused a corrupt file of the rollback's chain: go further back (``refusal``)."""
+        if isinstance(state, RollingBack) and err.fallbacks:
+            self._p.refuse(err.fallbacks)
+            if self.transition(refusal(err, self._p.chain_upto)):
+                return
+        self.fail(f"invariant: {err}")
 
     def _on_lost(self, state: State, lost: Sequence[int], attempts: int) -> int:
         """Shards the executor lost: a replacement that did not answer is respawned under a new
@@ -239,20 +247,12 @@ class RecoveryController:
             self._p.ledger.close_from(earlier, done.step)
         self.live_since = [done.step] * self.n
         self._p.prune_commits(done.step)
-        self.rollback = Rollback(self.generation, done.step) if done.why == FULL_RECOVERY else None
-        rows = sum(r.rows for r in out.loaded.values())
-        extra = {"fenced": out.fenced, "rows_reloaded": rows, "load_s": round(out.load_s, 3)}
+        dense_follows = done.why == FULL_RECOVERY or done.refused_from is not None
+        self.rollback = Rollback(self.generation, done.step) if dense_follows else None
         if done.why == RESUME:
             self.resume_step = done.step
-            self._events.append("resumed", event_time=now, step=done.step, chain=list(done.chain),
-                                bytes_loaded=sum(r.bytes for r in out.loaded.values()), **extra)
-        elif done.why == EVERY_TRAINER_DIED:
-            ahead = done.trainers.ahead if done.trainers is not None else done.step
-            self._events.append("all_trainers_failed", event_time=now, fallback_step=done.step,
-                                steps_lost=ahead - done.step, **extra)
-        if out.fenced:
-            self._events.append("checkpoints_fenced", event_time=now, steps=out.fenced, rollback_step=done.step,
-                                why=done.why)
+        for kind, fields in rollback_events(done, out):
+            self._events.append(kind, event_time=now, **fields)
 
     # ------------------------------------------------------------------ views
 

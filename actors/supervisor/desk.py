@@ -180,13 +180,7 @@ class TrainerDesk:
                 self._c.wait_generation_after(generation, deadline.remaining())
         ahead = max(st.applied_step + 1 for st in states)
         if ahead <= step:
-            # Nothing to roll back: another trainer of this incident did it already, or every
-            # trainer died right at a checkpoint. The latter is still an incident.
-            with self._lock:
-                if not self._same_fallback(step):
-                    self._events.record("all_trainers_failed", fallback_step=step, steps_lost=0, fenced=[],
-                                        rows_reloaded=0, load_s=0.0)
-            return FleetView(generation, shards)
+            return self._rolled_back_already(step, ahead, generation, shards)
         chain = self._ckpt.chain_upto(step)
         if (chain[-1] if chain else 0) != step:
             # The trainers restarted from checkpoint `step`; the shards cannot go there.
@@ -197,8 +191,27 @@ class TrainerDesk:
         if not self._c.wait_settled(deadline.remaining()):
             raise ShardUnavailable(f"rollback to step {step} not done within {deadline.total_s:.0f}s")
         with self._lock:
-            generation, shards = self._c.fleet()
-            return FleetView(generation, shards, stop=isinstance(self._c.state_now(), TERMINAL))
+            now_generation, shards = self._c.fleet()
+            stop = isinstance(self._c.state_now(), TERMINAL)
+            rollback = self._c.rollback_after(generation)
+        if rollback is None or stop:
+            return FleetView(now_generation, shards, stop=stop)
+        # A shard refused a file of checkpoint `step`: the new trainers go further back too.
+        dense = self._ckpt.read_dense(rollback.step)
+        return FleetView(now_generation, shards, Rollback(rollback.generation, rollback.step, dense))
+
+    def _rolled_back_already(self, step: int, ahead: int, generation: int, shards: tuple) -> FleetView:
+        """Nothing to roll back: another trainer of this incident did it already, or every
+        trainer died right at a checkpoint (still an incident). Shards behind ``step`` were
+        taken further back by a refused rollback of this incident: this trainer follows them."""
+        rollback = self._c.rollback_after(-1)
+        if ahead < step and rollback is not None and rollback.step == ahead:
+            return FleetView(generation, shards, Rollback(rollback.generation, ahead, self._ckpt.read_dense(ahead)))
+        with self._lock:
+            if not self._same_fallback(step):
+                self._events.record("all_trainers_failed", fallback_step=step, steps_lost=0, fenced=[],
+                                    rows_reloaded=0, load_s=0.0)
+        return FleetView(generation, shards)
 
     def _same_fallback(self, step: int) -> bool:
         """Whether the last every-trainer fallback went to ``step`` and nothing was committed

@@ -91,14 +91,16 @@ class RecoveryExecutor:
         missing = [k for k, h in enumerate(committed) if h is None and k not in handles]
         if missing:
             raise ShardsLost(missing)
+        self.hooks.at_point("rollback.spawned")
         everyone = {k: (handles[k][0] if k in handles else h) for k, h in enumerate(committed)}
         loaded, load_s = self._load(everyone, state.chain, "rollback")
         other = {k: list(r.chain) for k, r in loaded.items() if tuple(r.chain) != tuple(state.chain)}
         if other:
-            reasons = "; ".join(f"{fb.step}: {fb.reason}" for r in loaded.values() for fb in r.fallbacks)
+            fallbacks = tuple(fb for r in loaded.values() for fb in r.fallbacks)
+            reasons = "; ".join(f"{fb.step}: {fb.reason}" for fb in fallbacks)
             raise ChainMismatch(
                 f"rollback to step {state.step} ({state.why}): shards {sorted(other)} loaded chains "
-                f"{list(other.values())} instead of {list(state.chain)} ({reasons or 'no reason given'})"
+                f"{list(other.values())} instead of {list(state.chain)} ({reasons or 'no reason given'})", fallbacks,
             )
         self.hooks.at_point("rollback.loaded")
         fenced = self.restart_timeline(state.step, list(state.chain))

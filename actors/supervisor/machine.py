@@ -24,6 +24,7 @@ from policies import Budget, FailurePolicy, RecoveryDecision
 __all__ = [
     "Running", "RecoveringShards", "RollingBack", "Finished", "Failed", "State", "RECOVERING", "TERMINAL",
     "TrainersCause", "ShardDied", "RespawnRetry", "WorkDone", "TrainersAllDied", "ResumeRequested", "StopRequested",
+    "RollbackRefused",
     "Fail", "Transition", "transition", "state_to_dict", "state_from_dict", "FULL_RECOVERY", "EVERY_TRAINER_DIED",
     "RESUME", "ReplacementAtCheckpoint", "replacement_at_checkpoint",
 ]
@@ -80,6 +81,9 @@ class RollingBack:
     decision: RecoveryDecision | None = None
     spares: dict[int, str] = field(default_factory=dict)
     trainers: TrainersCause | None = None
+    # The step first asked for, when a shard refused a file of its chain and the rollback went
+    # further back: the dense model, at that step, must follow (trainers get a rollback).
+    refused_from: int | None = None
     name = "rolling_back"
 
 
@@ -158,6 +162,16 @@ class TrainersAllDied:
 
 
 @dataclass(frozen=True)
+class RollbackRefused:
+    """A shard found a file of the rollback's chain corrupt: go back to ``step`` on ``chain``
+    (the newest chain that passes over it) instead, dense model included."""
+
+    step: int
+    chain: tuple[int, ...]
+    reason: str
+
+
+@dataclass(frozen=True)
 class ResumeRequested:
     step: int
     chain: tuple[int, ...]
@@ -202,6 +216,12 @@ def transition(
         return None
     if isinstance(event, TrainersAllDied):
         return _on_trainers_died(state, event)
+    if isinstance(event, RollbackRefused):
+        if not isinstance(state, RollingBack) or event.step >= state.step:
+            return None
+        first = state.step if state.refused_from is None else state.refused_from
+        return Transition(replace(state, step=event.step, chain=tuple(event.chain), refused_from=first),
+                          f"rollback to step {state.step} refused ({event.reason}): roll back to step {event.step}")
     if isinstance(event, ResumeRequested):
         return Transition(
             RollingBack(event.step, RESUME, tuple(event.chain)), f"--resume from checkpoint step {event.step}"

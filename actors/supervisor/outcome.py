@@ -7,11 +7,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from actors.supervisor.machine import RecoveringShards, RollingBack
+from actors.supervisor.machine import EVERY_TRAINER_DIED, RESUME, RecoveringShards, RollbackRefused, RollingBack
 from core.books import FailureRecord
 from core.records import LoadResult, ShardInfo
 
-__all__ = ["failure_records", "Outcome", "ShardsLost", "ChainMismatch"]
+__all__ = ["failure_records", "refusal", "rollback_events", "Outcome", "ShardsLost", "ChainMismatch"]
 
 
 class ShardsLost(Exception):
@@ -25,7 +25,12 @@ class ShardsLost(Exception):
 class ChainMismatch(Exception):
     """A rollback would leave the shards on different states, or on another state than the
     dense model's: its chain does not end at its step, or a shard loaded another chain (its
-    own file of the chain was corrupt). The run stops rather than train on a mix."""
+    own file of the chain was corrupt: ``fallbacks`` names those files). The run never trains
+    on a mix: it rolls back further, or stops."""
+
+    def __init__(self, message: str, fallbacks: tuple = ()):
+        super().__init__(message)
+        self.fallbacks = fallbacks
 
 
 @dataclass
@@ -64,3 +69,30 @@ def failure_records(done: RecoveringShards | RollingBack, out: Outcome, generati
             lost_steps_recomputed=0 if partial else None,
         ))
     return records
+
+
+def rollback_events(done: RollingBack, out: Outcome) -> list[tuple[str, dict]]:
+    """The events a finished rollback records: a resume, or every trainer's death, and the
+    checkpoints it fenced."""
+    extra = {"fenced": out.fenced, "rows_reloaded": sum(r.rows for r in out.loaded.values()),
+             "load_s": round(out.load_s, 3)}
+    events = []
+    if done.why == RESUME:
+        events.append(("resumed", {"step": done.step, "chain": list(done.chain),
+                                   "bytes_loaded": sum(r.bytes for r in out.loaded.values()), **extra}))
+    elif done.why == EVERY_TRAINER_DIED:
+        ahead = done.trainers.ahead if done.trainers is not None else done.step
+        if done.refused_from is not None:
+            ahead = max(ahead, done.refused_from)
+        events.append(("all_trainers_failed", {"fallback_step": done.step, "steps_lost": ahead - done.step, **extra}))
+    if out.fenced:
+        events.append(("checkpoints_fenced", {"steps": out.fenced, "rollback_step": done.step, "why": done.why}))
+    return events
+
+
+def refusal(err: ChainMismatch, chain_upto) -> RollbackRefused:
+    """The rollback that passes over the checkpoints a shard refused: to the newest chain that
+    ends before the oldest of them (``chain_upto``, once the refused ones are marked corrupt)."""
+    chain = chain_upto(min(fb.step for fb in err.fallbacks) - 1)
+    reason = "; ".join(f"checkpoint {fb.step}: {fb.reason}" for fb in err.fallbacks)
+    return RollbackRefused(chain[-1] if chain else 0, tuple(chain), reason[:300])

@@ -48,7 +48,7 @@ def train_loop(loop_config: dict) -> None:
     configure_process_logging(loop_config.get("log_dir"), f"trainer-{rank}", ray.util.get_node_ip_address())
     cfg = config_from_dict(loop_config["config"])
     handle = ray.get_actor(loop_config["supervisor"], namespace=cfg.ray.namespace)
-    supervisor = SupervisorClient(handle, Deadlines(cfg.embeddings.call_timeout_s))
+    supervisor = SupervisorClient(handle, Deadlines.of(cfg))
     marks = {"process": _process_start(), "train_fn": entered, "imports": time.time()}
     setup = supervisor.trainer_setup(rank)
     marks["setup"] = time.time()

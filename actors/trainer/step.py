@@ -36,9 +36,13 @@ from core.errors import TrainerConflict
 from core.records import CommitRecord, FleetView, Progress, ResumePoint, Rollback, SaveRequest, StepFailure
 from core.schedule import StepSchedule
 
-__all__ = ["Trainer", "Attempt"]
+__all__ = ["Trainer", "Attempt", "RestartFromCheckpoint"]
 
 logger = logging.getLogger(__name__)
+
+
+class RestartFromCheckpoint(RuntimeError):
+    """Raised by a trainer so that Ray Train restarts the whole group from the newest checkpoint."""
 
 
 @dataclass
@@ -120,6 +124,14 @@ class Trainer:
         this very step (nothing to roll back)."""
         try:
             fleet = self.supervisor.fallback_to_checkpoint(attempt.step, self.rank)
+            if fleet.rollback is not None and fleet.rollback.step != attempt.step:
+                # A shard refused its file of checkpoint `attempt.step`, and the shards went
+                # further back. Trainers that rolled back one by one would heal one another
+                # forward again (torchft heals to the highest step): the group restarts instead,
+                # and every new trainer starts at the shards' step.
+                raise RestartFromCheckpoint(
+                    f"checkpoint {attempt.step} was refused; the trainers restart from checkpoint {fleet.rollback.step}"
+                )
             self.use_fleet(fleet)
         except TrainerConflict as err:
             # A quorum of replacements only, while a live trainer is ahead: this step fails

@@ -246,6 +246,15 @@ class CheckpointReader:
         self._valid[step] = info
         return info
 
+    def mark_corrupt(self, step: int, reason: str) -> None:
+        """A reader elsewhere (a shard loading its file) found checkpoint ``step`` corrupt:
+        chains of this instance pass over it from now on, as if this instance had found it."""
+        self._valid.pop(step, None)
+        try:
+            self._corrupt[step] = (self.info(step), reason)
+        except Exception:  # noqa: BLE001 - its manifest is gone or unreadable: no chain uses it anyway
+            pass
+
     def _verify_once(self, info: CheckpointInfo) -> CheckpointInfo:
         """``_verify_files`` unless a verdict on this very manifest is known."""
         if self._valid.get(info.step) == info:

@@ -1,0 +1,75 @@
+"""Faults other than kills (``faults.inject``): a process stalled by SIGSTOP and resumed by
+SIGCONT after a while, and a checkpoint file damaged between saves. Each is written to the
+fault log (``core.faultlog``) by the process that acts, before and after it acts."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import ray
+
+from actors.nodes import pinned
+from core.checkpoint import CheckpointStore
+from core.checkpoint.files import join, resolve, shard_file_name, step_dir_name
+from core.faultlog import FaultLog
+from core.records import Target
+
+__all__ = ["stop_process", "stall_on_node", "damage_checkpoint"]
+
+
+def stop_process(target: str, pid: int, seconds: float, trigger: str, log_dir: str) -> float | None:
+    """Runs on the target's node: SIGSTOPs ``pid`` and starts a process of its own that
+    SIGCONTs it ``seconds`` later. Returns when the stall began (None: no such process)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return None
+    log = FaultLog(log_dir)
+    now = time.time()
+    log.write("sending", "stall", target, pid, trigger, t=now, seconds=seconds)
+    os.kill(pid, signal.SIGSTOP)
+    log.write("sent", "stall", target, pid, trigger, stall_time=now, seconds=seconds)
+    subprocess.Popen(
+        [sys.executable, "-m", "core.faultlog", str(pid), str(now + seconds), log_dir, target, trigger],
+        start_new_session=True, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    return now
+
+
+def stall_on_node(target: str, info: Target, seconds: float, trigger: str, log_dir: str,
+                  timeout_s: float = 30.0) -> float | None:
+    if info.node_id == ray.get_runtime_context().get_node_id():
+        return stop_process(target, info.pid, seconds, trigger, log_dir)
+    stopper = pinned(stop_process, info.node_id)
+    return ray.get(stopper.remote(target, info.pid, seconds, trigger, log_dir), timeout=timeout_s)
+
+
+def damage_checkpoint(uri: str, how: str, shard: int, trigger: str, log_dir: str) -> int | None:
+    """Damages shard ``shard``'s file of the newest committed checkpoint under ``uri``:
+    ``corrupt_checkpoint`` flips 64 bytes in its middle, ``truncate_checkpoint`` cuts it to
+    half. Returns the checkpoint's step (None: nothing committed yet)."""
+    steps = CheckpointStore(uri).list_committed()
+    log = FaultLog(log_dir)
+    target = f"shard:{shard}"
+    if not steps:
+        log.write("aborted", how, target, None, trigger, error="no committed checkpoint yet")
+        return None
+    step = steps[-1]
+    fs, root = resolve(uri)
+    path = join(root, step_dir_name(step), shard_file_name(shard))
+    log.write("sending", how, target, None, trigger, step=step, file=shard_file_name(shard))
+    with fs.open_input_stream(path) as f:
+        data = bytearray(f.read())
+    if how == "truncate_checkpoint":
+        data = data[: len(data) // 2]
+    else:
+        middle = len(data) // 2
+        data[middle: middle + 64] = bytes(b ^ 0xFF for b in data[middle: middle + 64])
+    with fs.open_output_stream(path) as f:
+        f.write(bytes(data))
+    log.write("sent", how, target, None, trigger, step=step, file=shard_file_name(shard))
+    return step

@@ -1,0 +1,124 @@
+"""Faults other than SIGKILLs, in one run on a real local Ray: a shard that stops answering
+(SIGSTOP, resumed by SIGCONT after a while), a trainer that does, a damaged file in the newest
+checkpoint followed by a recovery and a rollback that must not use it, and the supervisor
+killed in the middle of a rollback and of a save's commit. Each test states what must survive;
+every one of them also needs ``cpr verify`` to find the run sound (exactly-once applies and
+commits, kills and report equal, lost samples recounted, nothing left behind)."""
+
+from __future__ import annotations
+
+import pytest
+
+from app.job import TrainingJob
+from core.config import config_from_dict
+from verify import verify_run
+from verify.files import load_run
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(500)]
+
+M, STEPS, EVERY, CALL_TIMEOUT = 4, 150, 10, 4.0
+INJECT = [
+    # Three call timeouts: the trainers' calls time out, and the shard must be declared dead.
+    {"kind": "stall", "target": "shard:1", "after_step": 15, "seconds": 3 * CALL_TIMEOUT},
+    {"kind": "stall", "target": "trainer:1", "after_step": 45, "seconds": 8.0},
+    # Shard 0 dies at step 85; its recovery finds its file of the newest checkpoint damaged
+    # right before it loads, and must refuse it.
+    {"kind": "corrupt_checkpoint", "target": "shard:0", "at": "recovery.spawned", "after_step": 80},
+    # Every trainer dies at step 115; the rollback finds shard 1's file of the checkpoint it
+    # goes to cut in half, and must go further back, the dense model with it.
+    {"kind": "truncate_checkpoint", "target": "shard:1", "at": "rollback.spawned", "after_step": 110},
+]
+KILLS = {"shard:0": [85], "all_trainers": [115]}
+POINTS = [{"at": "rollback.loaded", "kill": "supervisor"},
+          {"at": "save.files_written", "kill": "supervisor", "after_step": 30}]
+
+
+@pytest.fixture(scope="module")
+def faulted(ray_local, small_data, tmp_path_factory):
+    tmp_path = tmp_path_factory.mktemp("faults")
+    cfg = config_from_dict({
+        "run_dir": str(tmp_path / "run"),
+        "seed": 11,
+        "data": {"train": [small_data.train_path], "eval": [small_data.eval_path],
+                 "cache_dir": str(tmp_path.parent / "cache")},
+        "model": {"embedding_dim": 8, "table_rows": 20_000, "dense_arch": [32, 8], "over_arch": [32, 1]},
+        "embeddings": {"num_shards": 2, "sharding": "row_wise", "call_timeout_s": CALL_TIMEOUT},
+        "training": {"num_trainers": 2, "microbatch_rows": 128, "microbatches_per_step": M, "max_steps": STEPS,
+                     "progress_every_steps": 5, "collective_timeout_s": 5},
+        "checkpoint": {"every_steps": EVERY, "keep_last": 1000},
+        "recovery": "partial",
+        "audit_log": True,
+        "faults": {"max_failures": 0, "seed": 1, "at_steps": KILLS, "at_points": POINTS, "inject": INJECT},
+    })
+    job = TrainingJob(cfg, show_progress=False)
+    try:
+        job.start(wait=False)
+        job.fit_in_background().join(timeout_s=450)
+        report = job.finish()
+    finally:
+        job.close()
+    return cfg, report, verify_run(cfg.run_dir, wait_s=30)
+
+
+def _sent(cfg, fault: str) -> list[dict]:
+    return [r for r in load_run(cfg.run_dir).faults if r["event"] == "sent" and r["fault"] == fault]
+
+
+def test_the_run_survives_every_fault_kind_and_verifies(faulted):
+    cfg, report, verdict = faulted
+    assert report["state"]["state"] == "finished" and report["steps"] == STEPS, report["state"]
+    assert verdict.violations == [], verdict.violations
+    assert verdict.facts["stalls"] == 2 and verdict.facts["damaged_checkpoints"] == 2, verdict.facts
+
+
+def test_a_stalled_shard_is_declared_dead_and_replaced(faulted):
+    cfg, report, _ = faulted
+    [stall] = [r for r in _sent(cfg, "stall") if r["target"] == "shard:1"]
+    [failure] = [f for f in report["failures"] if f["shard"] == 1 and f["detected_at"] > stall["t"]][:1]
+    # Declared dead within the trainers' call timeout plus the supervisor's reaction, long
+    # before the stall would have ended by itself; its process was killed, never resumed.
+    assert failure["detected_at"] - stall["t"] < 3 * CALL_TIMEOUT, failure
+    resumed = [r for r in load_run(cfg.run_dir).faults if r["fault"] == "resume" and r["pid"] == stall["pid"]]
+    assert [r["event"] for r in resumed] in (["sending", "aborted"], []), resumed
+
+
+def test_a_stalled_trainer_does_not_stop_the_others(faulted):
+    cfg, report, verdict = faulted
+    [stall] = [r for r in _sent(cfg, "stall") if r["target"] == "trainer:1"]
+    # The other trainer committed steps alone while trainer 1 was stopped, each with all M
+    # microbatches (the verdict checks every commit's shares).
+    commits = report["commits"].values()
+    alone = [c for c in commits if stall["t"] < c["time"] < stall["t"] + 8.0 and c["participants"] == 1]
+    assert alone, [c for c in commits if c["time"] > stall["t"]][:5]
+    assert report["microbatches_per_committed_step"] == [M], report["microbatches_per_committed_step"]
+
+
+def _damaged(cfg, fault: str) -> int:
+    [step] = [r["step"] for r in _sent(cfg, fault)]
+    return step
+
+
+def test_a_recovery_refuses_a_damaged_file_and_loads_the_previous_checkpoint(faulted):
+    cfg, report, verdict = faulted
+    damaged = _damaged(cfg, "corrupt_checkpoint")
+    [recovery] = [f for f in report["failures"] if f["shard"] == 0 and f["failed_at_step"] >= 85]
+    assert recovery["recovery"] == "partial" and damaged not in recovery["chain"], (damaged, recovery)
+    assert recovery["chain"] and recovery["restored_step"] < damaged, (damaged, recovery)
+    assert not [v for v in verdict.violations if "damaged" in v]  # no shard ever loaded it (from the audit)
+
+
+def test_a_rollback_refuses_a_damaged_file_and_goes_further_back_with_the_dense_model(faulted):
+    cfg, report, verdict = faulted
+    damaged = _damaged(cfg, "truncate_checkpoint")
+    [fallback] = report["all_trainers_failed"]
+    assert fallback["fallback_step"] < damaged, (damaged, fallback)
+    # The dense model went back with the shards: every step after the fallback step was
+    # committed again exactly once (the verdict walks the trainers' audit).
+    assert verdict.violations == []
+
+
+def test_the_supervisor_killed_in_a_rollback_and_in_a_save_commit_comes_back(faulted):
+    cfg, report, verdict = faulted
+    triggers = sorted(k["trigger"] for k in report["faults_injected"] if k["target"] == "supervisor")
+    assert triggers == ["at rollback.loaded", "at save.files_written"], report["faults_injected"]
+    assert report["supervisor_restarts"] == 2 and len(report["all_trainers_failed"]) == 1
