@@ -10,6 +10,7 @@ import logging
 import shutil
 from collections import Counter
 
+import numpy as np
 import ray
 
 from app.job import TrainingJob
@@ -19,14 +20,15 @@ from verify import verify_run
 from verify.files import load_run
 from verify.kills import landed_kills
 
-__all__ = ["run_soak", "soak_config", "kills_by_kind"]
+__all__ = ["run_soak", "soak_config", "soak_faults", "kills_by_kind", "faults_by_kind"]
 
 logger = logging.getLogger(__name__)
 
 
 def soak_config(base: RunConfig, run_dir: str, seed: int, kills: int, mtbf_s: float) -> RunConfig:
-    """``base`` with random kills of shards, trainers, every trainer and the supervisor,
-    kills aimed at a save and at a recovery, and the audit log on."""
+    """``base`` with random kills of shards, trainers, every trainer and the supervisor (``kills``
+    of them, ``mtbf_s`` apart on average), kills aimed at a save, a recovery and a rollback,
+    faults other than kills drawn from ``seed`` (``soak_faults``), and the audit log on."""
     raw = base.model_dump()
     raw.update(run_dir=run_dir, audit_log=True)
     raw["data"]["cache_dir"] = base.cache_dir
@@ -34,9 +36,34 @@ def soak_config(base: RunConfig, run_dir: str, seed: int, kills: int, mtbf_s: fl
     raw["faults"] = {
         "targets": ["shards", "trainers", "supervisor", "all_trainers"], "distribution": "exponential",
         "mtbf_s": mtbf_s, "seed": seed, "max_failures": kills,
-        "at_points": [{"at": "save.files_written", "kill": "shard:0"}, {"at": "recovery.spawned", "kill": "supervisor"}],
+        "at_points": [{"at": "save.files_written", "kill": "shard:0"}, {"at": "recovery.spawned", "kill": "supervisor"},
+                      {"at": "rollback.loaded", "kill": "supervisor", "after_step": 200}],
+        "inject": soak_faults(base, seed),
     }
     return config_from_dict(raw)
+
+
+def soak_faults(base: RunConfig, seed: int) -> list[dict]:
+    """Two stalls (a shard and a trainer, SIGSTOP for 5-25 s at a random step of the first
+    half), a corrupted file met by the next recovery and a truncated one met by the next
+    rollback (each after a random step of the first quarter), from ``seed``."""
+    rng = np.random.default_rng([seed, 24])
+    last = base.training.max_steps or 1000
+    shards, trainers = base.embeddings.num_shards, base.training.num_trainers
+
+    def step(part: int = 2) -> int:
+        return int(rng.integers(20, max(21, last // part)))
+
+    return [
+        {"kind": "stall", "target": f"shard:{int(rng.integers(shards))}", "after_step": step(),
+         "seconds": round(float(rng.uniform(5, 25)), 1)},
+        {"kind": "stall", "target": f"trainer:{int(rng.integers(trainers))}", "after_step": step(),
+         "seconds": round(float(rng.uniform(5, 25)), 1)},
+        {"kind": "corrupt_checkpoint", "target": f"shard:{int(rng.integers(shards))}", "at": "recovery.spawned",
+         "after_step": step(4)},
+        {"kind": "truncate_checkpoint", "target": f"shard:{int(rng.integers(shards))}", "at": "rollback.spawned",
+         "after_step": step(4)},
+    ]
 
 
 def run_soak(config_path: str, run_dir: str, seed: int, kills: int, mtbf_s: float, timeout_s: float = 1200.0) -> dict:
@@ -68,6 +95,7 @@ def run_soak(config_path: str, run_dir: str, seed: int, kills: int, mtbf_s: floa
     verdict = verify_run(run_dir, wait_s=30.0)  # while connected: named actors are checked too
     violations += verdict.violations
     kinds = kills_by_kind(run_dir)
+    others = faults_by_kind(run_dir)
     if started_ray:
         ray.shutdown()
     if cfg.checkpoint.storage is None:
@@ -77,6 +105,7 @@ def run_soak(config_path: str, run_dir: str, seed: int, kills: int, mtbf_s: floa
     report = report or {}
     return {
         "seed": seed, "kills": sum(kinds.values()), "kills_by_kind": dict(sorted(kinds.items())),
+        "other_faults": dict(sorted(others.items())), "faults": sum(kinds.values()) + sum(others.values()),
         "shard_recoveries": len(report.get("failures", [])),
         "supervisor_restarts": report.get("supervisor_restarts", 0),
         "fallbacks": len(report.get("all_trainers_failed", [])), "finished": report.get("auc") is not None,
@@ -84,6 +113,12 @@ def run_soak(config_path: str, run_dir: str, seed: int, kills: int, mtbf_s: floa
         "steps": verdict.facts.get("steps"), "lost_samples": verdict.facts.get("lost_samples"),
         "checkpoints_verified": verdict.facts.get("checkpoints_verified"),
     }
+
+
+def faults_by_kind(run_dir: str) -> Counter:
+    """Faults other than kills that went, by kind, from the fault injector's own log."""
+    return Counter(r["fault"] for r in load_run(run_dir).faults
+                   if r["event"] == "sent" and r["fault"] not in ("kill", "resume"))
 
 
 def kills_by_kind(run_dir: str) -> Counter:
