@@ -8,7 +8,7 @@ import pytest
 
 from actors.supervisor.machine import (
     EVERY_TRAINER_DIED, FULL_RECOVERY, RESUME, Fail, Failed, Finished, RecoveringShards, RespawnRetry,
-    ResumeRequested, RollingBack, Running, ShardDied, StopRequested, TrainersAllDied, TrainersCause, WorkDone,
+    ResumeRequested, RollbackRefused, RollingBack, Running, ShardDied, StopRequested, TrainersAllDied, TrainersCause, WorkDone,
     replacement_at_checkpoint, state_from_dict, state_to_dict, transition,
 )
 from core.accounting import LostSpan, chain_rows, lost_accesses, saved_at_rows
@@ -76,6 +76,19 @@ def test_every_trainer_dying_during_a_shard_recovery_becomes_one_rollback():
     state = transition(Running(), died(1)).state
     t = transition(state, TrainersAllDied(50, (50,), TrainersCause(57, 0)))
     assert isinstance(t.state, RollingBack) and t.state.why == EVERY_TRAINER_DIED and t.state.targets == {1: 1}
+
+
+def test_a_refused_rollback_goes_further_back_and_the_dense_model_follows():
+    cause_ = TrainersCause(ahead=117, reported_by=0)
+    state = RollingBack(110, EVERY_TRAINER_DIED, (110,), {1: 2}, trainers=cause_)
+    t = transition(state, RollbackRefused(100, (100,), "checkpoint 110: file shard-1.arrow is truncated"))
+    assert t.state == RollingBack(100, EVERY_TRAINER_DIED, (100,), {1: 2}, trainers=cause_, refused_from=110)
+    # Refused again: still counted from the first step asked for; never forward, never elsewhere.
+    again = transition(t.state, RollbackRefused(90, (90,), "checkpoint 100: checksum"))
+    assert (again.state.step, again.state.refused_from) == (90, 110)
+    assert transition(t.state, RollbackRefused(100, (100,), "same step")) is None
+    assert transition(Running(), RollbackRefused(100, (100,), "no rollback in flight")) is None
+    assert state_from_dict(state_to_dict(again.state)) == again.state
 
 
 def test_resume_is_a_rollback():
