@@ -1,8 +1,9 @@
 """Compound failures on a real local Ray, each injected at a named point (``faults.at_points``,
 like torchft's ``EventInjector.fail_at``) or at a training step (``faults.at_steps``). Each
 test asserts what survived, what was reloaded, what was counted as lost, and that the run
-finished; the audit log (written by the shards and trainers) must show every microbatch
-applied exactly once (a rolled-back or redone step exactly once more)."""
+finished; ``cpr verify`` must find the run sound from the files other processes wrote (every
+microbatch applied exactly once, a rolled-back or redone step exactly once more; the kills in
+the fault log equal the report's; the lost samples recount; nothing left behind)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import pytest
 from core.checkpoint import CheckpointStore
 from core.config import config_from_dict
 from app.job import TrainingJob
-from app.soak import check_run
+from verify import verify_run
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(400)]
 
@@ -46,10 +47,9 @@ def _train(cfg):
         training.join(timeout_s=350)
         report = job.finish()
         after = {k: v.pid for k, v in _targets(job).items()}
-        violations = check_run(cfg, report, [], job.data["train"].path)
-        return report, before, after, violations
     finally:
         job.close()
+    return report, before, after, verify_run(cfg.run_dir, wait_s=30).violations
 
 
 def _targets(job):
@@ -110,7 +110,7 @@ def test_shards_killed_while_the_first_and_the_final_save_are_written(ray_local,
     assert first["restored_step"] in (0, EVERY) and first["chain"] in ([], [EVERY]), brief
     # From the initial rows, its first 20 steps are lost. Restored from the save it died in,
     # it loses only what it applied after that save's snapshot (training goes on while the
-    # files are written), which may be nothing; check_run recounted it from the audit.
+    # files are written), which may be nothing; cpr verify recounted it from the audit.
     assert first["restored_step"] == EVERY or first["lost_samples"] > 0
     assert last["actor"] == "shard:0" and last["failed_at_step"] == STEPS, brief
     # Shard 0 kept its process through shard 1's recovery: the one killed at the end is the first.
