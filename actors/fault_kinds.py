@@ -14,11 +14,15 @@ import ray
 
 from actors.nodes import pinned
 from core.checkpoint import CheckpointStore
-from core.checkpoint.files import join, resolve, shard_file_name, step_dir_name
+from core.checkpoint.files import join, local_path, resolve, shard_file_name, step_dir_name
 from core.faultlog import FaultLog
 from core.records import Target
 
-__all__ = ["stop_process", "stall_on_node", "damage_checkpoint"]
+__all__ = ["stop_process", "stall_on_node", "damage_checkpoint", "fill_storage", "FILL_LIMIT_BYTES"]
+
+# fill_storage fills the free space of the checkpoint storage: only where there is little of it
+# (a small tmpfs made for the test), never a real disk.
+FILL_LIMIT_BYTES = 4 << 30
 
 
 def stop_process(target: str, pid: int, seconds: float, trigger: str, log_dir: str) -> float | None:
@@ -34,7 +38,7 @@ def stop_process(target: str, pid: int, seconds: float, trigger: str, log_dir: s
     os.kill(pid, signal.SIGSTOP)
     log.write("sent", "stall", target, pid, trigger, stall_time=now, seconds=seconds)
     subprocess.Popen(
-        [sys.executable, "-m", "core.faultlog", str(pid), str(now + seconds), log_dir, target, trigger],
+        [sys.executable, "-m", "core.faultlog", "resume", str(pid), str(now + seconds), log_dir, target, trigger],
         start_new_session=True, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )
     return now
@@ -73,3 +77,38 @@ def damage_checkpoint(uri: str, how: str, shard: int, trigger: str, log_dir: str
         f.write(bytes(data))
     log.write("sent", how, target, None, trigger, step=step, file=shard_file_name(shard))
     return step
+
+
+def fill_storage(uri: str, seconds: float, trigger: str, log_dir: str) -> int:
+    """Fills the free space of the local filesystem that holds the checkpoints under ``uri``
+    with a filler file, and starts a process of its own that deletes it ``seconds`` later.
+    Returns the bytes written. Refuses a remote store, and a filesystem with more than
+    ``FILL_LIMIT_BYTES`` free."""
+    root = local_path(uri)
+    if root is None:
+        raise ValueError(f"fill_storage needs checkpoints on a local filesystem, not {uri}")
+    os.makedirs(root, exist_ok=True)
+    stat = os.statvfs(root)
+    free = stat.f_bavail * stat.f_frsize
+    if free > FILL_LIMIT_BYTES:
+        raise ValueError(f"fill_storage would fill {free / 2**30:.1f} GiB under {root}; it fills only a filesystem "
+                         f"with at most {FILL_LIMIT_BYTES / 2**30:.0f} GiB free (a small tmpfs)")
+    log = FaultLog(log_dir)
+    path = os.path.join(root, f".cpr-fill-{os.getpid()}")
+    now = time.time()
+    log.write("sending", "fill_storage", "storage", None, trigger, t=now, file=path, seconds=seconds)
+    written, chunk = 0, b"\0" * (1 << 20)
+    with open(path, "wb") as f:
+        while True:
+            try:
+                f.write(chunk)
+                f.flush()
+                written += len(chunk)
+            except OSError:
+                break  # ENOSPC: full
+    log.write("sent", "fill_storage", "storage", None, trigger, file=path, seconds=seconds, bytes=written)
+    subprocess.Popen(
+        [sys.executable, "-m", "core.faultlog", "free", path, str(now + seconds), log_dir, trigger],
+        start_new_session=True, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    return written

@@ -17,7 +17,7 @@ from collections.abc import Callable
 import numpy as np
 import ray
 
-from actors.fault_kinds import damage_checkpoint, stall_on_node
+from actors.fault_kinds import damage_checkpoint, fill_storage, stall_on_node
 from actors.nodes import pinned
 from actors.supervisor.hooks import RunHooks
 from core.config import FaultsConfig
@@ -91,11 +91,13 @@ class Killer:
                 if info is None or info.pid is None:
                     raise LookupError(f"{spec.target} has no process now")
                 stall_on_node(spec.target, info, spec.seconds, trigger, self.log_dir, self.timeout_s)
+            elif spec.kind == "fill_storage":
+                fill_storage(self.checkpoint_uri, spec.seconds, trigger, self.log_dir)
             else:
                 damage_checkpoint(self.checkpoint_uri, spec.kind, int(spec.target.split(":")[1]), trigger, self.log_dir)
         except Exception as err:  # noqa: BLE001 - see the docstring
             logger.warning("injected %s of %s failed: %s", spec.kind, spec.target, err)
-            FaultLog(self.log_dir).write("aborted", spec.kind, spec.target, None, trigger, error=repr(err))
+            FaultLog(self.log_dir).write("aborted", spec.kind, spec.target or "storage", None, trigger, error=repr(err))
 
     def __call__(self, target: str, trigger: str) -> None:
         if target == "supervisor":

@@ -118,7 +118,7 @@ def run_soak(config_path: str, run_dir: str, seed: int, kills: int, mtbf_s: floa
 def faults_by_kind(run_dir: str) -> Counter:
     """Faults other than kills that went, by kind, from the fault injector's own log."""
     return Counter(r["fault"] for r in load_run(run_dir).faults
-                   if r["event"] == "sent" and r["fault"] not in ("kill", "resume"))
+                   if r["event"] == "sent" and r["fault"] not in ("kill", "resume", "free_storage"))
 
 
 def kills_by_kind(run_dir: str) -> Counter:

@@ -261,6 +261,8 @@ class RunConfig(_Section):
             raise ValueError("emulation places its own failures on the emulated clock; remove the faults section")
         counts = {"shard": self.embeddings.num_shards, "trainer": self.training.num_trainers}
         for i, spec in enumerate(f.inject if f is not None else []):
+            if spec.target is None:
+                continue
             kind, _, index = spec.target.partition(":")
             if int(index) >= counts[kind]:
                 raise ValueError(f"faults.inject[{i}].target: {spec.target} does not exist; the run has "

@@ -55,12 +55,15 @@ class FaultSpec(Section):
     """A fault other than a kill, injected once: when training step ``after_step`` committed, or at a named
     point of the supervisor's work (``at``) once that many steps committed."""
 
-    kind: Literal["stall", "corrupt_checkpoint", "truncate_checkpoint"]
+    kind: Literal["stall", "corrupt_checkpoint", "truncate_checkpoint", "fill_storage"]
     """stall: SIGSTOP the target's process for ``seconds``, then SIGCONT it (a process that stops answering
     without dying); corrupt_checkpoint: flip bytes in the middle of the target shard's file of the newest
-    committed checkpoint; truncate_checkpoint: cut that file to half its size (a torn or bit-rotted file)."""
-    target: str = Field(..., pattern=r"^(shard:\d+|trainer:\d+)$")
-    """The process to stall (shard:K or trainer:K), or the shard whose checkpoint file is damaged (shard:K)."""
+    committed checkpoint; truncate_checkpoint: cut that file to half its size (a torn or bit-rotted file);
+    fill_storage: fill the checkpoint storage's free space for ``seconds`` (a local filesystem with at most
+    4 GiB free, e.g. a small tmpfs; refused on anything bigger)."""
+    target: str | None = Field(None, pattern=r"^(shard:\d+|trainer:\d+)$")
+    """The process to stall (shard:K or trainer:K), or the shard whose checkpoint file is damaged (shard:K);
+    none for fill_storage."""
     after_step: int = Field(0, ge=0)
     """Without ``at``: injected once this training step committed. With ``at``: only once this many steps
     committed."""
@@ -68,7 +71,7 @@ class FaultSpec(Section):
     """A point of the supervisor's work (see faults.at_points[].at), e.g. recovery.spawned: a damaged file
     there is the one the recovery is about to load."""
     seconds: float = Field(10.0, gt=0.0, le=3600.0)
-    """How long a stall lasts."""
+    """How long a stall, or a full storage, lasts."""
 
     @field_validator("at")
     @classmethod
@@ -79,7 +82,12 @@ class FaultSpec(Section):
 
     @model_validator(mode="after")
     def _check_target(self) -> "FaultSpec":
-        if self.kind != "stall" and not self.target.startswith("shard:"):
+        if self.kind == "fill_storage":
+            if self.target is not None:
+                raise ValueError("fill_storage fills the checkpoint storage: give no target")
+        elif self.target is None:
+            raise ValueError(f"{self.kind} needs a target")
+        elif self.kind != "stall" and not self.target.startswith("shard:"):
             raise ValueError(f"{self.kind} damages a shard's checkpoint file: target must be shard:K")
         return self
 

@@ -76,8 +76,26 @@ def resume_later(pid: int, until: float, log_dir: str, target: str, trigger: str
     log.write("sent", "resume", target, pid, trigger)
 
 
+def free_later(path: str, until: float, log_dir: str, trigger: str) -> None:
+    """Sleeps until ``until``, then deletes the filler file ``path`` (the end of a full
+    storage), logging before and after; its own process, like ``resume_later``."""
+    time.sleep(max(0.0, until - time.time()))
+    log = FaultLog(log_dir)
+    log.write("sending", "free_storage", "storage", None, trigger, file=path)
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        log.write("aborted", "free_storage", "storage", None, trigger, error="the filler file is gone")
+        return
+    log.write("sent", "free_storage", "storage", None, trigger, file=path)
+
+
 if __name__ == "__main__":
     import sys
 
-    _pid, _until, _dir, _target, _trigger = sys.argv[1:6]
-    resume_later(int(_pid), float(_until), _dir, _target, _trigger)
+    if sys.argv[1] == "resume":
+        _pid, _until, _dir, _target, _trigger = sys.argv[2:7]
+        resume_later(int(_pid), float(_until), _dir, _target, _trigger)
+    elif sys.argv[1] == "free":
+        _path, _until, _dir, _trigger = sys.argv[2:6]
+        free_later(_path, float(_until), _dir, _trigger)

@@ -91,22 +91,25 @@ def walk_shard(k: int, files: list[AuditFile], m: int, total: int) -> tuple[list
 
 
 def walk_dense(trainers: list[AuditFile], m: int, total: int, killed: set[int]) -> list[str]:
-    """The dense optimizer: one commit group per (step, quorum), its trainers' shares exactly
+    """The dense optimizer: one commit group per (step, quorum, lighthouse), its trainers' shares exactly
     the step's M microbatch ids; a group of step ``s`` finds ``s`` steps committed, or a
     rollback or resume to ``s`` since the previous group."""
     v: list[str] = []
-    groups: dict[tuple[int, int], list[dict]] = {}
+    groups: dict[tuple[int, int, str | None], list[dict]] = {}
     loads: list[dict] = []
     for f in trainers:
+        lighthouse = None  # quorum ids count per lighthouse: a new one counts from 1 again
         for r in f.records:
-            if r.get("event") == "commit":
-                groups.setdefault((r["step"], r["quorum"]), []).append({**r, "_file": f})
+            if r.get("event") == "open":
+                lighthouse = r.get("lighthouse")
+            elif r.get("event") == "commit":
+                groups.setdefault((r["step"], r["quorum"], lighthouse), []).append({**r, "_file": f})
             elif r.get("event") == "load":
                 loads.append(r)
     order = sorted(groups.items(), key=lambda kv: min(c["t"] for c in kv[1]))
     loads.sort(key=lambda r: r["t"])
     done, li, last_t = 0, 0, float("-inf")
-    for (step, quorum), commits in order:
+    for (step, quorum, _), commits in order:
         t = min(c["t"] for c in commits)
         since = []
         while li < len(loads) and loads[li]["t"] <= t:

@@ -159,6 +159,9 @@ class TrainerDesk:
             step, self._trainers.live_established(rank, deadline.remaining(self._deadlines.shard_call_s))
         )
         if decision.action == "heal":
+            caught_up = self._final_state()
+            if caught_up is not None:
+                return caught_up
             raise TrainerConflict(f"{decision.reason}; replacement {rank} must heal from them")
         self._trainers.unpin(rank)
         if decision.action == "join":
@@ -199,6 +202,16 @@ class TrainerDesk:
         # A shard refused a file of checkpoint `step`: the new trainers go further back too.
         dense = self._ckpt.read_dense(rollback.step)
         return FleetView(now_generation, shards, Rollback(rollback.generation, rollback.step, dense))
+
+    def _final_state(self) -> FleetView | None:
+        """The live trainers committed every step and the final checkpoint: no quorum is left to
+        heal a late replacement, which takes the final state from that checkpoint instead."""
+        total = self._setup.schedule.total_steps if self._setup.schedule is not None else None
+        last = self._trainers.last_step_committed()
+        if total is None or last is None or last + 1 < total or not self._ckpt.full_checkpoint_of(total):
+            return None
+        generation, shards = self._c.fleet()
+        return FleetView(generation, shards, Rollback(generation, total, self._ckpt.read_dense(total)))
 
     def _rolled_back_already(self, step: int, ahead: int, generation: int, shards: tuple) -> FleetView:
         """Nothing to roll back: another trainer of this incident did it already, or every

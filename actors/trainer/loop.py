@@ -167,8 +167,10 @@ def _audit_file(setup: TrainerSetup, rank: int):
         return None
     os.makedirs(setup.audit_dir, exist_ok=True)
     audit = open(os.path.join(setup.audit_dir, f"trainer-{rank}-{os.getpid()}.jsonl"), "a", buffering=1)
+    # Quorum ids count per lighthouse, and a new lighthouse counts from 1 again: the checker
+    # tells commits of different lighthouses apart by its address.
     audit.write(json.dumps({"t": round(time.time(), 6), "event": "open", "rank": rank, "pid": os.getpid(),
-                            "host": socket.gethostname()}) + "\n")
+                            "host": socket.gethostname(), "lighthouse": os.environ.get("TORCHFT_LIGHTHOUSE")}) + "\n")
     return audit
 
 

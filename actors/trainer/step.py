@@ -124,6 +124,12 @@ class Trainer:
         this very step (nothing to roll back)."""
         try:
             fleet = self.supervisor.fallback_to_checkpoint(attempt.step, self.rank)
+            if fleet.rollback is not None and fleet.rollback.step > attempt.step:
+                # The others finished every step: this late replacement takes the final state
+                # (it has nothing left to train; rank 0 evaluates with it).
+                self.roll_back(fleet.rollback)
+                attempt.error = RuntimeError(f"caught up with the final checkpoint of step {fleet.rollback.step}")
+                return
             if fleet.rollback is not None and fleet.rollback.step != attempt.step:
                 # A shard refused its file of checkpoint `attempt.step`, and the shards went
                 # further back. Trainers that rolled back one by one would heal one another

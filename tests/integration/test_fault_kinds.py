@@ -1,11 +1,14 @@
 """Faults other than SIGKILLs, in one run on a real local Ray: a shard that stops answering
-(SIGSTOP, resumed by SIGCONT after a while), a trainer that does, a damaged file in the newest
-checkpoint followed by a recovery and a rollback that must not use it, and the supervisor
-killed in the middle of a rollback and of a save's commit. Each test states what must survive;
+(SIGSTOP, resumed by SIGCONT after a while), a trainer that does, checkpoint storage that fills
+up (a 256 MB tmpfs of this test's own), a damaged file in the newest checkpoint met by a
+recovery and by a rollback that must not use it, and the supervisor killed in the middle of a
+rollback and of a save's commit. Each test states what must survive;
 every one of them also needs ``cpr verify`` to find the run sound (exactly-once applies and
 commits, kills and report equal, lost samples recounted, nothing left behind)."""
 
 from __future__ import annotations
+
+import subprocess
 
 import pytest
 
@@ -21,6 +24,8 @@ INJECT = [
     # Three call timeouts: the trainers' calls time out, and the shard must be declared dead.
     {"kind": "stall", "target": "shard:1", "after_step": 15, "seconds": 3 * CALL_TIMEOUT},
     {"kind": "stall", "target": "trainer:1", "after_step": 45, "seconds": 8.0},
+    # The checkpoint storage is full for 3 s: the saves meanwhile fail, none may commit torn.
+    {"kind": "fill_storage", "after_step": 62, "seconds": 3.0},
     # Shard 0 dies at step 85; its recovery finds its file of the newest checkpoint damaged
     # right before it loads, and must refuse it.
     {"kind": "corrupt_checkpoint", "target": "shard:0", "at": "recovery.spawned", "after_step": 80},
@@ -34,7 +39,18 @@ POINTS = [{"at": "rollback.loaded", "kill": "supervisor"},
 
 
 @pytest.fixture(scope="module")
-def faulted(ray_local, small_data, tmp_path_factory):
+def small_disk(tmp_path_factory):
+    """A 256 MB tmpfs for the checkpoints (root, as CI runs: the mount must work)."""
+    path = tmp_path_factory.mktemp("small_disk")
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256m", "tmpfs", str(path)], check=True)
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=True)
+
+
+@pytest.fixture(scope="module")
+def faulted(ray_local, small_data, small_disk, tmp_path_factory):
     tmp_path = tmp_path_factory.mktemp("faults")
     cfg = config_from_dict({
         "run_dir": str(tmp_path / "run"),
@@ -45,7 +61,8 @@ def faulted(ray_local, small_data, tmp_path_factory):
         "embeddings": {"num_shards": 2, "sharding": "row_wise", "call_timeout_s": CALL_TIMEOUT},
         "training": {"num_trainers": 2, "microbatch_rows": 128, "microbatches_per_step": M, "max_steps": STEPS,
                      "progress_every_steps": 5, "collective_timeout_s": 5},
-        "checkpoint": {"every_steps": EVERY, "keep_last": 1000},
+        # Four checkpoints of 25 MB fit in the 256 MB: the storage is full only while filled.
+        "checkpoint": {"every_steps": EVERY, "keep_last": 4, "storage": str(small_disk / "checkpoints")},
         "recovery": "partial",
         "audit_log": True,
         "faults": {"max_failures": 0, "seed": 1, "at_steps": KILLS, "at_points": POINTS, "inject": INJECT},
@@ -94,6 +111,19 @@ def test_a_stalled_trainer_does_not_stop_the_others(faulted):
                 groups.setdefault((r["step"], r["quorum"]), set()).add(r["rank"])
     assert any(ranks == {0} for ranks in groups.values()), groups
     assert report["microbatches_per_committed_step"] == [M], report["microbatches_per_committed_step"]
+
+
+def test_full_checkpoint_storage_fails_saves_and_commits_nothing_torn(faulted):
+    cfg, report, verdict = faulted
+    [fill] = _sent(cfg, "fill_storage")
+    [freed] = _sent(cfg, "free_storage")
+    assert fill["bytes"] > 0, fill
+    failed = [e for e in report["events"] if e["kind"] == "checkpoint_failed" and fill["t"] <= e["time"] <= freed["t"] + 1]
+    saved_after = [e for e in report["events"] if e["kind"] == "checkpoint_saved" and e["time"] > freed["t"]]
+    # Saves failed while it was full, later ones committed; every committed checkpoint verifies
+    # (the verdict hashes each file against its manifest).
+    assert failed and saved_after, [e for e in report["events"] if e["kind"].startswith("checkpoint")][-12:]
+    assert verdict.facts["checkpoints_verified"] > 0
 
 
 def _damaged(cfg, fault: str) -> int:
