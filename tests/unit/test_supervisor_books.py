@@ -284,3 +284,56 @@ def test_a_checkpoint_is_verified_outside_the_books_lock(tmp_path):
     release.set()
     waiter.join(5)
     assert setups[0].resume.step == 40 and 40 in book.pinned()
+
+
+def test_a_late_replacement_takes_the_final_checkpoint_once_its_peers_finished():
+    # Before, a replacement that started after its live peer had committed the last step waited
+    # to heal from it (TrainerConflict) at every try until budgets.max_step_redos failed the run:
+    # the peer, training over, formed no more quorums.
+    from actors.supervisor.desk import TrainerDesk
+    from actors.supervisor.machine import Running
+    from core.deadlines import Deadlines
+    from core.errors import TrainerConflict
+    from core.records import TrainerSetup
+    from core.schedule import StepSchedule
+
+    class Controller:
+        def fleet(self):
+            return 3, ("shard0", "shard1")
+
+        def state_now(self):
+            return Running()
+
+    class Trainers:
+        last = 140
+
+        def live_established(self, exclude, timeout_s):
+            return {1: self.last + 1}  # trainer 1 is alive and ahead of the replacement's step
+
+        def last_step_committed(self):
+            return self.last
+
+        def unpin(self, rank):
+            pass
+
+    class Checkpoints:
+        final = False
+
+        def full_checkpoint_of(self, step):
+            return self.final and step == 150
+
+        def read_dense(self, step):
+            return b"dense of %d" % step
+
+    lock, trainers, checkpoints = threading.RLock(), Trainers(), Checkpoints()
+    setup = TrainerSetup(finished=False, schedule=StepSchedule(600, 4, 150, 0))
+    desk = TrainerDesk(lock, Controller(), checkpoints, trainers, EventLog(lock, HookList(), lambda: None),
+                       FailurePolicy(BudgetLimits()), Deadlines(30.0), setup, lambda s: None, True, "r")
+    with pytest.raises(TrainerConflict):  # the peer is still training: heal from it
+        desk.fallback_to_checkpoint(124, 0)
+    trainers.last = 149
+    with pytest.raises(TrainerConflict):  # every step committed, the final checkpoint not yet
+        desk.fallback_to_checkpoint(124, 0)
+    checkpoints.final = True
+    view = desk.fallback_to_checkpoint(124, 0)
+    assert (view.generation, view.rollback.step, view.rollback.dense) == (3, 150, b"dense of 150")
