@@ -45,9 +45,9 @@ def recount_lost(span: LostSpanSeen, slices: list[list[int]], store: Store, cach
     """Lost samples of one partially recovered generation."""
     redo = span.redo if span.redo is not None else 0
     steps = sorted(t for t in span.applied if t < redo)
-    if not steps:
-        return 0.0
     base = span.chain[0] if span.chain else 0
+    if not steps or (span.chain and redo <= base):
+        return 0.0  # every row was saved at or after the redo step: nothing the dead one held is lost
     saved_at = {table: np.full(end - start, base, dtype=np.int64) for table, start, end in slices}
     start_of = {table: start for table, start, _ in slices}
     for step in span.chain[1:]:

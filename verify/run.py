@@ -128,8 +128,12 @@ def _check_lost(run: RunFiles, report: dict, spans, store: Store, cache: DataCac
         if span.shard not in slices:
             v.append(f"shard {span.shard} wrote no open line naming its rows: its lost samples cannot be recounted")
             continue
-        mine[(span.shard, span.generation)] = recount_lost(span, slices[span.shard], store, cache, schedule,
-                                                          run.config["model"])
+        try:
+            mine[(span.shard, span.generation)] = recount_lost(span, slices[span.shard], store, cache, schedule,
+                                                              run.config["model"])
+        except (OSError, ValueError, KeyError) as err:
+            v.append(f"shard {span.shard} generation {span.generation}: its lost samples cannot be recounted "
+                     f"({type(err).__name__}: {err})")
     theirs: dict[tuple[int, int], float] = defaultdict(float)
     for f in report.get("failures", []):
         if f.get("recovery") == "partial":

@@ -156,7 +156,7 @@ def assemble(inputs: RunInputs, on_crash: Callable[[str, BaseException], None], 
         decide=lambda: decide_recovery(RecoveryMode(cfg.recovery), costs.inputs(n, ck.pls_target)),
         host_down_since=hosts.since, suspects=hosts.suspects, partial_chain=checkpoints.chain_candidates,
         consistent_chain=checkpoints.consistent_chain, policy=policy, hooks=hooks, start_thread=start_thread,
-        retried=RETRIED_ERRORS + (ray.exceptions.RayError,), refuse=checkpoints.refuse, chain_upto=checkpoints.chain_upto,
+        retried=RETRIED_ERRORS + (ray.exceptions.RayError,), refuse=checkpoints.refuse, full_upto=checkpoints.full_upto,
     ))
     reporter = HostLossReporter(events, controller.shards_on, trainers.ranks_on, spares.on_node)
     setup = TrainerSetup(

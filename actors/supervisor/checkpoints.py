@@ -188,6 +188,10 @@ class CheckpointCoordinator:
     def chain_upto(self, step: int) -> tuple[int, ...]:
         return tuple(self.store.verified_chain(step)) if self.store is not None else ()
 
+    def full_upto(self, step: int) -> tuple[int, ...]:
+        """The newest valid full checkpoint at or before ``step``, alone (a rollback's chain)."""
+        return self.chain_upto(step)[:1]
+
     def refuse(self, fallbacks) -> None:
         """Checkpoints a shard found corrupt while loading (``CheckpointFallback``s): no chain
         the supervisor chooses uses them from now on."""

@@ -41,4 +41,4 @@ class Collaborators:
     start_thread: Callable[..., threading.Thread]
     retried: tuple[type[BaseException], ...] = RETRIED_ERRORS
     refuse: Callable[[tuple], None] = lambda fallbacks: None  # checkpoints a shard found corrupt: chains skip them
-    chain_upto: Callable[[int], tuple[int, ...]] = lambda step: ()  # the newest valid chain ending at or before step
+    full_upto: Callable[[int], tuple[int, ...]] = lambda step: ()  # the newest valid full checkpoint <= step, alone

@@ -184,7 +184,7 @@ class RecoveryController:
         """A shard refused a corrupt file of the rollback's chain: go further back (``refusal``)."""
         if isinstance(state, RollingBack) and err.fallbacks:
             self._p.refuse(err.fallbacks)
-            if self.transition(refusal(err, self._p.chain_upto)):
+            if self.transition(refusal(err, self._p.full_upto)):
                 return
         self.fail(f"invariant: {err}")
 

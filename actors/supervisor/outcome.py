@@ -90,9 +90,11 @@ def rollback_events(done: RollingBack, out: Outcome) -> list[tuple[str, dict]]:
     return events
 
 
-def refusal(err: ChainMismatch, chain_upto) -> RollbackRefused:
-    """The rollback that passes over the checkpoints a shard refused: to the newest chain that
-    ends before the oldest of them (``chain_upto``, once the refused ones are marked corrupt)."""
-    chain = chain_upto(min(fb.step for fb in err.fallbacks) - 1)
+def refusal(err: ChainMismatch, full_upto) -> RollbackRefused:
+    """The rollback that passes over the checkpoints a shard refused: to the newest full
+    checkpoint before the oldest of them, alone (``full_upto``, once the refused ones are marked
+    corrupt): like every rollback of everything, never through MFU/SSU incrementals, which hold
+    only their prioritized rows."""
+    chain = full_upto(min(fb.step for fb in err.fallbacks) - 1)
     reason = "; ".join(f"checkpoint {fb.step}: {fb.reason}" for fb in err.fallbacks)
     return RollbackRefused(chain[-1] if chain else 0, tuple(chain), reason[:300])
