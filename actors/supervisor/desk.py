@@ -134,7 +134,11 @@ class TrainerDesk:
                     dense = self._ckpt.read_dense(rollback.step)
                     view = FleetView(generation, shards, Rollback(rollback.generation, rollback.step, dense), False,
                                      view.next_checkpoint)
-                self._c.settle(known_generation, step)
+                # A trainer that lagged (stalled, or slow to notice) may report an older step than
+                # the one the others redo from: the work redone on the new fleet starts no earlier
+                # than the step after the last committed one.
+                last = self._trainers.last_step_committed()
+                self._c.settle(known_generation, step if last is None else max(step, last + 1))
                 return view
             if not isinstance(state, Running):
                 continue
