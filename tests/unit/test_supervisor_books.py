@@ -337,3 +337,47 @@ def test_a_late_replacement_takes_the_final_checkpoint_once_its_peers_finished()
     checkpoints.final = True
     view = desk.fallback_to_checkpoint(124, 0)
     assert (view.generation, view.rollback.step, view.rollback.dense) == (3, 150, b"dense of 150")
+
+
+@pytest.mark.parametrize("reported, last_committed, redo", [(86, 85, 86), (46, 85, 86), (10, None, 10)])
+def test_a_lagging_trainer_does_not_close_a_shard_failure_before_the_step_the_others_redo(
+        reported, last_committed, redo):
+    # Before, a trainer stalled at step 46 that came back after shard 0 died at step 86 closed
+    # that failure at step 46: its lost samples were counted as 0 (cpr verify recounted 6,998).
+    from actors.supervisor.desk import TrainerDesk
+    from actors.supervisor.machine import Running
+    from core.deadlines import Deadlines
+    from core.records import TrainerSetup
+
+    settled = []
+
+    class Controller:
+        def wait_settled(self, timeout_s):
+            return True
+
+        def state_now(self):
+            return Running()
+
+        def fleet(self):
+            return 2, ("shard0", "shard1")
+
+        def rollback_after(self, known_generation):
+            return None
+
+        def settle(self, known_generation, redo_step):
+            settled.append((known_generation, redo_step))
+
+    class Trainers:
+        def last_step_committed(self):
+            return last_committed
+
+    class Checkpoints:
+        def next_due(self):
+            return None
+
+    lock = threading.RLock()
+    desk = TrainerDesk(lock, Controller(), Checkpoints(), Trainers(), EventLog(lock, HookList(), lambda: None),
+                       FailurePolicy(BudgetLimits()), Deadlines(30.0), TrainerSetup(finished=False), lambda s: None,
+                       True, "r")
+    view = desk.await_shards(1, reported)
+    assert view.generation == 2 and settled == [(1, redo)]
