@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import logging
 import shutil
-from collections import Counter
-
 import numpy as np
 import ray
 
@@ -17,10 +15,8 @@ from app.job import TrainingJob
 from app.rayenv import connect_ray
 from core.config import RunConfig, config_from_dict, load_config
 from verify import verify_run
-from verify.files import load_run
-from verify.kills import landed_kills
 
-__all__ = ["run_soak", "soak_config", "soak_faults", "kills_by_kind", "faults_by_kind"]
+__all__ = ["run_soak", "soak_config", "soak_faults"]
 
 logger = logging.getLogger(__name__)
 
@@ -94,8 +90,7 @@ def run_soak(config_path: str, run_dir: str, seed: int, kills: int, mtbf_s: floa
         violations.append(f"training raised {error}")
     verdict = verify_run(run_dir, wait_s=30.0)  # while connected: named actors are checked too
     violations += verdict.violations
-    kinds = kills_by_kind(run_dir)
-    others = faults_by_kind(run_dir)
+    kinds, others = verdict.facts.get("kills_by_kind", {}), verdict.facts.get("other_faults", {})
     if started_ray:
         ray.shutdown()
     if cfg.checkpoint.storage is None:
@@ -104,8 +99,8 @@ def run_soak(config_path: str, run_dir: str, seed: int, kills: int, mtbf_s: floa
         shutil.rmtree(cfg.checkpoint_uri, ignore_errors=True)
     report = report or {}
     return {
-        "seed": seed, "kills": sum(kinds.values()), "kills_by_kind": dict(sorted(kinds.items())),
-        "other_faults": dict(sorted(others.items())), "faults": sum(kinds.values()) + sum(others.values()),
+        "seed": seed, "kills": sum(kinds.values()), "kills_by_kind": kinds,
+        "other_faults": others, "faults": sum(kinds.values()) + sum(others.values()),
         "shard_recoveries": len(report.get("failures", [])),
         "supervisor_restarts": report.get("supervisor_restarts", 0),
         "fallbacks": len(report.get("all_trainers_failed", [])), "finished": report.get("auc") is not None,
@@ -113,15 +108,3 @@ def run_soak(config_path: str, run_dir: str, seed: int, kills: int, mtbf_s: floa
         "steps": verdict.facts.get("steps"), "lost_samples": verdict.facts.get("lost_samples"),
         "checkpoints_verified": verdict.facts.get("checkpoints_verified"),
     }
-
-
-def faults_by_kind(run_dir: str) -> Counter:
-    """Faults other than kills that went, by kind, from the fault injector's own log."""
-    return Counter(r["fault"] for r in load_run(run_dir).faults
-                   if r["event"] == "sent" and r["fault"] not in ("kill", "resume", "free_storage"))
-
-
-def kills_by_kind(run_dir: str) -> Counter:
-    """Kills that landed, by kind of target, from the fault injector's own log."""
-    kills, _ = landed_kills(load_run(run_dir))
-    return Counter(k.target.split(":")[0] for k in kills)

@@ -7,7 +7,8 @@ from dataclasses import dataclass
 
 from verify.files import RunFiles
 
-__all__ = ["Kill", "landed_kills", "check_kills"]
+__all__ = ["Kill", "Damage", "landed_kills", "check_kills", "counts_by_kind", "planted_damage", "stalled_pids",
+           "check_damage_unused"]
 
 
 @dataclass(frozen=True)
@@ -87,3 +88,10 @@ def check_damage_unused(run: RunFiles, damage: list[Damage]) -> list[str]:
                     v.append(f"shard {d.shard} (generation {f.gen}) loaded checkpoint {d.step} at {r['t']:.3f}, after "
                              f"its file {d.file} was damaged at {d.time:.3f}")
     return v
+
+
+def counts_by_kind(run: RunFiles, kills: list[Kill]) -> tuple[Counter, Counter]:
+    """(kills that landed by kind of target, other faults that went by kind), from the log."""
+    others = Counter(r["fault"] for r in run.faults
+                     if r["event"] == "sent" and r["fault"] not in ("kill", "resume", "free_storage"))
+    return Counter(k.target.split(":")[0] for k in kills), others

@@ -56,15 +56,16 @@ def recount_lost(span: LostSpanSeen, slices: list[list[int]], store: Store, cach
             mine = rows[(tables == table) & (rows >= start) & (rows < end)]
             saved_at[table][mine - start] = step
     m = schedule.microbatches_per_step
-    lost, features = 0, None
+    lost, table_rows = 0, None
     for t in steps:
         for mb in span.applied[t]:
             step, pos = divmod(mb, m)
             sparse = cache.sparse(schedule.microbatch(step, pos))
-            features = sparse.shape[1]
-            rows = sparse.astype(np.int64) % rows_per_table(model, features)
+            if table_rows is None:
+                table_rows = rows_per_table(model, sparse.shape[1])
+            rows = sparse.astype(np.int64) % table_rows
             for table, _, end in slices:
                 col = rows[:, table]
                 col = col[(col >= start_of[table]) & (col < end)]
                 lost += int((saved_at[table][col - start_of[table]] <= t).sum())
-    return lost / features
+    return lost / len(table_rows)

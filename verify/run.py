@@ -15,7 +15,7 @@ from pathlib import Path
 
 from core.schedule import StepSchedule
 from verify.files import RunFiles, load_run
-from verify.kills import (check_damage_unused, check_kills, landed_kills, planted_damage,
+from verify.kills import (check_damage_unused, check_kills, counts_by_kind, landed_kills, planted_damage,
                           stalled_pids)
 from verify.leftovers import leftovers
 from verify.lost import DataCache, recount_lost
@@ -67,6 +67,9 @@ def verify_run(run_dir: str | Path, wait_s: float = 10.0) -> Verdict:
     if report is None:
         v.append("no report.json: the run ended without its report")
         report = {}
+    kills, problems = landed_kills(run)
+    kinds, others = counts_by_kind(run, kills)
+    verdict.facts = {"kills_by_kind": dict(sorted(kinds.items())), "other_faults": dict(sorted(others.items()))}
     cache_path = _train_cache(run)
     if cache_path is None:
         v.append("the training data cache of this run is not found (run.json names none, and no cache in "
@@ -82,10 +85,10 @@ def verify_run(run_dir: str | Path, wait_s: float = 10.0) -> Verdict:
         v.append(f"the run did not finish: the report says state {state!r}, AUC {report.get('auc')}")
     if report.get("steps") != total:
         v.append(f"the report says {report.get('steps')} steps, the run has {total}")
-    kills, problems = landed_kills(run)
     v += problems + check_kills(run, kills)
     # A writer killed, or stalled and then killed by the product, may leave a torn last line.
-    killed = {k.pid for k in kills} | stalled_pids(run)
+    stalled = stalled_pids(run)
+    killed = {k.pid for k in kills} | stalled
     every_file = [f for files in run.shards.values() for f in files] + run.trainers
     v += torn_lines(every_file, killed)
     spans = []
@@ -110,9 +113,8 @@ def verify_run(run_dir: str | Path, wait_s: float = 10.0) -> Verdict:
     if run.config["checkpoint"].get("final", True) and state == "finished" and total not in committed:
         v.append(f"the final checkpoint (step {total}) is not committed")
     v += leftovers(run, wait_s)
-    verdict.facts = {"steps": total, "kills": len(kills), "partial_recoveries": len(spans), "lost_samples": lost,
-                     "checkpoints_verified": len(committed),
-                     "damaged_checkpoints": len(damage), "stalls": len(stalled_pids(run))}
+    verdict.facts |= {"steps": total, "kills": len(kills), "partial_recoveries": len(spans), "lost_samples": lost,
+                     "checkpoints_verified": len(committed), "damaged_checkpoints": len(damage), "stalls": len(stalled)}
     return verdict
 
 

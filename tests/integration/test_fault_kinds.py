@@ -13,10 +13,10 @@ import subprocess
 
 import pytest
 
-from app.job import TrainingJob
-from core.config import config_from_dict
 from verify import verify_run
 from verify.files import load_run
+
+from .small_runs import small_run_config, train_to_report
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(500)]
 
@@ -53,28 +53,13 @@ def small_disk(tmp_path_factory):
 @pytest.fixture(scope="module")
 def faulted(ray_local, small_data, small_disk, tmp_path_factory):
     tmp_path = tmp_path_factory.mktemp("faults")
-    cfg = config_from_dict({
-        "run_dir": str(tmp_path / "run"),
-        "seed": 11,
-        "data": {"train": [small_data.train_path], "eval": [small_data.eval_path],
-                 "cache_dir": str(tmp_path.parent / "cache")},
-        "model": {"embedding_dim": 8, "table_rows": 20_000, "dense_arch": [32, 8], "over_arch": [32, 1]},
-        "embeddings": {"num_shards": 2, "sharding": "row_wise", "call_timeout_s": CALL_TIMEOUT},
-        "training": {"num_trainers": 2, "microbatch_rows": 128, "microbatches_per_step": M, "max_steps": STEPS,
-                     "progress_every_steps": 5, "collective_timeout_s": 5},
+    cfg = small_run_config(
+        tmp_path, small_data, seed=11, steps=STEPS, microbatches=M, call_timeout_s=CALL_TIMEOUT, collective_timeout_s=5,
         # Four checkpoints of 25 MB fit in the 256 MB: the storage is full only while filled.
-        "checkpoint": {"every_steps": EVERY, "keep_last": 4, "storage": str(small_disk / "checkpoints")},
-        "recovery": "partial",
-        "audit_log": True,
-        "faults": {"max_failures": 0, "seed": 1, "at_steps": KILLS, "at_points": POINTS, "inject": INJECT},
-    })
-    job = TrainingJob(cfg, show_progress=False)
-    try:
-        job.start(wait=False)
-        job.fit_in_background().join(timeout_s=450)
-        report = job.finish()
-    finally:
-        job.close()
+        checkpoint={"every_steps": EVERY, "keep_last": 4, "storage": str(small_disk / "checkpoints")},
+        faults={"seed": 1, "at_steps": KILLS, "at_points": POINTS, "inject": INJECT},
+    )
+    report = train_to_report(cfg)
     return cfg, report, verify_run(cfg.run_dir, wait_s=30)
 
 

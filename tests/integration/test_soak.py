@@ -18,10 +18,9 @@ from pathlib import Path
 
 import pytest
 
-from core.config import config_from_dict
-from app.job import TrainingJob
-from app.soak import kills_by_kind
 from verify import verify_run
+
+from .small_runs import small_run_config, train_to_report
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(500)]
 
@@ -44,40 +43,25 @@ POINTS = [{"at": "save.files_written", "kill": "shard:1"}, {"at": "recovery.spaw
 def soak(ray_local, small_data, tmp_path_factory):
     """The short soak, run once: (config, report)."""
     tmp_path = tmp_path_factory.mktemp("soak")
-    cfg = config_from_dict({
-        "run_dir": str(tmp_path / "run"),
-        "seed": 5,
-        "data": {"train": [small_data.train_path], "eval": [small_data.eval_path],
-                 "cache_dir": str(tmp_path.parent / "cache")},
-        "model": {"embedding_dim": 8, "table_rows": 20_000, "dense_arch": [32, 8], "over_arch": [32, 1]},
-        "embeddings": {"num_shards": 2, "sharding": "row_wise", "call_timeout_s": 30},
-        "training": {"num_trainers": 2, "microbatch_rows": 128, "microbatches_per_step": M, "max_steps": STEPS,
-                     "progress_every_steps": 5, "collective_timeout_s": 30},
-        "checkpoint": {"policy": "mfu", "r": 0.2, "full_every": 3, "every_steps": 10, "keep_last": 1000},
-        "recovery": "partial",
-        "audit_log": True,
-        "faults": {"max_failures": 0, "seed": 3, "at_steps": KILLS, "at_points": POINTS},
-    })
-    job = TrainingJob(cfg, show_progress=False)
-    try:
-        job.start(wait=False)
-        job.fit_in_background().join(timeout_s=450)
-        report = job.finish()
-    finally:
-        job.close()
+    cfg = small_run_config(
+        tmp_path, small_data, seed=5, steps=STEPS, microbatches=M, call_timeout_s=30, collective_timeout_s=30,
+        checkpoint={"policy": "mfu", "r": 0.2, "full_every": 3, "every_steps": 10, "keep_last": 1000},
+        faults={"seed": 3, "at_steps": KILLS, "at_points": POINTS},
+    )
+    report = train_to_report(cfg)
     return cfg, report
 
 
 def test_short_soak_eleven_kills_of_every_kind(soak):
     cfg, report = soak
     summary = {k: report.get(k) for k in ("steps", "state", "supervisor_restarts", "all_trainers_failed")}
+    verdict = verify_run(cfg.run_dir, wait_s=30)
     # Every trainer at once: one kill per trainer. Counted from the injector's own log.
-    kinds = kills_by_kind(cfg.run_dir)
-    assert (kinds["supervisor"], kinds["shard"], kinds["trainer"]) == (3, 4, 4), (kinds, summary)
+    kinds = verdict.facts["kills_by_kind"]
+    assert (kinds.get("supervisor"), kinds.get("shard"), kinds.get("trainer")) == (3, 4, 4), (kinds, summary)
     assert report["supervisor_restarts"] == 3, summary
     assert len(report["all_trainers_failed"]) == 1, summary
     assert len(report["failures"]) == 4 and {f["shard"] for f in report["failures"]} == {0, 1}, report["failures"]
-    verdict = verify_run(cfg.run_dir, wait_s=30)
     assert verdict.violations == [], (verdict.violations, summary)
     assert verdict.facts["kills"] == 11 and verdict.facts["partial_recoveries"] >= 1, verdict.facts
     # The command line says the same, from a plain shell.
