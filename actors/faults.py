@@ -31,22 +31,46 @@ __all__ = ["sigkill_on_node", "kill_process", "InjectedFault", "FaultInjector", 
 logger = logging.getLogger(__name__)
 
 
-def kill_process(supervisor, target: str, pid: int, trigger: str, log_dir: str) -> float | None:
-    """Runs on the target's node: writes the kill to the fault log (``core.faultlog``),
-    records it with the supervisor, SIGKILLs ``pid`` and logs that the signal went. The time
-    is taken right before the kill, so detection latency starts there."""
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` is a live process: a killed process stays a zombie until its parent
+    reaps it, and a zombie still answers ``kill(pid, 0)``."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] not in (b"Z", b"X")
+    except (OSError, IndexError):
+        return True  # no /proc here: kill(pid, 0) is all there is
+
+
+def kill_process(supervisor, target: str, pid: int, trigger: str, log_dir: str) -> float | None:
+    """Runs on the target's node: writes the kill to the fault log (``core.faultlog``),
+    records it with the supervisor, SIGKILLs ``pid`` and logs that the signal went. The time
+    is taken right before the kill, so detection latency starts there. None if ``pid`` is
+    already dead (a zombie included); a recorded kill whose signal then finds no process is
+    withdrawn from the supervisor's books and logged as aborted."""
+    if not _alive(pid):
         return None  # already dead (e.g. being recovered): nothing to record
     log = FaultLog(log_dir)
     now = time.time()
+    record = KillRecord(target, now, pid, trigger)
     log.write("sending", "kill", target, pid, trigger, t=now)
+    recorded = False
     try:
-        ray.get(supervisor.record_kill.remote(KillRecord(target, now, pid, trigger)), timeout=30)
+        ray.get(supervisor.record_kill.remote(record), timeout=30)
+        recorded = True
         os.kill(pid, signal.SIGKILL)
     except BaseException as err:
         log.write("aborted", "kill", target, pid, trigger, kill_time=now, error=repr(err))
+        if recorded:
+            try:
+                ray.get(supervisor.withdraw_kill.remote(record), timeout=30)
+            except Exception as withdraw_err:  # noqa: BLE001 - the original error is the one to tell
+                logger.warning("could not withdraw the kill of %s from the books: %s", target, withdraw_err)
+        if isinstance(err, ProcessLookupError):
+            return None  # it died between the check and the signal
         raise
     log.write("sent", "kill", target, pid, trigger, kill_time=now)
     return now

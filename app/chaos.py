@@ -60,19 +60,21 @@ def find_supervisor(run_dir: str) -> SupervisorClient:
         raise ConfigError(f"run {info['run_id']} has no live supervisor; has it finished?") from None
 
 
-def kill_target(supervisor, target: str, timeout_s: float = 30.0, trigger: str = "chaos", log_dir: str | None = None) -> dict:
+def kill_target(supervisor, target: str, timeout_s: float = 30.0, trigger: str = "chaos", log_dir: str | None = None,
+                killed: frozenset[tuple[str, int]] | set[tuple[str, int]] = frozenset()) -> dict:
     """SIGKILLs the process of ``target`` ("shard:1", "trainer:0", "supervisor") on its node.
 
     The kill is written to the run's fault log (``log_dir``, by default the one the supervisor
     names) and recorded with the supervisor first (a ``fault_injected`` event), so detection
-    latency is measured from the kill. Returns what was killed.
+    latency is measured from the kill. A (target, pid) in ``killed`` (this caller killed it
+    already; the supervisor has not yet seen it die) is never signalled again. Returns what was killed.
     """
     client = as_client(supervisor, timeout_s)
     targets = client.targets()
     if target not in targets:
         raise ConfigError(f"unknown target {target!r}; this run has {sorted(targets)}")
     info = targets[target]
-    if info.pid is None:
+    if info.pid is None or (target, info.pid) in killed:
         raise ConfigError(f"{target} is being recovered; it has no process to kill yet")
     now = sigkill_on_node(client.handle, target, info, trigger, log_dir or client.fault_log_dir(), timeout_s)
     if now is None:
@@ -130,11 +132,11 @@ def run_schedule(supervisor, schedule: FaultSchedule, stop: threading.Event, on_
     targets = supervisor.targets()
     log_dir = supervisor.fault_log_dir()
     start = time.monotonic()
-    kills = []
+    kills: list[dict] = []
     for at_s, target in schedule.plan(list(targets)):
         if stop.wait(max(0.0, at_s - (time.monotonic() - start))):
             break
-        landed = _kill_retrying(supervisor, target, stop, log_dir)
+        landed = _kill_retrying(supervisor, target, stop, log_dir, {(k["target"], k["pid"]) for k in kills})
         if landed is None:
             break  # training is over, or the schedule was stopped
         kills.extend(landed)
@@ -144,7 +146,7 @@ def run_schedule(supervisor, schedule: FaultSchedule, stop: threading.Event, on_
 
 
 def _kill_retrying(supervisor: SupervisorClient, target: str, stop: threading.Event,
-                   log_dir: str) -> list[dict] | None:
+                   log_dir: str, killed: set[tuple[str, int]]) -> list[dict] | None:
     """Kills ``target`` (every trainer for ``all_trainers``). A target that is being replaced
     has no process yet, so it is tried again for a few seconds and the schedule's kills all
     land. Returns the kills that landed; None if none did before training ended (a kill then
@@ -155,11 +157,13 @@ def _kill_retrying(supervisor: SupervisorClient, target: str, stop: threading.Ev
             return landed or None
         try:
             if target != "all_trainers":
-                landed.append(kill_target(supervisor, target, trigger="schedule", log_dir=log_dir))
+                landed.append(kill_target(supervisor, target, trigger="schedule", log_dir=log_dir, killed=killed))
                 return landed
             # Every trainer at once: Ray Train restarts the whole group from the checkpoint.
             for t in sorted(x for x in supervisor.targets() if x.startswith("trainer:")):
-                landed.append(kill_target(supervisor, t, trigger="schedule", log_dir=log_dir))
+                if t not in {k["target"] for k in landed}:
+                    landed.append(kill_target(supervisor, t, trigger="schedule", log_dir=log_dir,
+                                              killed=killed))
             return landed
         except (ConfigError, ray.exceptions.RayError, TimeoutError) as err:  # the run may be ending: try again
             logger.warning("could not kill %s (attempt %d): %s", target, attempt + 1, err)

@@ -69,9 +69,10 @@ def rebuild_report(run_dir: str | Path, notes: list[str] | None = None) -> dict:
     outcome = _outcome(run_dir, cfg, journal, events, progress, wall["training_s"])
     steps_this_run = outcome["steps"] - (journal.get("resume_step") or 0)
     failures = journal.get("failures") or [_strip(e) for e in _of(events, "shard_recovered")]
+    withdrawn = {(e.get("target"), e.get("pid"), e.get("at")) for e in _of(events, "fault_withdrawn")}
     kills = journal.get("kills") or [
         {"target": e.get("target"), "time": e.get("at", e["time"]), "pid": e.get("pid"), "trigger": e.get("trigger")}
-        for e in _of(events, "fault_injected")
+        for e in _of(events, "fault_injected") if (e.get("target"), e.get("pid"), e.get("at")) not in withdrawn
     ]
     total_steps = next((p["total_steps"] for p in reversed(progress) if p.get("total_steps") is not None), None)
     # The sections in the order of report.json's entries (a dict keeps its insertion order).

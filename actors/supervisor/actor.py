@@ -244,6 +244,11 @@ class Supervisor:
         the start of that failure's detection time."""
         record_kill(self._p.ledger, self._p.events, kill)
 
+    def withdraw_kill(self, kill: KillRecord) -> None:
+        """The signal of a recorded kill found no process: the kill did not happen."""
+        if self._p.ledger.withdraw_kill(kill):
+            self._p.events.record("fault_withdrawn", target=kill.target, pid=kill.pid, at=kill.time)
+
     def summary(self) -> RunSummary:
         """Everything the report needs; failures whose redo step never came are closed at the
         last committed step and their lost samples counted now."""

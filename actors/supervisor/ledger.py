@@ -54,6 +54,16 @@ class FailureLedger:
         with self._lock:
             self._kills.append(kill)
 
+    def withdraw_kill(self, kill: KillRecord) -> bool:
+        """A recorded kill whose signal found no process (it died on its own meanwhile): not a
+        fault that was injected. True if it was recorded."""
+        with self._lock:
+            for i in range(len(self._kills) - 1, -1, -1):
+                if self._kills[i] == kill:
+                    del self._kills[i]
+                    return True
+            return False
+
     def kill_of(self, target: str, before: float) -> KillRecord | None:
         """The latest kill of ``target`` in this attempt, at or before ``before``: when its
         failure began."""

@@ -381,3 +381,13 @@ def test_a_lagging_trainer_does_not_close_a_shard_failure_before_the_step_the_ot
                        True, "r")
     view = desk.await_shards(1, reported)
     assert view.generation == 2 and settled == [(1, redo)]
+
+
+def test_a_withdrawn_kill_leaves_the_books_and_only_that_one():
+    ledger = _ledger([])
+    first, second = KillRecord("shard:0", 10.0, 7, "schedule"), KillRecord("shard:0", 12.0, 7, "schedule")
+    ledger.record_kill(first)
+    ledger.record_kill(second)
+    assert ledger.withdraw_kill(second) and not ledger.withdraw_kill(second)
+    assert ledger.kills() == (first,)
+    assert ledger.kill_of("shard:0", before=13.0) == first
