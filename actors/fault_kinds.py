@@ -4,6 +4,7 @@ fault log (``core.faultlog``) by the process that acts, before and after it acts
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -14,11 +15,11 @@ import ray
 
 from actors.nodes import pinned
 from core.checkpoint import CheckpointStore
-from core.checkpoint.files import join, local_path, resolve, shard_file_name, step_dir_name
+from core.checkpoint.files import SLOW_WRITES_FILE, join, local_path, resolve, shard_file_name, step_dir_name
 from core.faultlog import FaultLog
 from core.records import Target
 
-__all__ = ["stop_process", "stall_on_node", "damage_checkpoint", "fill_storage", "FILL_LIMIT_BYTES"]
+__all__ = ["stop_process", "stall_on_node", "damage_checkpoint", "fill_storage", "slow_storage", "FILL_LIMIT_BYTES"]
 
 # fill_storage fills the free space of the checkpoint storage: only where there is little of it
 # (a small tmpfs made for the test), never a real disk.
@@ -112,3 +113,25 @@ def fill_storage(uri: str, seconds: float, trigger: str, log_dir: str) -> int:
         start_new_session=True, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )
     return written
+
+
+def slow_storage(uri: str, seconds: float, delay_s: float, trigger: str, log_dir: str) -> None:
+    """Makes every file written to the checkpoint storage under ``uri`` take ``delay_s`` longer
+    for ``seconds`` (``core.checkpoint.files.pause_if_slow``), and starts a process of its own
+    that removes the fault's file afterwards. A local filesystem only."""
+    root = local_path(uri)
+    if root is None:
+        raise ValueError(f"slow_storage needs checkpoints on a local filesystem, not {uri}")
+    os.makedirs(root, exist_ok=True)
+    path = os.path.join(root, SLOW_WRITES_FILE)
+    log = FaultLog(log_dir)
+    now = time.time()
+    log.write("sending", "slow_storage", "storage", None, trigger, t=now, file=path, seconds=seconds, delay_s=delay_s)
+    with open(path + ".tmp", "w") as f:
+        json.dump({"until": now + seconds, "delay_s": delay_s}, f)
+    os.replace(path + ".tmp", path)  # whole, for a writer that reads it meanwhile
+    log.write("sent", "slow_storage", "storage", None, trigger, file=path, seconds=seconds, delay_s=delay_s)
+    subprocess.Popen(
+        [sys.executable, "-m", "core.faultlog", "free", path, str(now + seconds), log_dir, trigger],
+        start_new_session=True, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )

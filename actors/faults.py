@@ -17,7 +17,7 @@ from collections.abc import Callable
 import numpy as np
 import ray
 
-from actors.fault_kinds import damage_checkpoint, fill_storage, stall_on_node
+from actors.fault_kinds import damage_checkpoint, fill_storage, slow_storage, stall_on_node
 from actors.nodes import pinned
 from actors.supervisor.hooks import RunHooks
 from core.config import FaultsConfig
@@ -117,6 +117,8 @@ class Killer:
                 stall_on_node(spec.target, info, spec.seconds, trigger, self.log_dir, self.timeout_s)
             elif spec.kind == "fill_storage":
                 fill_storage(self.checkpoint_uri, spec.seconds, trigger, self.log_dir)
+            elif spec.kind == "slow_storage":
+                slow_storage(self.checkpoint_uri, spec.seconds, spec.delay_s, trigger, self.log_dir)
             else:
                 damage_checkpoint(self.checkpoint_uri, spec.kind, int(spec.target.split(":")[1]), trigger, self.log_dir)
         except Exception as err:  # noqa: BLE001 - see the docstring

@@ -121,6 +121,7 @@ class EmbeddingShard:
             path = os.path.join(self._audit_dir, f"shard-{shard_id}-g{generation}.jsonl")
             self._audit = open(path, "a", buffering=1)
             self._log({"event": "open", "pid": os.getpid(), "host": socket.gethostname(),
+                       "ip": ray.util.get_node_ip_address(),
                        "slices": [[s.table, s.row_start, s.row_end] for s in self.slices]})
         self.tracking_s = 0.0
         self.steps_dropped = 0

@@ -3,9 +3,13 @@ config-docs."""
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import sys
 import threading
+import time
+from pathlib import Path
 
 import click
 import yaml
@@ -173,6 +177,37 @@ def chaos_schedule(run_dir: str, mtbf: str, targets: str, duration: str, distrib
     click.echo(f"{len(kills)} kills")
 
 
+@chaos.command("hosts")
+@click.option("--cluster-dir", type=click.Path(file_okay=False, exists=True), required=True,
+              help="The namespace cluster's CPR_CLUSTER_DIR (scripts/local_cluster.sh).")
+@click.option("--wait", "wait_s", type=click.FloatRange(0), default=300.0, show_default=True,
+              help="Seconds to wait for the run's config.yaml to appear.")
+@click.pass_obj
+def chaos_hosts(run_dir: str, cluster_dir: str, wait_s: float) -> None:
+    """Carries out the run's ``faults.hosts`` (host kills, partitions) on a namespace cluster,
+    from outside its hosts (the machine's root namespace); ends when the run's report is written."""
+    from app.host_chaos import Cluster, run_host_faults  # import cost: 0.1 s (pydantic); see the note at the top
+    from core.config import load_config
+
+    path, deadline = Path(run_dir) / "config.yaml", time.monotonic() + wait_s
+    while not path.exists():
+        if time.monotonic() > deadline:
+            raise CprError(f"{path} did not appear within {wait_s:.0f} s; is the run starting?")
+        time.sleep(0.5)
+    faults = load_config(str(path)).faults.hosts
+    stop = threading.Event()
+    done = threading.Thread(target=lambda: _wait_for(Path(run_dir) / "report.json", stop), daemon=True)
+    done.start()
+    for fault in run_host_faults(Cluster(cluster_dir), run_dir, faults, stop):
+        click.echo(f"{fault.kind} of host {fault.host} after step {fault.after_step} ({fault.seconds:.1f} s)")
+
+
+def _wait_for(path: Path, stop: threading.Event) -> None:
+    while not path.exists():
+        time.sleep(0.5)
+    stop.set()
+
+
 @main.command()
 @click.option("--config", "config_path", type=click.Path(dir_okay=False), default="configs/soak.yaml", show_default=True)
 @click.option("--seed", "seeds", type=click.IntRange(0), multiple=True, default=(0,), help="One run per seed.")
@@ -213,12 +248,18 @@ def export(run_dir: str, out_dir: str, step: int | None) -> None:
 @click.argument("run_dir", type=click.Path(file_okay=False, exists=True))
 @click.option("--wait", "wait_s", type=click.FloatRange(0), default=10.0, show_default=True,
               help="Seconds to give the run's processes to go before they count as left behind.")
-def verify(run_dir: str, wait_s: float) -> None:
+@click.option("--host", "host_ip", default=None,
+              help="Only what the run left on this host of a namespace cluster (run inside it: its processes, "
+                   "and its named actors when RAY_ADDRESS names the cluster).")
+def verify(run_dir: str, wait_s: float, host_ip: str | None) -> None:
     """Checks a finished RUN_DIR from what its processes wrote (fault log, audit logs, data
     cache, checkpoint files), never trusting its report: lists every violation and exits 1,
     or prints one line and exits 0. Needs the run's audit log (``audit_log: true``)."""
     from verify import verify_run  # import cost: 0.2 s (pyarrow, numpy); see the note at the top
 
+    if host_ip is not None:
+        _verify_host(run_dir, host_ip, wait_s)
+        return
     try:
         verdict = verify_run(run_dir, wait_s)
     except FileNotFoundError as err:
@@ -230,6 +271,22 @@ def verify(run_dir: str, wait_s: float) -> None:
         click.echo(f"violation: {line}")
     click.echo(f"{run_dir}: {len(verdict.violations)} violations")
     sys.exit(1)
+
+
+def _verify_host(run_dir: str, host_ip: str, wait_s: float) -> None:
+    from verify.files import load_run  # import cost: 0.2 s (pyarrow, numpy); see the note at the top
+    from verify.leftovers import leftovers  # import cost: as above
+
+    run = load_run(run_dir)
+    if os.environ.get("RAY_ADDRESS") and run.run_info.get("namespace"):
+        import ray  # import cost: 0.5 s; only to list the cluster's named actors
+
+        ray.init(address=os.environ["RAY_ADDRESS"], namespace=run.run_info["namespace"], log_to_driver=False)
+    left = leftovers(run, wait_s, host=host_ip)
+    for line in left:
+        click.echo(f"violation: {line}")
+    click.echo(json.dumps({"host": host_ip, "left": len(left)}))
+    sys.exit(1 if left else 0)
 
 
 @main.command()

@@ -182,12 +182,13 @@ class TrainingJob:
         group = TrainerGroup(cfg, self.run_id, self.run_dir, self._lighthouse_name if self._lighthouse else None,
                              self._lighthouse_kwargs())
         stop = threading.Event()
-        header = f"[run] {self.run_id} in {cfg.run_dir}: logs in {cfg.run_dir}/{LOG_DIR}/"
-        if self.metrics_url:
-            header += f", metrics at {self.metrics_url}"
+        header = f"[run] {self.run_id} in {cfg.run_dir}: logs in {cfg.run_dir}/{LOG_DIR}/" + (
+            f", metrics at {self.metrics_url}" if self.metrics_url else "")
         jobs = [(progress_loop, (self.client, stop, self._total_steps(), self.show_progress, header))]
         if cfg.faults is not None and cfg.faults.max_failures > 0:
             jobs.append((self._inject_faults, (stop,)))
+        if cfg.faults is not None and cfg.faults.hosts:  # a host cannot kill or cut off itself
+            logger.warning("faults.hosts: carried out by `cpr chaos --run RUN_DIR hosts`, not by this run")
         if self.emulation is not None:
             jobs.append((self.emulation.drive, (self.client, stop)))
         threads = [threading.Thread(target=fn, args=args, daemon=True) for fn, args in jobs]
@@ -309,8 +310,7 @@ def _summary_for_report(summary: RunSummary) -> dict:
 
 
 def _one_line(err: BaseException) -> str:
-    text = str(err).strip()
-    return (text.splitlines()[0] if text else type(err).__name__)[:300]
+    return (str(err).strip().splitlines() or [type(err).__name__])[0][:300]
 
 
 def _kill_leftovers(run_dir: Path, namespace: str, run_id: str | None = None) -> None:

@@ -6,6 +6,13 @@ checkpoint files, never the supervisor's books). Writes benchmarks/results/soak.
 soak.md, the table rendered from the JSON (``--render`` renders it again).
 
     .venv/bin/python benchmarks/soak.py --seeds 0 1 2 3 4 5 6 7 8 9 --kills 20 --mtbf 6
+
+With ``--hosts 3`` (as root: it makes network and PID namespaces), each run is on a fresh
+namespace cluster of this machine (``scripts/local_cluster.sh``) with ``--host-faults`` host
+kills and partitions among the faults, and what each host was left with is checked from inside
+it; the results go to soak-hosts.json and soak-hosts.md:
+
+    .venv/bin/python benchmarks/soak.py --hosts 3 --seeds 0 1 2 --kills 4 --host-faults 4 --mtbf 15
 """
 
 from __future__ import annotations
@@ -23,25 +30,30 @@ from benchmarks.meta import describe, run_metadata  # noqa: E402
 
 def render(doc: dict) -> str:
     rows = doc["runs"]
+    hosts = max((r.get("hosts", 1) for r in rows), default=1)
     faults = sum(r["faults"] for r in rows)
+    where = "one host" if hosts == 1 else f"a {hosts}-host namespace cluster"
     lines = [
-        "# Soak: faults of every kind on one host, each run checked by `cpr verify`", "",
-        f"Rendered from `soak.json`: {describe(doc['meta'])}.", "",
+        f"# Soak: faults of every kind on {where}, each run checked by `cpr verify`", "",
+        f"Rendered from `{doc.get('file', 'soak.json')}`: {describe(doc['meta'])}.", "",
         f"{len(rows)} runs, {faults} faults that landed (from the injector's own log), "
         f"{sum(r['wedged'] for r in rows)} wedged, {sum(len(r['violations']) for r in rows)} violations.", "",
-        "| seed | faults | kills: shard / trainer / supervisor | stalls | damaged files | shard recoveries "
-        "| supervisor restarts | every-trainer fallbacks | finished | wedged | violations | lost samples | AUC "
-        "| wall s |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| seed | faults | kills: shard / trainer / supervisor | stalls | damaged files "
+        + ("| host kills | partitions | hosts lost " if hosts > 1 else "")
+        + "| shard recoveries | supervisor restarts | every-trainer fallbacks | finished | wedged | violations "
+        "| lost samples | AUC | wall s |",
+        "|---|---|---|---|---|" + ("---|---|---|" if hosts > 1 else "") + "---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         k, o = r["kills_by_kind"], r["other_faults"]
         damaged = o.get("corrupt_checkpoint", 0) + o.get("truncate_checkpoint", 0)
         auc = "-" if r["auc"] is None else f"{r['auc']:.4f}"
         lost = "-" if r["lost_samples"] is None else f"{r['lost_samples']:,.0f}"
+        host_cols = (f"| {o.get('host_kill', 0)} | {o.get('partition', 0)} | {r.get('hosts_lost', 0)} "
+                     if hosts > 1 else "")
         lines.append(
             f"| {r['seed']} | {r['faults']} | {k.get('shard', 0)} / {k.get('trainer', 0)} / {k.get('supervisor', 0)} "
-            f"| {o.get('stall', 0)} | {damaged} | {r['shard_recoveries']} | {r['supervisor_restarts']} "
+            f"| {o.get('stall', 0)} | {damaged} {host_cols}| {r['shard_recoveries']} | {r['supervisor_restarts']} "
             f"| {r['fallbacks']} | {r['finished']} | {r['wedged']} | {len(r['violations'])} | {lost} | {auc} "
             f"| {r['wall_s']} |"
         )
@@ -57,26 +69,34 @@ def main() -> None:
     p.add_argument("--seeds", type=int, nargs="+", default=list(range(10)))
     p.add_argument("--kills", type=int, default=20)
     p.add_argument("--mtbf", type=float, default=6.0)
+    p.add_argument("--hosts", type=int, default=1, help="1: this host; 2-9: a namespace cluster of that many hosts.")
+    p.add_argument("--host-faults", type=int, default=4, help="Host kills and partitions per run (--hosts > 1).")
     p.add_argument("--out", default="benchmarks/results")
-    p.add_argument("--render", action="store_true", help="Render soak.md again from soak.json, run nothing.")
+    p.add_argument("--render", action="store_true", help="Render the table again from its JSON, run nothing.")
     args = p.parse_args()
     out = Path(args.out)
+    name = "soak" if args.hosts == 1 else "soak-hosts"
     if args.render:
-        (out / "soak.md").write_text(render(json.loads((out / "soak.json").read_text())))
+        (out / f"{name}.md").write_text(render(json.loads((out / f"{name}.json").read_text())))
         return
     from app.soak import run_soak  # import cost: Ray and torch, not needed to render
+    from app.soak_hosts import run_soak_on_hosts  # import cost: as above
 
-    doc = {"meta": run_metadata(), "runs": []}
+    doc = {"meta": run_metadata(), "file": f"{name}.json", "runs": []}
     out.mkdir(parents=True, exist_ok=True)
     for seed in args.seeds:
         t0 = time.time()
-        result = run_soak(args.config, f"runs/soak-{seed}", seed, args.kills, args.mtbf)
+        if args.hosts == 1:
+            result = run_soak(args.config, f"runs/soak-{seed}", seed, args.kills, args.mtbf)
+        else:
+            result = run_soak_on_hosts(args.config, f"runs/soak-hosts-{seed}", seed, args.kills, args.mtbf,
+                                       args.host_faults, args.hosts)
         result["wall_s"] = round(time.time() - t0, 1)
         doc["runs"].append(result)
         print(json.dumps({k: v for k, v in result.items() if k != "violations"}), result["violations"][:5], flush=True)
         # Written after every run: a soak cut short still has the data behind its table.
-        (out / "soak.json").write_text(json.dumps(doc, indent=1))
-        (out / "soak.md").write_text(render(doc))
+        (out / f"{name}.json").write_text(json.dumps(doc, indent=1))
+        (out / f"{name}.md").write_text(render(doc))
     print(render(doc))
 
 

@@ -12,7 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from core.points import POINTS
 from policies import BudgetLimits
 
-__all__ = ["Section", "FaultPoint", "FaultSpec", "FaultsConfig", "EmulationConfig", "BudgetsConfig"]
+__all__ = ["Section", "FaultPoint", "FaultSpec", "HostFault", "FaultsConfig", "EmulationConfig", "BudgetsConfig"]
 
 
 class Section(BaseModel):
@@ -55,15 +55,16 @@ class FaultSpec(Section):
     """A fault other than a kill, injected once: when training step ``after_step`` committed, or at a named
     point of the supervisor's work (``at``) once that many steps committed."""
 
-    kind: Literal["stall", "corrupt_checkpoint", "truncate_checkpoint", "fill_storage"]
+    kind: Literal["stall", "corrupt_checkpoint", "truncate_checkpoint", "fill_storage", "slow_storage"]
     """stall: SIGSTOP the target's process for ``seconds``, then SIGCONT it (a process that stops answering
     without dying); corrupt_checkpoint: flip bytes in the middle of the target shard's file of the newest
     committed checkpoint; truncate_checkpoint: cut that file to half its size (a torn or bit-rotted file);
     fill_storage: fill the checkpoint storage's free space for ``seconds`` (a local filesystem with at most
-    4 GiB free, e.g. a small tmpfs; refused on anything bigger)."""
+    4 GiB free, e.g. a small tmpfs; refused on anything bigger); slow_storage: for ``seconds``, every file
+    written to the checkpoint storage takes ``delay_s`` longer (a local filesystem)."""
     target: str | None = Field(None, pattern=r"^(shard:\d+|trainer:\d+)$")
     """The process to stall (shard:K or trainer:K), or the shard whose checkpoint file is damaged (shard:K);
-    none for fill_storage."""
+    none for fill_storage and slow_storage."""
     after_step: int = Field(0, ge=0)
     """Without ``at``: injected once this training step committed. With ``at``: only once this many steps
     committed."""
@@ -71,7 +72,9 @@ class FaultSpec(Section):
     """A point of the supervisor's work (see faults.at_points[].at), e.g. recovery.spawned: a damaged file
     there is the one the recovery is about to load."""
     seconds: float = Field(10.0, gt=0.0, le=3600.0)
-    """How long a stall, or a full storage, lasts."""
+    """How long a stall, a full storage or a slow one lasts."""
+    delay_s: float = Field(2.0, gt=0.0, le=600.0)
+    """slow_storage: how much longer each file written takes."""
 
     @field_validator("at")
     @classmethod
@@ -82,14 +85,30 @@ class FaultSpec(Section):
 
     @model_validator(mode="after")
     def _check_target(self) -> "FaultSpec":
-        if self.kind == "fill_storage":
+        if self.kind in ("fill_storage", "slow_storage"):
             if self.target is not None:
-                raise ValueError("fill_storage fills the checkpoint storage: give no target")
+                raise ValueError(f"{self.kind} acts on the checkpoint storage: give no target")
         elif self.target is None:
             raise ValueError(f"{self.kind} needs a target")
         elif self.kind != "stall" and not self.target.startswith("shard:"):
             raise ValueError(f"{self.kind} damages a shard's checkpoint file: target must be shard:K")
         return self
+
+
+class HostFault(Section):
+    """A fault of a whole host of a namespace cluster (``scripts/local_cluster.sh``), carried out from
+    outside every host by ``cpr chaos hosts`` (no process of the run can kill or cut off its own host)."""
+
+    kind: Literal["host_kill", "partition"]
+    """host_kill: SIGKILL every process of the host at once, and start it again (a fresh host) ``seconds``
+    later; partition: cut the host's link for ``seconds``, then restore it (a host whose Ray node was
+    declared dead meanwhile is started again)."""
+    host: int = Field(ge=1, le=8)
+    """The worker host (1..hosts-1; host 0 is the head, which runs the driver and the supervisor)."""
+    after_step: int = Field(0, ge=0)
+    """Once this training step committed."""
+    seconds: float = Field(10.0, gt=0.0, le=600.0)
+    """How long the host is gone (host_kill) or cut off (partition)."""
 
 
 class FaultsConfig(Section):
@@ -115,6 +134,9 @@ class FaultsConfig(Section):
     inject: list[FaultSpec] = []
     """Faults other than kills, each once after a training step: stalls, damaged checkpoint files (see
     faults.inject[].kind)."""
+    hosts: list[HostFault] = []
+    """Faults of whole hosts of a namespace cluster, each once after a training step (see
+    faults.hosts[].kind); carried out by ``cpr chaos hosts``, not by the run."""
 
     @field_validator("at_steps")
     @classmethod

@@ -27,7 +27,8 @@ def fault_log_dir(run_dir: str | os.PathLike) -> str:
 
 
 class FaultLog:
-    """Appends to ``<dir>/faults-<host>-<pid>.jsonl``, each line made durable before return."""
+    """Appends to ``<dir>/faults-<host>-<pid namespace>-<pid>.jsonl``, each line made durable before
+    return (the PID namespace tells apart the hosts of a namespace cluster, which share a name)."""
 
     def __init__(self, directory: str | os.PathLike):
         self.directory = Path(directory)
@@ -40,7 +41,7 @@ class FaultLog:
         self.directory.mkdir(parents=True, exist_ok=True)
         if new:
             _fsync_dir(self.directory.parent)
-        path = self.directory / f"faults-{socket.gethostname()}-{os.getpid()}.jsonl"
+        path = self.directory / f"faults-{socket.gethostname()}-{_pid_namespace()}-{os.getpid()}.jsonl"
         created = not path.exists()
         fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         try:
@@ -51,6 +52,13 @@ class FaultLog:
         if created:
             _fsync_dir(self.directory)
         return record
+
+
+def _pid_namespace() -> int:
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return 0
 
 
 def _fsync_dir(path: Path) -> None:

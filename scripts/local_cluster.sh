@@ -5,7 +5,12 @@
 #   scripts/local_cluster.sh exec N -- CMD run CMD on host N (its network, PID and mount namespaces)
 #   scripts/local_cluster.sh kill-host N   SIGKILL every process of host N at once (a host's loss)
 #   scripts/local_cluster.sh add-host N    start host N again (a fresh host: empty local disk)
+#   scripts/local_cluster.sh partition N S cut host N's link for S seconds, then restore it
+#   scripts/local_cluster.sh link N down|up cut or restore host N's link (until told otherwise)
+#   scripts/local_cluster.sh ray-alive N   exit 0 if host N's Ray node still runs (after a partition,
+#                                          Ray has declared it dead and its raylet exits)
 #   scripts/local_cluster.sh status        hosts, their init pids and Ray's view of the nodes
+#   scripts/local_cluster.sh netns         the network namespaces the cluster is made of
 #   scripts/local_cluster.sh down          stop everything and remove namespaces and files
 #
 # Each host is a network namespace with its own address (10.77.0.10 + N, on a bridge that
@@ -159,6 +164,27 @@ case "${1:-}" in
     start_host "$n"
     echo "host $n up at $(host_ip "$n")"
     ;;
+  link)
+    n="${2:?host number}"; state="${3:?down or up}"
+    [[ $state == down || $state == up ]] || die "link $n $state: give down or up"
+    ip -n "$(ns br)" link set "h$n" "$state" || die "host $n has no link (is the cluster up?)"
+    python3 -c 'import time; print(f"host '"$n"' link '"$state"' at {time.time():.3f}")'
+    ;;
+  partition)
+    n="${2:?host number}"; secs="${3:?seconds}"
+    "$0" link "$n" down
+    sleep "$secs"
+    "$0" link "$n" up
+    ;;
+  ray-alive)
+    n="${2:?host number}"; pid="$(init_pid "$n")" || exit 1
+    # The host's raylet: a process of its PID namespace whose command is Ray's raylet.
+    nsenter --target "$pid" --pid --mount -- pgrep -f '/raylet/raylet ' > /dev/null
+    ;;
+  netns)
+    HOSTS="$(cat "$DIR/hosts" 2>/dev/null)" || die "no cluster at $DIR"
+    ns br; for ((n = 0; n < HOSTS; n++)); do ns "h$n"; done
+    ;;
   status)
     HOSTS="$(cat "$DIR/hosts" 2>/dev/null)" || die "no cluster at $DIR"
     for ((n = 0; n < HOSTS; n++)); do echo "host $n $(host_ip "$n") init=$(init_pid "$n" || echo down)"; done
@@ -175,5 +201,5 @@ case "${1:-}" in
     [[ -z $left ]] || die "down left network namespaces: $(echo $left)"
     ;;
   *)
-    sed -n '2,26p' "$0" | sed 's/^# \{0,1\}//'; exit 2 ;;
+    sed -n '2,31p' "$0" | sed 's/^# \{0,1\}//'; exit 2 ;;
 esac

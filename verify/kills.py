@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from verify.files import RunFiles
 
-__all__ = ["Kill", "Damage", "landed_kills", "check_kills", "counts_by_kind", "planted_damage", "stalled_pids",
-           "check_damage_unused"]
+__all__ = ["Kill", "Damage", "HostFault", "landed_kills", "check_kills", "counts_by_kind", "planted_damage",
+           "stalled_pids", "check_damage_unused", "host_faults", "check_hosts", "host_victims"]
 
 
 @dataclass(frozen=True)
@@ -77,14 +78,17 @@ def stalled_pids(run: RunFiles) -> set[int]:
     return {int(r["pid"]) for r in run.faults if r["event"] == "sent" and r.get("fault") == "stall"}
 
 
-def check_damage_unused(run: RunFiles, damage: list[Damage]) -> list[str]:
+def check_damage_unused(run: RunFiles, damage: list[Damage], commit_time: Callable[[int], float | None]) -> list[str]:
     """No shard loads a checkpoint file after the injector damaged it: the product must refuse
-    it and use the previous valid one."""
+    it and use the previous valid one. A checkpoint whose manifest was written after the damage
+    (the step fenced by a rollback and saved again) is a new one from then on."""
     v = []
     for d in damage:
+        saved_again = commit_time(d.step)
+        until = saved_again if saved_again is not None and saved_again > d.time else float("inf")
         for f in run.shards.get(d.shard, []):
             for r in f.records:
-                if r.get("event") == "load" and r["t"] > d.time and d.step in r.get("chain", []):
+                if r.get("event") == "load" and d.time < r["t"] < until and d.step in r.get("chain", []):
                     v.append(f"shard {d.shard} (generation {f.gen}) loaded checkpoint {d.step} at {r['t']:.3f}, after "
                              f"its file {d.file} was damaged at {d.time:.3f}")
     return v
@@ -93,5 +97,54 @@ def check_damage_unused(run: RunFiles, damage: list[Damage]) -> list[str]:
 def counts_by_kind(run: RunFiles, kills: list[Kill]) -> tuple[Counter, Counter]:
     """(kills that landed by kind of target, other faults that went by kind), from the log."""
     others = Counter(r["fault"] for r in run.faults
-                     if r["event"] == "sent" and r["fault"] not in ("kill", "resume", "free_storage"))
+                     if r["event"] == "sent" and r["fault"] not in ("kill", "resume", "free_storage", "heal", "host_add"))
     return Counter(k.target.split(":")[0] for k in kills), others
+
+
+@dataclass(frozen=True)
+class HostFault:
+    """A whole host killed or cut off (``faults.hosts``), from the injector's log."""
+
+    kind: str
+    ip: str
+    time: float
+
+
+_HOST_FAULTS = ("host_kill", "partition")
+
+
+def host_faults(run: RunFiles) -> list[HostFault]:
+    return sorted((HostFault(r["fault"], r["ip"], float(r["t"])) for r in run.faults
+                   if r["event"] == "sent" and r.get("fault") in _HOST_FAULTS), key=lambda h: h.time)
+
+
+def check_hosts(run: RunFiles, faults: list[HostFault]) -> list[str]:
+    """Every host killed is in the report's lost hosts, and the report names no lost host that
+    no host fault explains (a kill, or a partition Ray took for a loss). The report's times are
+    Ray's and the supervisor's: a loss is declared after the fault, never before."""
+    lost = sorted((run.report or {}).get("hosts_lost") or [], key=lambda h: h.get("declared_dead_at") or 0.0)
+    v, used = [], set()
+    for h in lost:
+        at = float(h.get("declared_dead_at") or 0.0)
+        cause = next((i for i, f in reversed(list(enumerate(faults)))
+                      if f.ip == h.get("node_ip") and f.time <= at and i not in used), None)
+        if cause is None:
+            v.append(f"the report names the loss of host {h.get('node_ip')} at {at:.3f}, which no host fault in the "
+                     "fault log explains")
+        else:
+            used.add(cause)
+    for i, f in enumerate(faults):
+        if f.kind == "host_kill" and i not in used:
+            v.append(f"host {f.ip} was killed at {f.time:.3f} (fault log) but the report names no loss of it after that")
+    return v
+
+
+def host_victims(run: RunFiles, faults: list[HostFault]) -> set[int]:
+    """pids of the shards and trainers that ran on a host when it was killed or cut off: they
+    may die there mid-line, as a killed process does."""
+    out = set()
+    for f in [f for files in run.shards.values() for f in files] + run.trainers:
+        for r in f.records:
+            if r.get("event") == "open" and any(h.ip == r.get("ip") and r["t"] <= h.time for h in faults):
+                out.add(int(r["pid"]))
+    return out

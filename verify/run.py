@@ -15,8 +15,8 @@ from pathlib import Path
 
 from core.schedule import StepSchedule
 from verify.files import RunFiles, load_run
-from verify.kills import (check_damage_unused, check_kills, counts_by_kind, landed_kills, planted_damage,
-                          stalled_pids)
+from verify.kills import (check_damage_unused, check_hosts, check_kills, counts_by_kind, host_faults, host_victims,
+                          landed_kills, planted_damage, stalled_pids)
 from verify.leftovers import leftovers
 from verify.lost import DataCache, recount_lost
 from verify.store import Store
@@ -85,10 +85,12 @@ def verify_run(run_dir: str | Path, wait_s: float = 10.0) -> Verdict:
         v.append(f"the run did not finish: the report says state {state!r}, AUC {report.get('auc')}")
     if report.get("steps") != total:
         v.append(f"the report says {report.get('steps')} steps, the run has {total}")
-    v += problems + check_kills(run, kills)
-    # A writer killed, or stalled and then killed by the product, may leave a torn last line.
+    hosts = host_faults(run)
+    v += problems + check_kills(run, kills) + check_hosts(run, hosts)
+    # A writer killed (alone or with its host), or stalled and then killed by the product, may
+    # leave a torn last line.
     stalled = stalled_pids(run)
-    killed = {k.pid for k in kills} | stalled
+    killed = {k.pid for k in kills} | stalled | host_victims(run, hosts)
     every_file = [f for files in run.shards.values() for f in files] + run.trainers
     v += torn_lines(every_file, killed)
     spans = []
@@ -109,12 +111,13 @@ def verify_run(run_dir: str | Path, wait_s: float = 10.0) -> Verdict:
     planted = {(d.step, d.file) for d in damage}
     for step in committed:
         v += [p for p in store.problems(step) if not any(p.startswith(f"checkpoint {s}: file {f} ") for s, f in planted)]
-    v += check_damage_unused(run, damage)
+    v += check_damage_unused(run, damage, store.commit_time)
     if run.config["checkpoint"].get("final", True) and state == "finished" and total not in committed:
         v.append(f"the final checkpoint (step {total}) is not committed")
     v += leftovers(run, wait_s)
     verdict.facts |= {"steps": total, "kills": len(kills), "partial_recoveries": len(spans), "lost_samples": lost,
-                     "checkpoints_verified": len(committed), "damaged_checkpoints": len(damage), "stalls": len(stalled)}
+                     "checkpoints_verified": len(committed), "damaged_checkpoints": len(damage), "stalls": len(stalled),
+                     "host_faults": len(hosts)}
     return verdict
 
 

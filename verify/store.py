@@ -39,6 +39,14 @@ class Store:
                 steps.append(int(m.group(1)))
         return sorted(steps)
 
+    def commit_time(self, step: int) -> float | None:
+        """When the manifest of ``step`` was written, by the filesystem's clock (None: no such
+        checkpoint). A step fenced by a rollback is saved again later under the same number."""
+        info = self.fs.get_file_info(self._path(step, "manifest.json"))
+        if info.type != pafs.FileType.File or info.mtime is None:
+            return None
+        return info.mtime.timestamp()
+
     def manifest(self, step: int) -> dict:
         with self.fs.open_input_stream(self._path(step, "manifest.json")) as f:
             return json.loads(f.read())

@@ -170,7 +170,8 @@ def _audit_file(setup: TrainerSetup, rank: int):
     # Quorum ids count per lighthouse, and a new lighthouse counts from 1 again: the checker
     # tells commits of different lighthouses apart by its address.
     audit.write(json.dumps({"t": round(time.time(), 6), "event": "open", "rank": rank, "pid": os.getpid(),
-                            "host": socket.gethostname(), "lighthouse": os.environ.get("TORCHFT_LIGHTHOUSE")}) + "\n")
+                            "host": socket.gethostname(), "ip": ray.util.get_node_ip_address(),
+                            "lighthouse": os.environ.get("TORCHFT_LIGHTHOUSE")}) + "\n")
     return audit
 
 

@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import json
 import os
 import re
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -179,8 +181,29 @@ def _write_file(uri: str, step: int, name: str, produce: Callable[[_HashingWrite
         with fs.open_output_stream(join(directory, name), compression=None) as out:
             writer = _HashingWriter(out, pool)
             produce(writer)
+    pause_if_slow(fs, root)
     sync(fs, join(directory, name))
     return FileEntry(name=name, size_bytes=writer.size_bytes, checksum=writer.checksum())
+
+
+SLOW_WRITES_FILE = ".cpr-slow-writes.json"
+
+
+def pause_if_slow(fs: pafs.FileSystem, root: str) -> None:
+    """A slow store (``faults.inject`` kind slow_storage, local stores only): while the fault's
+    file under the store's root says so, every file written there takes its ``delay_s`` longer.
+    One stat of a local file otherwise."""
+    if fs.type_name != "local":
+        return
+    try:
+        with open(os.path.join(root, SLOW_WRITES_FILE), "rb") as f:
+            doc = json.loads(f.read())
+        remaining = float(doc["until"]) - time.time()
+        delay = float(doc["delay_s"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return
+    if remaining > 0:
+        time.sleep(min(delay, 600.0))
 
 
 def sync(fs: pafs.FileSystem, path: str, directory: bool = False) -> None:

@@ -23,6 +23,7 @@ from core.checkpoint.files import (
     check_step,
     exists,
     join,
+    pause_if_slow,
     step_dir_name,
     sync,
 )
@@ -199,6 +200,7 @@ class CheckpointStore(CheckpointReader):
     def _put(self, path: str, payload: bytes) -> None:
         with self._fs.open_output_stream(path, compression=None) as out:
             out.write(payload)
+        pause_if_slow(self._fs, self._root)
 
 
 def _checked_base(step: int, kind: str, base_step: int | None) -> int | None:

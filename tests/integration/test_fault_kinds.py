@@ -1,6 +1,6 @@
 """Faults other than SIGKILLs, in one run on a real local Ray: a shard that stops answering
 (SIGSTOP, resumed by SIGCONT after a while), a trainer that does, checkpoint storage that fills
-up (a 256 MB tmpfs of this test's own), a damaged file in the newest checkpoint met by a
+up (a 256 MB tmpfs of this test's own), storage whose every write is slow, a damaged file in the newest checkpoint met by a
 recovery and by a rollback that must not use it, and the supervisor killed in the middle of a
 rollback and of a save's commit. Each test states what must survive;
 every one of them also needs ``cpr verify`` to find the run sound (exactly-once applies and
@@ -20,7 +20,7 @@ from .small_runs import small_run_config, train_to_report
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(500)]
 
-M, STEPS, EVERY, CALL_TIMEOUT = 4, 150, 10, 4.0
+M, STEPS, EVERY, CALL_TIMEOUT, SLOW_S = 4, 150, 10, 4.0, 1.0
 INJECT = [
     # Three call timeouts: the trainers' calls time out, and the shard must be declared dead.
     {"kind": "stall", "target": "shard:1", "after_step": 15, "seconds": 3 * CALL_TIMEOUT},
@@ -33,6 +33,8 @@ INJECT = [
     # Every trainer dies at step 115; the rollback finds shard 1's file of the checkpoint it
     # goes to cut in half, and must go further back, the dense model with it.
     {"kind": "truncate_checkpoint", "target": "shard:1", "at": "rollback.spawned", "after_step": 110},
+    # Every file written to the checkpoint storage takes 1 s longer for 8 s.
+    {"kind": "slow_storage", "after_step": 125, "seconds": 8.0, "delay_s": SLOW_S},
 ]
 KILLS = {"shard:0": [85], "all_trainers": [115]}
 POINTS = [{"at": "rollback.loaded", "kill": "supervisor"},
@@ -105,7 +107,7 @@ def test_a_stalled_trainer_does_not_stop_the_others(faulted):
 def test_full_checkpoint_storage_fails_saves_and_commits_nothing_torn(faulted):
     cfg, report, verdict = faulted
     [fill] = _sent(cfg, "fill_storage")
-    [freed] = _sent(cfg, "free_storage")
+    [freed] = [r for r in _sent(cfg, "free_storage") if r["file"] == fill["file"]]
     assert fill["bytes"] > 0, fill
     failed = [e for e in report["events"] if e["kind"] == "checkpoint_failed" and fill["t"] <= e["time"] <= freed["t"] + 1]
     saved_after = [e for e in report["events"] if e["kind"] == "checkpoint_saved" and e["time"] > freed["t"]]
@@ -113,6 +115,19 @@ def test_full_checkpoint_storage_fails_saves_and_commits_nothing_torn(faulted):
     # (the verdict hashes each file against its manifest).
     assert failed and saved_after, [e for e in report["events"] if e["kind"].startswith("checkpoint")][-12:]
     assert verdict.facts["checkpoints_verified"] > 0
+
+
+def test_slow_storage_slows_the_saves_in_the_background_not_training(faulted):
+    cfg, report, verdict = faulted
+    [slow] = _sent(cfg, "slow_storage")
+    during = [e for e in report["events"] if e["kind"] == "checkpoint_saved"
+              and slow["t"] <= e["time"] - e["background_s"] <= slow["t"] + slow["seconds"]]
+    assert during, [e for e in report["events"] if e["kind"].startswith("checkpoint")][-8:]
+    for e in during:
+        # Each shard's file took the delay longer; training was held only for the snapshot.
+        assert min(e["shard_write_s"]) >= SLOW_S and e["background_s"] >= SLOW_S, e
+        assert e["hold_s"] < SLOW_S, e
+    assert not os.path.exists(os.path.join(cfg.checkpoint_uri, ".cpr-slow-writes.json"))  # gone after the fault
 
 
 def _damaged(cfg, fault: str) -> int:

@@ -115,3 +115,69 @@ def test_a_torn_line_is_accepted_only_last_and_from_a_killed_writer():
     assert "was not killed" in torn_lines([f], killed=set())[0]
     f.torn = [(2, '{"t": 0.')]
     assert "is not its writer's last" in torn_lines([f], killed={100})[0]
+
+
+def _run_files(tmp_path: Path, report: dict, faults: list[dict], shards: dict | None = None):
+    from verify.files import RunFiles
+
+    return RunFiles(tmp_path, {}, report, {}, shards or {}, [], faults, [])
+
+
+def _host_fault(kind: str, ip: str, t: float) -> dict:
+    return {"t": t, "event": "sent", "fault": kind, "target": "host:1", "pid": None, "ip": ip}
+
+
+def test_every_host_kill_is_a_reported_host_loss_and_every_reported_loss_has_a_cause(tmp_path):
+    from verify.kills import check_hosts, host_faults
+
+    faults = [_host_fault("host_kill", "10.77.0.11", 100.0), _host_fault("partition", "10.77.0.12", 200.0)]
+    lost = [{"node_ip": "10.77.0.11", "declared_dead_at": 101.5}, {"node_ip": "10.77.0.12", "declared_dead_at": 202.0}]
+    run = _run_files(tmp_path, {"hosts_lost": lost}, faults)
+    assert check_hosts(run, host_faults(run)) == []
+    # A partition Ray did not take for a loss is no violation; a kill the report missed is.
+    run = _run_files(tmp_path, {"hosts_lost": lost[1:]}, faults)
+    assert check_hosts(run, host_faults(run)) == [
+        "host 10.77.0.11 was killed at 100.000 (fault log) but the report names no loss of it after that"]
+    # A loss nothing explains: the report names one the fault log lacks (or one before its fault).
+    run = _run_files(tmp_path, {"hosts_lost": lost + [{"node_ip": "10.77.0.11", "declared_dead_at": 99.0}]}, faults)
+    assert len(check_hosts(run, host_faults(run))) == 1
+
+
+def test_the_processes_of_a_killed_host_may_leave_a_torn_line(tmp_path):
+    from verify.kills import host_faults, host_victims
+
+    on_host = shard_file(0, applies(range(3), 10.0), pid=300)
+    on_host.records[0]["ip"] = "10.77.0.11"
+    elsewhere = shard_file(1, applies(range(3), 10.0), k=1, pid=400)
+    elsewhere.records[0]["ip"] = "10.77.0.12"
+    later = shard_file(2, applies(range(3), 500.0), k=0, pid=500)
+    later.records[0]["ip"] = "10.77.0.11"
+    run = _run_files(tmp_path, {}, [_host_fault("host_kill", "10.77.0.11", 100.0)], {0: [on_host, later], 1: [elsewhere]})
+    assert host_victims(run, host_faults(run)) == {300}
+
+
+def test_a_cluster_runs_processes_are_checked_on_their_own_host(tmp_path):
+    import json
+
+    from verify.leftovers import run_processes
+
+    (tmp_path / "logs").mkdir()
+    for name in ["shard-0-10.77.0.11-42.log", "trainer-1-10.77.0.12-42.log", "shard-1-77.log", "driver.log"]:
+        (tmp_path / "logs" / name).write_text("")
+    run = _run_files(tmp_path, {}, [])
+    assert set(run_processes(run)) == {42, 77}  # no cluster.json: every pid is this host's
+    (tmp_path / "cluster.json").write_text(json.dumps({"hosts": {"10.77.0.11": 1, "10.77.0.12": 2}}))
+    assert set(run_processes(run)) == {77}
+    assert [w for w, _ in run_processes(run, "10.77.0.12").values()] == ["trainer-1 (log trainer-1-10.77.0.12-42.log)"]
+
+
+def test_a_damaged_checkpoint_loaded_is_a_violation_unless_its_step_was_saved_again_first(tmp_path):
+    from verify.kills import Damage, check_damage_unused
+
+    f = shard_file(1, [("load", [626], "recovery", 50.0)], k=1)
+    run = _run_files(tmp_path, {}, [], {1: [f]})
+    damage = [Damage(626, 1, "shard-1.arrow", 30.0)]
+    assert len(check_damage_unused(run, damage, lambda step: 20.0)) == 1  # the damaged checkpoint itself
+    assert len(check_damage_unused(run, damage, lambda step: None)) == 1
+    # Fenced by a rollback at 35 and saved again at 40: the load at 50 is of the new checkpoint.
+    assert check_damage_unused(run, damage, lambda step: 40.0) == []
