@@ -61,6 +61,8 @@ def kill_process(supervisor, target: str, pid: int, trigger: str, log_dir: str) 
     try:
         ray.get(supervisor.record_kill.remote(record), timeout=30)
         recorded = True
+        if not _alive(pid):  # it died while the kill was recorded: a zombie takes a signal without error
+            raise ProcessLookupError(f"process {pid} died before the signal")
         os.kill(pid, signal.SIGKILL)
     except BaseException as err:
         log.write("aborted", "kill", target, pid, trigger, kill_time=now, error=repr(err))

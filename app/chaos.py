@@ -61,12 +61,12 @@ def find_supervisor(run_dir: str) -> SupervisorClient:
 
 
 def kill_target(supervisor, target: str, timeout_s: float = 30.0, trigger: str = "chaos", log_dir: str | None = None,
-                killed: frozenset[tuple[str, int]] | set[tuple[str, int]] = frozenset()) -> dict:
+                killed: frozenset[tuple] | set[tuple] = frozenset()) -> dict:
     """SIGKILLs the process of ``target`` ("shard:1", "trainer:0", "supervisor") on its node.
 
     The kill is written to the run's fault log (``log_dir``, by default the one the supervisor
     names) and recorded with the supervisor first (a ``fault_injected`` event), so detection
-    latency is measured from the kill. A (target, pid) in ``killed`` (this caller killed it
+    latency is measured from the kill. A (target, node, pid) in ``killed`` (this caller killed it
     already; the supervisor has not yet seen it die) is never signalled again. Returns what was killed.
     """
     client = as_client(supervisor, timeout_s)
@@ -74,13 +74,13 @@ def kill_target(supervisor, target: str, timeout_s: float = 30.0, trigger: str =
     if target not in targets:
         raise ConfigError(f"unknown target {target!r}; this run has {sorted(targets)}")
     info = targets[target]
-    if info.pid is None or (target, info.pid) in killed:
+    if info.pid is None or (target, info.node_id, info.pid) in killed:
         raise ConfigError(f"{target} is being recovered; it has no process to kill yet")
     now = sigkill_on_node(client.handle, target, info, trigger, log_dir or client.fault_log_dir(), timeout_s)
     if now is None:
         raise ConfigError(f"{target} (pid {info.pid}) is already dead")
     logger.warning("killed %s (pid %d) at %.3f", target, info.pid, now)
-    return {"target": target, "pid": info.pid, "time": now}
+    return {"target": target, "pid": info.pid, "node_id": info.node_id, "time": now}
 
 
 _KILL_ATTEMPTS = 10
@@ -136,7 +136,7 @@ def run_schedule(supervisor, schedule: FaultSchedule, stop: threading.Event, on_
     for at_s, target in schedule.plan(list(targets)):
         if stop.wait(max(0.0, at_s - (time.monotonic() - start))):
             break
-        landed = _kill_retrying(supervisor, target, stop, log_dir, {(k["target"], k["pid"]) for k in kills})
+        landed = _kill_retrying(supervisor, target, stop, log_dir, {(k["target"], k["node_id"], k["pid"]) for k in kills})
         if landed is None:
             break  # training is over, or the schedule was stopped
         kills.extend(landed)
@@ -146,7 +146,7 @@ def run_schedule(supervisor, schedule: FaultSchedule, stop: threading.Event, on_
 
 
 def _kill_retrying(supervisor: SupervisorClient, target: str, stop: threading.Event,
-                   log_dir: str, killed: set[tuple[str, int]]) -> list[dict] | None:
+                   log_dir: str, killed: set[tuple]) -> list[dict] | None:
     """Kills ``target`` (every trainer for ``all_trainers``). A target that is being replaced
     has no process yet, so it is tried again for a few seconds and the schedule's kills all
     land. Returns the kills that landed; None if none did before training ended (a kill then

@@ -196,14 +196,17 @@ def chaos_hosts(run_dir: str, cluster_dir: str, wait_s: float) -> None:
         time.sleep(0.5)
     faults = load_config(str(path)).faults.hosts
     stop = threading.Event()
-    done = threading.Thread(target=lambda: _wait_for(Path(run_dir) / "report.json", stop), daemon=True)
+    started = time.time()
+    done = threading.Thread(target=lambda: _wait_for(Path(run_dir) / "report.json", started, stop), daemon=True)
     done.start()
     for fault in run_host_faults(Cluster(cluster_dir), run_dir, faults, stop):
         click.echo(f"{fault.kind} of host {fault.host} after step {fault.after_step} ({fault.seconds:.1f} s)")
 
 
-def _wait_for(path: Path, stop: threading.Event) -> None:
-    while not path.exists():
+def _wait_for(path: Path, after: float, stop: threading.Event) -> None:
+    """Sets ``stop`` once ``path`` is written after ``after`` (a run's report from before is
+    not this run's end)."""
+    while not (path.exists() and path.stat().st_mtime > after):
         time.sleep(0.5)
     stop.set()
 
@@ -249,16 +252,17 @@ def export(run_dir: str, out_dir: str, step: int | None) -> None:
 @click.option("--wait", "wait_s", type=click.FloatRange(0), default=10.0, show_default=True,
               help="Seconds to give the run's processes to go before they count as left behind.")
 @click.option("--host", "host_ip", default=None,
-              help="Only what the run left on this host of a namespace cluster (run inside it: its processes, "
-                   "and its named actors when RAY_ADDRESS names the cluster).")
-def verify(run_dir: str, wait_s: float, host_ip: str | None) -> None:
+              help="Only what the run left on this host of a namespace cluster (run inside it): its processes.")
+@click.option("--named-actors", is_flag=True, help="With --host: also the run's named actors, asking the cluster "
+              "that RAY_ADDRESS names.")
+def verify(run_dir: str, wait_s: float, host_ip: str | None, named_actors: bool) -> None:
     """Checks a finished RUN_DIR from what its processes wrote (fault log, audit logs, data
     cache, checkpoint files), never trusting its report: lists every violation and exits 1,
     or prints one line and exits 0. Needs the run's audit log (``audit_log: true``)."""
     from verify import verify_run  # import cost: 0.2 s (pyarrow, numpy); see the note at the top
 
     if host_ip is not None:
-        _verify_host(run_dir, host_ip, wait_s)
+        _verify_host(run_dir, host_ip, wait_s, named_actors)
         return
     try:
         verdict = verify_run(run_dir, wait_s)
@@ -273,12 +277,12 @@ def verify(run_dir: str, wait_s: float, host_ip: str | None) -> None:
     sys.exit(1)
 
 
-def _verify_host(run_dir: str, host_ip: str, wait_s: float) -> None:
+def _verify_host(run_dir: str, host_ip: str, wait_s: float, named_actors: bool) -> None:
     from verify.files import load_run  # import cost: 0.2 s (pyarrow, numpy); see the note at the top
     from verify.leftovers import leftovers  # import cost: as above
 
     run = load_run(run_dir)
-    if os.environ.get("RAY_ADDRESS") and run.run_info.get("namespace"):
+    if named_actors and os.environ.get("RAY_ADDRESS") and run.run_info.get("namespace"):
         import ray  # import cost: 0.5 s; only to list the cluster's named actors
 
         ray.init(address=os.environ["RAY_ADDRESS"], namespace=run.run_info["namespace"], log_to_driver=False)

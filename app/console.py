@@ -56,7 +56,8 @@ def format_event(e: dict) -> str | None:
     if kind == "host_lost":
         (h,) = hosts_lost([e])
         after = f" {h['declared_dead_s']:.2f}s after it stopped answering" if h["declared_dead_s"] is not None else ""
-        return f"[failure] host {h['node_ip']} lost, with {', '.join(h['actors'])}; Ray declared its node dead{after}"
+        return (f"[failure] host {h['node_ip']} lost, with {', '.join(h['actors']) or 'none of this run'}; "
+                f"Ray declared its node dead{after}")
     if kind == "spare_moved":
         return f"[spares] the warm spare moved to host {e['to_ip']}, which holds no shard ({e['to'].rsplit('-', 1)[-1]})"
     if kind == "spare_lost":

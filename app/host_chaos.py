@@ -18,7 +18,7 @@ from pathlib import Path
 from core.config_failures import HostFault
 from core.faultlog import FaultLog, fault_log_dir
 
-__all__ = ["Cluster", "run_host_faults", "last_step"]
+__all__ = ["Cluster", "run_host_faults", "last_step", "inject", "kill_host", "restart_host", "partition_host"]
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +47,10 @@ class Cluster:
     def ray_alive(self, n: int) -> bool:
         return self("ray-alive", str(n), check=False).returncode == 0
 
+    def up(self, n: int) -> bool:
+        """Whether host ``n``'s init (its PID namespace) runs, with or without Ray."""
+        return f"host {n} {self.ip(n)} init=down" not in self("status").stdout
+
 
 def last_step(run_dir: str | os.PathLike) -> int:
     """The newest committed step the run's progress file names (-1: none yet)."""
@@ -63,43 +67,61 @@ def last_step(run_dir: str | os.PathLike) -> int:
     return -1
 
 
-def _act(log: FaultLog, fault: str, n: int, trigger: str, action, **extra) -> None:
-    """``action`` between a "sending" and a "sent" line (an "aborted" one if it raised)."""
+def _act(log: FaultLog, fault: str, n: int, trigger: str, action, **extra) -> float:
+    """``action`` between a "sending" and a "sent" line (an "aborted" one if it raised);
+    returns when it began."""
     target = f"host:{n}"
-    log.write("sending", fault, target, None, trigger, ip=Cluster.ip(n), **extra)
+    t = log.write("sending", fault, target, None, trigger, ip=Cluster.ip(n), **extra)["t"]
     try:
         action()
     except BaseException as err:
         log.write("aborted", fault, target, None, trigger, ip=Cluster.ip(n), error=repr(err))
         raise
-    log.write("sent", fault, target, None, trigger, ip=Cluster.ip(n), **extra)
+    log.write("sent", fault, target, None, trigger, ip=Cluster.ip(n), began=t, **extra)
+    return t
 
 
-def _restart(cluster: Cluster, log: FaultLog, n: int, trigger: str) -> None:
+def kill_host(cluster: Cluster, log: FaultLog, n: int, trigger: str, seconds: float | None = None) -> float:
+    """SIGKILLs every process of host ``n`` at once; returns when."""
+    return _act(log, "host_kill", n, trigger, lambda: cluster("kill-host", str(n)), seconds=seconds)
+
+
+def restart_host(cluster: Cluster, log: FaultLog, n: int, trigger: str) -> float:
     """Starts host ``n`` again: what is left of it goes first (its init, so every process of
     its PID namespace), then a fresh host joins."""
-    if cluster("status").stdout.find(f"host {n} {cluster.ip(n)} init=down") < 0:
+    if cluster.up(n):
         cluster("kill-host", str(n))
-    _act(log, "host_add", n, trigger, lambda: cluster("add-host", str(n)))
+    return _act(log, "host_add", n, trigger, lambda: cluster("add-host", str(n)))
+
+
+def partition_host(cluster: Cluster, log: FaultLog, n: int, seconds: float, trigger: str,
+                   stop: threading.Event | None = None) -> float:
+    """Cuts host ``n``'s link for ``seconds`` and restores it; a host whose Ray node was
+    declared dead meanwhile is started again. Returns when the link went down."""
+    t = _act(log, "partition", n, trigger, lambda: cluster("link", str(n), "down"), seconds=seconds)
+    (stop or threading.Event()).wait(seconds)
+    _act(log, "heal", n, trigger, lambda: cluster("link", str(n), "up"))
+    # Ray declares a host dead after about 1.5 s without an answer, and its raylet, back on the
+    # network, learns so and exits: such a host is a lost one, and joins again as a new host.
+    # A raylet still running 30 s after the link came back rode the cut out.
+    deadline = time.monotonic() + 30.0
+    while time.monotonic() < deadline:
+        if not cluster.ray_alive(n):
+            restart_host(cluster, log, n, trigger)
+            break
+        time.sleep(0.5)
+    return t
 
 
 def inject(cluster: Cluster, log: FaultLog, fault: HostFault, trigger: str, stop: threading.Event) -> None:
     """One host fault, whole: the host comes back (or its link does) even if ``stop`` is set
     meanwhile, so the cluster is whole again when this returns."""
-    n = fault.host
     if fault.kind == "host_kill":
-        _act(log, "host_kill", n, trigger, lambda: cluster("kill-host", str(n)), seconds=fault.seconds)
+        kill_host(cluster, log, fault.host, trigger, fault.seconds)
         stop.wait(fault.seconds)
-        _restart(cluster, log, n, trigger)
-        return
-    _act(log, "partition", n, trigger, lambda: cluster("link", str(n), "down"), seconds=fault.seconds)
-    stop.wait(fault.seconds)
-    _act(log, "heal", n, trigger, lambda: cluster("link", str(n), "up"))
-    # Ray declares a host dead after about 1.5 s without an answer, and its raylet, back on the
-    # network, learns so and exits: such a host is a lost one, and joins again as a new host.
-    time.sleep(3.0)
-    if not cluster.ray_alive(n):
-        _restart(cluster, log, n, trigger)
+        restart_host(cluster, log, fault.host, trigger)
+    else:
+        partition_host(cluster, log, fault.host, fault.seconds, trigger, stop)
 
 
 def run_host_faults(cluster: Cluster, run_dir: str | os.PathLike, faults: list[HostFault], stop: threading.Event,

@@ -25,7 +25,7 @@ from app.soak import soak_config
 from core.config import load_config
 from verify import verify_run
 
-__all__ = ["host_fault_plan", "run_soak_on_hosts"]
+__all__ = ["host_fault_plan", "run_soak_on_hosts", "check_hosts"]
 
 logger = logging.getLogger(__name__)
 
@@ -58,21 +58,34 @@ def _config(base_path: str, run_dir: Path, seed: int, kills: int, mtbf_s: float,
     return path
 
 
-def _check_hosts(cluster: Cluster, hosts: int, run_dir: Path, log: Path) -> list[str]:
-    """What the run left on each host that is up, checked from inside it."""
+def check_hosts(cluster: Cluster, hosts: int, run_dir: Path, log: Path) -> list[str]:
+    """What the run left on each host that is up (its init runs, with or without Ray), checked
+    from inside it by ``cpr verify --host``; a check that did not report is a violation."""
     out = []
     for n in range(hosts):
-        if not cluster.ray_alive(n):
+        if not cluster.up(n):
             continue
+        argv = [sys.executable, "-m", "app", "verify", str(run_dir), "--host", cluster.ip(n), "--wait", "30"]
         with open(log, "ab") as f:
-            done = subprocess.run(
-                [str(cluster.script), "exec", str(n), "--", sys.executable, "-m", "app", "verify", str(run_dir),
-                 "--host", cluster.ip(n), "--wait", "30"],
-                env=cluster.env, stdout=subprocess.PIPE, stderr=f, text=True, timeout=180)
-        out += [line[len("violation: "):] for line in done.stdout.splitlines() if line.startswith("violation: ")]
-        if done.returncode not in (0, 1):
-            out.append(f"the check of host {n} failed ({done.returncode}); see {log}")
+            done = subprocess.run([str(cluster.script), "exec", str(n), "--", *argv,
+                                   *(["--named-actors"] if n == 0 else [])],
+                                  env=cluster.env, stdout=subprocess.PIPE, stderr=f, text=True, timeout=180)
+        found = [line[len("violation: "):] for line in done.stdout.splitlines() if line.startswith("violation: ")]
+        try:
+            said = json.loads(done.stdout.strip().splitlines()[-1])
+        except (IndexError, json.JSONDecodeError):
+            said = None
+        if said is None or said.get("left") != len(found) or done.returncode != (1 if found else 0):
+            out.append(f"the check of host {n} did not report ({done.returncode}); see {log}")
+        out += found
     return out
+
+
+def _faults_thread(cluster: Cluster, run_path: Path, faults, stop: threading.Event, errors: list[str]) -> None:
+    try:
+        run_host_faults(cluster, run_path, faults, stop)
+    except Exception as err:  # noqa: BLE001 - a fault that could not be carried out is the soak's violation
+        errors.append(f"the host faults stopped: {err!r}")
 
 
 def run_soak_on_hosts(config_path: str, run_dir: str, seed: int, kills: int, mtbf_s: float, host_faults: int,
@@ -102,7 +115,8 @@ def run_soak_on_hosts(config_path: str, run_dir: str, seed: int, kills: int, mtb
                 [str(cluster.script), "exec", "0", "--", sys.executable, "-m", "app", "train", "--config",
                  str(cfg_path)], env=cluster.env, start_new_session=True, stdout=out, stderr=subprocess.STDOUT)
         faults = load_config(str(cfg_path)).faults.hosts
-        chaos = threading.Thread(target=run_host_faults, args=(cluster, run_path, faults, stop), daemon=True)
+        chaos = threading.Thread(target=_faults_thread, args=(cluster, run_path, faults, stop, violations),
+                                 daemon=True)
         chaos.start()
         try:
             code = driver.wait(timeout=timeout_s)
@@ -112,8 +126,8 @@ def run_soak_on_hosts(config_path: str, run_dir: str, seed: int, kills: int, mtb
             wedged = True
             violations.append(f"wedged: not finished within {timeout_s:.0f}s")
         stop.set()
-        chaos.join(timeout=120)
-        violations += _check_hosts(cluster, hosts, run_path, log)
+        chaos.join()  # bounded: every step of a host fault is a script call with its own limit
+        violations += check_hosts(cluster, hosts, run_path, log)
     finally:
         stop.set()
         if driver is not None and driver.poll() is None:

@@ -104,7 +104,8 @@ def _trainers(report: dict) -> list[str]:
         )
     for h in report.get("hosts_lost") or []:
         lines.append(
-            f"  host lost         {h['node_ip']} with {', '.join(h['actors'])}; Ray declared its node dead "
+            f"  host lost         {h['node_ip']} with {', '.join(h['actors']) or 'none of this run'}; Ray declared "
+            "its node dead "
             + (f"{h['declared_dead_s']:.2f}s after it stopped answering" if h.get("declared_dead_s") is not None
                else "(no failed probe before that)")
         )

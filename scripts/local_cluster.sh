@@ -140,6 +140,8 @@ case "${1:-}" in
     mkdir -p "$DIR" "$REGISTRY"
     printf '%s\n%s\n' "$DIR" "${CPR_CLUSTER_OWNER:-}" > "$REGISTRY/$TAG"
     echo "$HOSTS" > "$DIR/hosts"
+    printf 'CPR_WORKER_CPUS=%q\nCPR_HEAD_CPUS=%q\nCPR_OBJECT_STORE_MB=%q\n' "${CPR_WORKER_CPUS:-6}" \
+      "${CPR_HEAD_CPUS:-0}" "${CPR_OBJECT_STORE_MB:-80}" > "$DIR/settings"
     [[ -s $DIR/auth_token ]] || "$PYTHON" -c 'import secrets; print(secrets.token_hex(32))' > "$DIR/auth_token"
     chmod 600 "$DIR/auth_token"
     make_network
@@ -156,10 +158,15 @@ case "${1:-}" in
     n="${2:?host number}"; pid="$(init_pid "$n")" || die "host $n is not up"
     kill -KILL "$pid"
     python3 -c 'import time; print(f"host '"$n"' killed at {time.time():.3f}")'
+    # Gone before it may start again: the kernel kills the rest of its PID namespace with it.
+    for ((t = 0; t < 100; t++)); do kill -0 "$pid" 2>/dev/null || break; sleep 0.05; done
     rm -f "$DIR/h$n/init.pid"
     ;;
   add-host)
     n="${2:?host number}"; HOSTS="$(cat "$DIR/hosts")"
+    # The settings the cluster was brought up with, whatever the caller's environment says.
+    # shellcheck disable=SC1091
+    source "$DIR/settings"
     (( n > 0 && n < HOSTS )) || die "add-host $n: worker hosts are 1..$((HOSTS - 1))"
     start_host "$n"
     echo "host $n up at $(host_ip "$n")"

@@ -114,7 +114,7 @@ _HOST_FAULTS = ("host_kill", "partition")
 
 
 def host_faults(run: RunFiles) -> list[HostFault]:
-    return sorted((HostFault(r["fault"], r["ip"], float(r["t"])) for r in run.faults
+    return sorted((HostFault(r["fault"], r["ip"], float(r.get("began", r["t"]))) for r in run.faults
                    if r["event"] == "sent" and r.get("fault") in _HOST_FAULTS), key=lambda h: h.time)
 
 

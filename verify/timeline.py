@@ -143,13 +143,19 @@ def _check_group(step: int, quorum: int, commits: list[dict], m: int, trainers: 
 
 def _share_of_killed(step: int, commits: list[dict], trainers: list[AuditFile], killed: set[int]) -> bool:
     """A share missing from a commit group is explained only by a trainer killed while it
-    committed: a killed writer whose file ends before this step."""
+    committed: a killed writer whose file ends holding exactly ``step`` committed steps (its
+    last commit was the step before, or it had just healed, resumed or rolled back to it)."""
     ranks = {c["rank"] for c in commits}
     for f in trainers:
         if f.key in ranks or not set(f.writers()) & killed:
             continue
-        last = [r["step"] for r in f.records if r.get("event") == "commit"]
-        if last and last[-1] == step - 1:
+        held = None
+        for r in f.records:
+            if r.get("event") == "commit":
+                held = r["step"] + 1
+            elif r.get("event") in ("load", "heal"):
+                held = r["step"]
+        if held == step:
             return True
     return False
 

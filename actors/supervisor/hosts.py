@@ -1,18 +1,15 @@
-"""A lost host, named: when Ray declares a node of the run dead, one ``host_lost`` event
-names the host and every actor of the run it held (shards placed there or seen dying there
-just before, trainers by registered node, spares in the pool or seen dying); their own deaths
-and recoveries follow as usual."""
+"""A lost host, named: when Ray declares a node of the run's cluster dead, one ``host_lost``
+event names the host and every actor of the run it held (shards placed there or seen dying
+there just before, trainers by registered node, spares in the pool or seen dying; none for a
+host that held none); their own deaths and recoveries follow as usual."""
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 
 from actors.supervisor.events import EventLog
 
 __all__ = ["HostLossReporter"]
-
-logger = logging.getLogger(__name__)
 
 # Actors whose death was seen this long before Ray's verdict (or the first failed probe)
 # died with the host.
@@ -36,7 +33,6 @@ class HostLossReporter:
         node = info["node_id"]
         since = (info["unreachable_since"] or info["declared_dead_at"]) - _BEFORE_S
         actors = self._shards_on(node, since) + self._trainers_on(node) + self._spares_on(node, since)
-        if actors:
-            self._events.record("host_lost", actors=actors, **info)
-        else:
-            logger.info("node %s (%s) died holding none of this run's actors", info["node_ip"], node[:8])
+        # Also a host that held none of the run's actors (one just added back): the report names
+        # every host the run lost, as the fault log of a chaos run does.
+        self._events.record("host_lost", actors=actors, **info)

@@ -114,6 +114,7 @@ class Trainer:
             self.supervisor.record_trainer_healed(self.rank, attempt.step, time.perf_counter() - self.started_s,
                                                   time.time())
             self.replacement = False
+            self.audit_load(attempt.step, "heal", event="heal")
         if self.last_participant is None and attempt.participant == 0:
             self.supervisor.record_training_started(attempt.step, self.manager.num_participants(), time.time())
         return attempt
@@ -266,10 +267,11 @@ class Trainer:
         self.manager.load_state_dict({"step": rollback.step, "batches_committed": rollback.step * m})
         self.audit_load(rollback.step, "rollback")
 
-    def audit_load(self, step: int, why: str) -> None:
-        """The dense state is now that of ``step`` committed steps (a resume or a rollback)."""
+    def audit_load(self, step: int, why: str, event: str = "load") -> None:
+        """The dense state is now that of ``step`` committed steps: a resume or a rollback (a
+        "load"), or a replacement healed from a live peer (a "heal", which redoes nothing)."""
         if self.audit is not None:
-            self.audit.write(json.dumps({"t": round(time.time(), 6), "event": "load", "step": step, "rank": self.rank,
+            self.audit.write(json.dumps({"t": round(time.time(), 6), "event": event, "step": step, "rank": self.rank,
                                          "why": why}) + "\n")
 
     def load_dense(self, blob: bytes) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import time
 
 import pytest
 
@@ -120,14 +121,19 @@ def test_full_checkpoint_storage_fails_saves_and_commits_nothing_torn(faulted):
 def test_slow_storage_slows_the_saves_in_the_background_not_training(faulted):
     cfg, report, verdict = faulted
     [slow] = _sent(cfg, "slow_storage")
+    # Saves that began early enough in the window for their shard files to be written in it.
     during = [e for e in report["events"] if e["kind"] == "checkpoint_saved"
-              and slow["t"] <= e["time"] - e["background_s"] <= slow["t"] + slow["seconds"]]
+              and slow["t"] <= e["time"] - e["background_s"] <= slow["t"] + slow["seconds"] - 2 * SLOW_S]
     assert during, [e for e in report["events"] if e["kind"].startswith("checkpoint")][-8:]
     for e in during:
         # Each shard's file took the delay longer; training was held only for the snapshot.
         assert min(e["shard_write_s"]) >= SLOW_S and e["background_s"] >= SLOW_S, e
         assert e["hold_s"] < SLOW_S, e
-    assert not os.path.exists(os.path.join(cfg.checkpoint_uri, ".cpr-slow-writes.json"))  # gone after the fault
+    # The fault's own process removes its file when the window ends.
+    deadline = time.monotonic() + slow["seconds"] + 10
+    while os.path.exists(os.path.join(cfg.checkpoint_uri, ".cpr-slow-writes.json")) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not os.path.exists(os.path.join(cfg.checkpoint_uri, ".cpr-slow-writes.json"))
 
 
 def _damaged(cfg, fault: str) -> int:

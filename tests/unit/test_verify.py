@@ -181,3 +181,17 @@ def test_a_damaged_checkpoint_loaded_is_a_violation_unless_its_step_was_saved_ag
     assert len(check_damage_unused(run, damage, lambda step: None)) == 1
     # Fenced by a rollback at 35 and saved again at 40: the load at 50 is of the new checkpoint.
     assert check_damage_unused(run, damage, lambda step: 40.0) == []
+
+
+def test_a_missing_share_of_a_replacement_killed_right_after_it_healed_is_explained():
+    """The soak's seed 6: a replacement trainer healed to step 155 from its peer, took its share
+    of step 155 (the shards applied all four ids) and was killed before writing its commit."""
+    a = trainer_file(0, 10, commits(0, range(0, 8), 1, 0.0))
+    healed = trainer_file(1, 12, [("load", 4, "resume", 3.0)])
+    healed.records.append({"t": 3.5, "event": "heal", "step": 7, "why": "heal", "rank": 1, "_line": 3})
+    early = trainer_file(1, 11, commits(1, range(0, 7), 1, 0.0))
+    assert walk_dense([a, early, healed], M, 8, killed={12}) == []
+    # Not explained when the replacement was not killed, or had healed to another step.
+    assert any("step 7 (quorum 1) committed microbatches [14]" in x for x in walk_dense([a, early, healed], M, 8, set()))
+    healed.records[-1]["step"] = 6
+    assert any("committed microbatches [14]" in x for x in walk_dense([a, early, healed], M, 8, {12}))
