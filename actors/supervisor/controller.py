@@ -32,15 +32,9 @@ class RecoveryController:
     def __init__(self, run_id: str, shard_name: Callable[[int, int], str], num_shards: int,
                  lock: threading.RLock, events: EventLog, persist: Callable[[], None], parts: Collaborators,
                  clock: Callable[[], float] = time.time):
-        self.run_id = run_id
-        self._shard_name = shard_name
-        self.n = num_shards
-        self._lock = lock
+        self.run_id, self._shard_name, self.n, self._lock = run_id, shard_name, num_shards, lock
         self.changed = threading.Condition(lock)
-        self._events = events
-        self._persist = persist
-        self._p = parts
-        self._clock = clock
+        self._events, self._persist, self._p, self._clock = events, persist, parts, clock
         self.state: State = Running()
         self._next: State | None = None  # a decided state being persisted (the journal shows it first)
         self.handles: list = [None] * num_shards
@@ -52,13 +46,11 @@ class RecoveryController:
         self.generation = 0  # bumped whenever the fleet or the timeline changes
         self.rollback: Rollback | None = None  # the last full recovery's rollback (without its dense state)
         self.resume_step: int | None = None
-        self.started = False
-        self.start_error: str | None = None
+        self.started, self.start_error = False, None
         self._deaths: list[tuple] = []  # (node id, actor, detected at) of each shard death
         self._deciding: set[tuple[int, int]] = set()  # (shard, generation) of deaths being decided
         self._outcome: Outcome | None = None
-        self._work = threading.Event()
-        self._stop = threading.Event()
+        self._work, self._stop = threading.Event(), threading.Event()
 
     # ------------------------------------------------------------------ transitions
 
@@ -256,6 +248,14 @@ class RecoveryController:
 
     # ------------------------------------------------------------------ views
 
+    def trainers_restarted_at(self, step: int) -> None:
+        """Every trainer restarts at checkpoint ``step``, where the shards stand already (recovered
+        there): steps from ``step`` are redone, so a partial recovery loses only updates before it."""
+        with self._lock:
+            self._p.ledger.reopen_after_rollback(step, self._p.ledger.count())
+            self.live_since = [step if x is None else min(x, step) for x in self.live_since]
+            self._persist()
+
     def settle(self, known_generation: int, redo_step: int, upto_generation: float = float("inf")) -> None:
         """Trainers redo ``redo_step`` on a newer fleet: close the failures recovered since and
         start the replaced shards' spans there (a rollback set them already), journaled in one
@@ -312,8 +312,7 @@ class RecoveryController:
             return rb if rb is not None and rb.generation > known_generation else None
 
     def resume_point(self) -> int | None:
-        with self._lock:
-            return self.resume_step
+        return self.resume_step  # one attribute: read whole
 
     def targets(self) -> dict[int, tuple[int | None, str | None]]:
         """Shard -> (pid, node id) of the actor serving it (None while it is being replaced)."""
@@ -337,7 +336,6 @@ class RecoveryController:
         with self._lock:
             return sorted({f"shard:{k}" for k, i in enumerate(self.infos) if i is not None and i.node_id == node_id}
                           | {a for n, a, t in self._deaths if n == node_id and t >= since})
-
 
     def commit_start(self, handles: list, infos: list[ShardInfo]) -> None:
         """The first fleet (generation 0) answers."""
@@ -371,8 +369,7 @@ class RecoveryController:
         self.state = state_from_dict(doc["state"])
         self.gens, self.next_gens, self.live_since = doc["gens"], doc["next_gens"], doc["live_since"]
         self.names, self.generation, self.started = doc["names"], doc["generation"], doc["started"]
-        self.rollback = decode(Rollback, doc["rollback"])
-        self.resume_step = doc["resume_step"]
+        self.rollback, self.resume_step = decode(Rollback, doc["rollback"]), doc["resume_step"]
 
     def reacquire(self, probe: Callable[[str], tuple[object, ShardInfo] | None]) -> list[int]:
         """After a supervisor restart: the journaled actor of each shard, found by name and

@@ -228,6 +228,7 @@ class TrainerDesk:
             if not self._same_fallback(step):
                 self._events.record("all_trainers_failed", fallback_step=step, steps_lost=0, fenced=[],
                                     rows_reloaded=0, load_s=0.0)
+                self._c.trainers_restarted_at(step)
         return FleetView(generation, shards)
 
     def _same_fallback(self, step: int) -> bool:

@@ -167,7 +167,7 @@ def test_training_across_hosts_survives_the_loss_of_a_host_and_a_partition(local
         _stop(driver)
 
     report = json.loads((run_dir / "report.json").read_text())
-    _check_host_loss(report, run_dir, victim_ip, killed_at, lost_shards, lost_trainers, spare, recovered)
+    _check_host_loss(report, run_dir, victim_ip, killed_at, lost_shards, lost_trainers, spare, recovered, parted_at)
     # Until the partition, no trainer but the lost host's was started again.
     restarted = {f"trainer:{e['rank']}" for e in report["events"]
                  if e["kind"] == "trainer_started" and e["starts"] > 1 and e["time"] < parted_at}
@@ -181,13 +181,14 @@ def test_training_across_hosts_survives_the_loss_of_a_host_and_a_partition(local
     assert verdict.facts["host_faults"] == 2, verdict.facts
 
 
-def _check_host_loss(report, run_dir, victim_ip, killed_at, lost_shards, lost_trainers, spare, recovered):
+def _check_host_loss(report, run_dir, victim_ip, killed_at, lost_shards, lost_trainers, spare, recovered, parted_at):
     assert report["auc"] is not None and report["state"]["state"] == "finished"
     # Every committed step had its M microbatches, also while a trainer was missing.
     assert report["microbatches_per_committed_step"] == [M]
     assert report["steps_with_fewer_trainers"] >= 1
-    # The survivors went on: no fallback.
-    assert not report["all_trainers_failed"]
+    # The survivors went on: no fallback (until the partition, which may cut off every trainer:
+    # the lost host's replacement ran beside the survivor's).
+    assert not [e for e in report["all_trainers_failed"] if e["time"] < parted_at], report["all_trainers_failed"]
     # The host loss, what it took, and Ray's verdict, measured against the kill.
     (host,) = [h for h in report["hosts_lost"] if h["node_ip"] == victim_ip]
     assert lost_shards | lost_trainers <= set(host["actors"]), host

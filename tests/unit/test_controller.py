@@ -293,3 +293,21 @@ def test_a_refused_rollback_fails_the_run_saying_why():
     controller.transition(ResumeRequested(40, ()))
     controller.execute_once()
     assert isinstance(controller.state, Failed) and controller.state.reason.startswith("invariant: rollback to step 40")
+
+
+def test_trainers_restarting_where_the_recovered_shards_stand_redo_the_lost_steps():
+    """Seen on the namespace cluster: a host with every shard and every trainer was cut off; the
+    shards were recovered from checkpoint 301 and their failures closed at the last committed
+    step + 1 (312), counting lost samples; then the new trainers started at 301, where the
+    shards already stood: steps 301.. were redone and nothing was lost."""
+    from tests.unit.test_supervisor_books import _failure
+
+    journal = MemoryJournal()
+    controller, ledger, _ = _controller(journal, FakeExecutor(journal))
+    ledger.add([_failure("partial", 312, 301, shard=0), _failure("partial", 312, 301, shard=1),
+                _failure("partial", 120, 90, shard=0)])  # an older one: its loss stands
+    controller.trainers_restarted_at(301)
+    assert [f.failed_at_step for f in ledger.records()] == [301, 301, 120]
+    assert controller.live_since == [0, 0]  # the live shards apply from step 0 (< 301) on: unchanged
+    # Journaled: a restarted supervisor does not close them at 312 again.
+    assert [f["failed_at_step"] for f in journal.last()["ledger"]["failures"]] == [301, 301, 120]
