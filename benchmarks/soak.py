@@ -73,6 +73,8 @@ def main() -> None:
     p.add_argument("--host-faults", type=int, default=4, help="Host kills and partitions per run (--hosts > 1).")
     p.add_argument("--out", default="benchmarks/results")
     p.add_argument("--render", action="store_true", help="Render the table again from its JSON, run nothing.")
+    p.add_argument("--append", action="store_true",
+                   help="Add these seeds' runs to the JSON's (each run names its own commit).")
     args = p.parse_args()
     out = Path(args.out)
     name = "soak" if args.hosts == 1 else "soak-hosts"
@@ -82,7 +84,11 @@ def main() -> None:
     from app.soak import run_soak  # import cost: Ray and torch, not needed to render
     from app.soak_hosts import run_soak_on_hosts  # import cost: as above
 
-    doc = {"meta": run_metadata(), "file": f"{name}.json", "runs": []}
+    meta = run_metadata()
+    doc = {"meta": meta, "file": f"{name}.json", "runs": []}
+    if args.append and (out / f"{name}.json").exists():
+        doc["runs"] = json.loads((out / f"{name}.json").read_text())["runs"]
+        doc["meta"]["command"] += " (appended to the runs before)"
     out.mkdir(parents=True, exist_ok=True)
     for seed in args.seeds:
         t0 = time.time()
@@ -91,7 +97,7 @@ def main() -> None:
         else:
             result = run_soak_on_hosts(args.config, f"runs/soak-hosts-{seed}", seed, args.kills, args.mtbf,
                                        args.host_faults, args.hosts)
-        result["wall_s"] = round(time.time() - t0, 1)
+        result["wall_s"], result["commit"] = round(time.time() - t0, 1), meta["commit"]
         doc["runs"].append(result)
         print(json.dumps({k: v for k, v in result.items() if k != "violations"}), result["violations"][:5], flush=True)
         # Written after every run: a soak cut short still has the data behind its table.
