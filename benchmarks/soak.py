@@ -38,6 +38,7 @@ def render(doc: dict) -> str:
         f"Rendered from `{doc.get('file', 'soak.json')}`: {describe(doc['meta'])}.", "",
         f"{len(rows)} runs, {faults} faults that landed (from the injector's own log), "
         f"{sum(r['wedged'] for r in rows)} wedged, {sum(len(r['violations']) for r in rows)} violations.", "",
+        *_commits(rows),
         "| seed | faults | kills: shard / trainer / supervisor | stalls | damaged files "
         + ("| host kills | partitions | hosts lost " if hosts > 1 else "")
         + "| shard recoveries | supervisor restarts | every-trainer fallbacks | finished | wedged | violations "
@@ -61,6 +62,17 @@ def render(doc: dict) -> str:
     if bad:
         lines += ["", "Violations:", ""] + [f"- seed {s}: {v}" for s, v in bad]
     return "\n".join(lines) + "\n"
+
+
+def _commits(rows: list[dict]) -> list[str]:
+    """A line naming each run's commit, where the runs were not all made at one."""
+    at: dict[str, list[str]] = {}
+    for r in rows:
+        at.setdefault(r.get("commit") or "?", []).append(str(r["seed"]))
+    if len(at) < 2:
+        return []
+    return ["Runs made at different commits: " + "; ".join(f"seeds {', '.join(s)} at `{c}`" for c, s in at.items())
+            + ".", ""]
 
 
 def main() -> None:
