@@ -78,10 +78,24 @@ def test_ray_job_submit_to_a_started_head(tmp_path, small_data):
             "--set training.max_steps=40",
             "--set model.table_rows=20000",
         ]
-        job_id = client.submit_job(
-            entrypoint="python -m app train --config configs/cluster.yaml --no-progress " + " ".join(overrides),
-            runtime_env={"working_dir": str(ROOT), "excludes": [".venv", "/runs", "/data", ".git"]},
-        )
+        submitted: list[str] = []
+
+        def _submit() -> bool:
+            # The Jobs API answers before the head's job agent is up ("No available agent to
+            # submit job, please try again later"): as a user would, submit again.
+            try:
+                submitted.append(client.submit_job(
+                    entrypoint="python -m app train --config configs/cluster.yaml --no-progress " + " ".join(overrides),
+                    runtime_env={"working_dir": str(ROOT), "excludes": [".venv", "/runs", "/data", ".git"]},
+                ))
+                return True
+            except RuntimeError as err:
+                if "No available agent" in str(err):
+                    return False
+                raise
+
+        wait_for_condition(_submit, timeout=120, retry_interval_ms=1000)
+        job_id = submitted[0]
         terminal = {JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.STOPPED}
         wait_for_condition(lambda: client.get_job_status(job_id) in terminal, timeout=420, retry_interval_ms=1000)
         logs = client.get_job_logs(job_id)
