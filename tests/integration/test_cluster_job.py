@@ -30,7 +30,7 @@ def _free_port() -> int:
 def test_ray_job_submit_to_a_started_head(tmp_path, small_data):
     from ray.job_submission import JobStatus, JobSubmissionClient
 
-    gcs_port, dash_port = _free_port(), _free_port()
+    gcs_port, dash_port, agent_port = _free_port(), _free_port(), _free_port()
     env = dict(os.environ)
     env.update(RAY_AUTH_MODE="token", RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", GLOO_SOCKET_IFNAME="lo",
                RAY_max_direct_call_object_size="1048576")  # as the README's `ray start`
@@ -50,6 +50,9 @@ def test_ray_job_submit_to_a_started_head(tmp_path, small_data):
             ray_cli, "start", "--head", "--block",
             "--node-ip-address=127.0.0.1", f"--port={gcs_port}", "--dashboard-host=127.0.0.1",
             f"--dashboard-port={dash_port}", "--num-cpus=6", "--disable-usage-stats",
+            # Not Ray's default 52365: the suite's own Ray (started by an earlier test) holds it,
+            # and a job agent without its port leaves the Jobs API with "No available agent".
+            f"--dashboard-agent-listen-port={agent_port}",
             f"--temp-dir={temp_dir}",
         ],
         env=env, start_new_session=True, stdout=head_log, stderr=subprocess.STDOUT,
