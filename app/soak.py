@@ -29,6 +29,8 @@ def soak_config(base: RunConfig, run_dir: str, seed: int, kills: int, mtbf_s: fl
     raw.update(run_dir=run_dir, audit_log=True)
     raw["data"]["cache_dir"] = base.cache_dir
     raw["checkpoint"]["keep_last"] = 1000  # the PLS recount reads every incremental back
+    # Every kill may be a trainer's (all_trainers counts each): the budget must not end the soak.
+    raw["budgets"]["max_trainer_failures"] = max(raw["budgets"]["max_trainer_failures"], 3 * kills)
     raw["faults"] = {
         "targets": ["shards", "trainers", "supervisor", "all_trainers"], "distribution": "exponential",
         "mtbf_s": mtbf_s, "seed": seed, "max_failures": kills,
