@@ -13,7 +13,7 @@ import time
 
 import ray
 
-from actors.nodes import pinned
+from actors.nodes import pinned, process_alive
 from core.checkpoint import CheckpointStore
 from core.checkpoint.files import SLOW_WRITES_FILE, join, local_path, resolve, shard_file_name, step_dir_name
 from core.faultlog import FaultLog
@@ -29,9 +29,7 @@ FILL_LIMIT_BYTES = 4 << 30
 def stop_process(target: str, pid: int, seconds: float, trigger: str, log_dir: str) -> float | None:
     """Runs on the target's node: SIGSTOPs ``pid`` and starts a process of its own that
     SIGCONTs it ``seconds`` later. Returns when the stall began (None: no such process)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+    if not process_alive(pid):
         return None
     log = FaultLog(log_dir)
     now = time.time()

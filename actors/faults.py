@@ -18,7 +18,7 @@ import numpy as np
 import ray
 
 from actors.fault_kinds import damage_checkpoint, fill_storage, slow_storage, stall_on_node
-from actors.nodes import pinned
+from actors.nodes import pinned, process_alive
 from actors.supervisor.hooks import RunHooks
 from core.config import FaultsConfig
 from core.config_failures import FaultSpec
@@ -31,27 +31,13 @@ __all__ = ["sigkill_on_node", "kill_process", "InjectedFault", "FaultInjector", 
 logger = logging.getLogger(__name__)
 
 
-def _alive(pid: int) -> bool:
-    """Whether ``pid`` is a live process: a killed process stays a zombie until its parent
-    reaps it, and a zombie still answers ``kill(pid, 0)``."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rsplit(b")", 1)[1].split()[0] not in (b"Z", b"X")
-    except (OSError, IndexError):
-        return True  # no /proc here: kill(pid, 0) is all there is
-
-
 def kill_process(supervisor, target: str, pid: int, trigger: str, log_dir: str) -> float | None:
     """Runs on the target's node: writes the kill to the fault log (``core.faultlog``),
     records it with the supervisor, SIGKILLs ``pid`` and logs that the signal went. The time
     is taken right before the kill, so detection latency starts there. None if ``pid`` is
     already dead (a zombie included); a recorded kill whose signal then finds no process is
     withdrawn from the supervisor's books and logged as aborted."""
-    if not _alive(pid):
+    if not process_alive(pid):
         return None  # already dead (e.g. being recovered): nothing to record
     log = FaultLog(log_dir)
     now = time.time()
@@ -61,7 +47,7 @@ def kill_process(supervisor, target: str, pid: int, trigger: str, log_dir: str) 
     try:
         ray.get(supervisor.record_kill.remote(record), timeout=30)
         recorded = True
-        if not _alive(pid):  # it died while the kill was recorded: a zombie takes a signal without error
+        if not process_alive(pid):  # it died while the kill was recorded: a zombie takes a signal without error
             raise ProcessLookupError(f"process {pid} died before the signal")
         os.kill(pid, signal.SIGKILL)
     except BaseException as err:

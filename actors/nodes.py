@@ -27,7 +27,8 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 import psutil  # noqa: E402 - Ray's vendored copy, on the path once ray is imported
 
 __all__ = [
-    "cpu_nodes", "other_nodes", "pinned", "pids_alive", "least_loaded", "placement", "interface_for", "HostWatch",
+    "cpu_nodes", "other_nodes", "pinned", "pids_alive", "process_alive", "least_loaded", "placement", "interface_for",
+    "HostWatch",
 ]
 
 logger = logging.getLogger(__name__)
@@ -53,12 +54,18 @@ def pinned(fn: Callable, node_id: str):
     )
 
 
-def _pid_alive(pid: int) -> bool:
+def process_alive(pid: int) -> bool:
+    """Whether ``pid`` is a live process on this host: a killed process stays a zombie until
+    its parent reaps it, and a zombie still answers ``kill(pid, 0)``."""
     try:
         os.kill(pid, 0)
-        return True
     except ProcessLookupError:
         return False
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] not in (b"Z", b"X")
+    except (OSError, IndexError):
+        return True  # no /proc here: kill(pid, 0) is all there is
 
 
 def pids_alive(processes: dict, timeout_s: float) -> dict:
@@ -68,7 +75,7 @@ def pids_alive(processes: dict, timeout_s: float) -> dict:
     out, refs = {}, {}
     for key, (pid, node) in processes.items():
         try:
-            refs[key] = pinned(_pid_alive, node).remote(pid)
+            refs[key] = pinned(process_alive, node).remote(pid)
         except (ray.exceptions.RayError, ValueError):
             out[key] = False
     ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=timeout_s) if refs else ([], [])

@@ -6,8 +6,11 @@ own bookkeeping.
 
 from __future__ import annotations
 
+import json
 import logging
 import shutil
+from pathlib import Path
+
 import numpy as np
 import ray
 
@@ -64,6 +67,13 @@ def soak_faults(base: RunConfig, seed: int) -> list[dict]:
     ]
 
 
+def _written_report(run_dir: str) -> dict | None:
+    try:
+        return json.loads((Path(run_dir) / "report.json").read_text())
+    except (OSError, ValueError):
+        return None
+
+
 def run_soak(config_path: str, run_dir: str, seed: int, kills: int, mtbf_s: float, timeout_s: float = 1200.0) -> dict:
     """One soak run: train ``config_path`` under the soak's faults, then check it. A run that
     does not finish within ``timeout_s`` counts as wedged."""
@@ -71,7 +81,7 @@ def run_soak(config_path: str, run_dir: str, seed: int, kills: int, mtbf_s: floa
     cfg = soak_config(load_config(config_path), run_dir, seed, kills, mtbf_s)
     started_ray = connect_ray(cfg)  # owned here, so the leftover check can still ask Ray
     job = TrainingJob(cfg, show_progress=False)
-    report, wedged, error = None, False, None
+    report, wedged, error, failed = None, False, None, None
     try:
         job.start(wait=False)
         training = job.fit_in_background()
@@ -80,11 +90,12 @@ def run_soak(config_path: str, run_dir: str, seed: int, kills: int, mtbf_s: floa
         except TimeoutError:
             wedged = True
         except Exception as err:  # reported as a violation, the soak goes on with the next seed
-            error = repr(err)
+            error, failed = repr(err), err
         try:
-            report = job.finish()
-        except Exception as err:
+            report = job.finish(training_error=failed)  # the report then says failed, and why
+        except Exception as err:  # RunFailed: the report is written all the same
             error = error or repr(err)
+            report = _written_report(run_dir)
     finally:
         job.close()
     violations = [f"wedged: not finished within {timeout_s:.0f}s"] if wedged else []
