@@ -19,7 +19,7 @@ from app.rayenv import connect_ray
 from core.config import RunConfig, config_from_dict, load_config
 from verify import verify_run
 
-__all__ = ["run_soak", "soak_config", "soak_faults"]
+__all__ = ["run_soak", "soak_config", "soak_faults", "written_report"]
 
 logger = logging.getLogger(__name__)
 
@@ -67,7 +67,8 @@ def soak_faults(base: RunConfig, seed: int) -> list[dict]:
     ]
 
 
-def _written_report(run_dir: str) -> dict | None:
+def written_report(run_dir) -> dict | None:
+    """The run's report.json as written, None if there is none (or a torn one)."""
     try:
         return json.loads((Path(run_dir) / "report.json").read_text())
     except (OSError, ValueError):
@@ -95,7 +96,7 @@ def run_soak(config_path: str, run_dir: str, seed: int, kills: int, mtbf_s: floa
             report = job.finish(training_error=failed)  # the report then says failed, and why
         except Exception as err:  # RunFailed: the report is written all the same
             error = error or repr(err)
-            report = _written_report(run_dir)
+            report = written_report(run_dir)
     finally:
         job.close()
     violations = [f"wedged: not finished within {timeout_s:.0f}s"] if wedged else []

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -21,7 +22,7 @@ import numpy as np
 import yaml
 
 from app.host_chaos import Cluster, run_host_faults
-from app.soak import soak_config
+from app.soak import soak_config, written_report
 from core.config import load_config
 from verify import verify_run
 
@@ -93,7 +94,8 @@ def run_soak_on_hosts(config_path: str, run_dir: str, seed: int, kills: int, mtb
     """One soak run on a fresh ``hosts``-host namespace cluster. A run that does not finish
     within ``timeout_s`` counts as wedged."""
     run_path = Path(run_dir).resolve()
-    subprocess.run(["rm", "-rf", str(run_path)], check=True)
+    if run_path.exists():  # a run dir left from an earlier soak: the checker must not read it
+        shutil.rmtree(run_path)
     run_path.parent.mkdir(parents=True, exist_ok=True)
     cluster_dir = tempfile.mkdtemp(prefix="cprs-", dir="/tmp")  # short: Ray's socket paths
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "GLOO_SOCKET_IFNAME")}
@@ -137,8 +139,8 @@ def run_soak_on_hosts(config_path: str, run_dir: str, seed: int, kills: int, mtb
     verdict = verify_run(run_path, wait_s=10.0)
     violations += verdict.violations
     # The run keeps every incremental for the recount (keep_last): about 20-30 GB a run. Checked, they go.
-    subprocess.run(["rm", "-rf", str(run_path / "checkpoints")], check=False)
-    report = _read_report(run_path)
+    shutil.rmtree(run_path / "checkpoints", ignore_errors=True)
+    report = written_report(run_path) or {}
     kinds, others = verdict.facts.get("kills_by_kind", {}), verdict.facts.get("other_faults", {})
     return {
         "seed": seed, "hosts": hosts, "kills": sum(kinds.values()), "kills_by_kind": kinds, "other_faults": others,
@@ -149,9 +151,3 @@ def run_soak_on_hosts(config_path: str, run_dir: str, seed: int, kills: int, mtb
         "lost_samples": verdict.facts.get("lost_samples"), "checkpoints_verified": verdict.facts.get("checkpoints_verified"),
     }
 
-
-def _read_report(run_dir: Path) -> dict:
-    try:
-        return json.loads((run_dir / "report.json").read_text())
-    except (OSError, json.JSONDecodeError):
-        return {}

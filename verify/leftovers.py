@@ -85,36 +85,27 @@ def _named_actors(run_id: str, namespace: str) -> list[str]:
             if a["namespace"] == namespace and run_id in a["name"]]
 
 
-def _once(run: RunFiles, procs: dict[int, tuple[str, float]]) -> list[str]:
-    out = []
-    for pid, (what, seen_at) in sorted(procs.items()):
-        if _started_by(pid, seen_at):
-            out.append(f"process {pid}: {what}")
+def _once(run: RunFiles, procs: dict[int, tuple[str, float]], whole_run: bool) -> list[str]:
+    """What is still there: the run's processes and named actors, and with ``whole_run`` its
+    shared-memory files and network namespaces (a host checked from inside has neither)."""
+    out = [f"process {pid}: {what}" for pid, (what, seen_at) in sorted(procs.items()) if _started_by(pid, seen_at)]
     run_id = run.run_info.get("run_id") or (run.report or {}).get("run_id") or ""
-    if run_id and SHM_DIR.is_dir():
+    if whole_run and run_id and SHM_DIR.is_dir():
         out += [f"shared-memory file {p}" for p in sorted(SHM_DIR.glob(f"cpr-{run_id}-*"))]
     out += [f"named actor {n}" for n in _named_actors(run_id, run.run_info.get("namespace", ""))]
-    netns = run.run_info.get("netns", []) + (json.loads((run.run_dir / "cluster.json").read_text()).get("netns", [])
-                                             if (run.run_dir / "cluster.json").exists() else [])
-    out += [f"network namespace {n}" for n in netns if (NETNS_DIR / n).exists()]
+    if whole_run:
+        cluster = run.run_dir / "cluster.json"
+        netns = run.run_info.get("netns", []) + (json.loads(cluster.read_text()).get("netns", []) if cluster.exists() else [])
+        out += [f"network namespace {n}" for n in netns if (NETNS_DIR / n).exists()]
     return out
 
 
 def leftovers(run: RunFiles, wait_s: float = 10.0, host: str | None = None) -> list[str]:
     """What the run left behind, after waiting up to ``wait_s`` for it to go (on cluster host
-    ``host`` only: its processes)."""
+    ``host`` only: its processes and named actors)."""
     procs = run_processes(run, host)
-    if host is not None:
-        deadline = time.monotonic() + wait_s
-        while (left := [f"process {p}: {w}" for p, (w, at) in sorted(procs.items()) if _started_by(p, at)]) \
-                and time.monotonic() < deadline:
-            time.sleep(0.5)
-        run_id = run.run_info.get("run_id") or (run.report or {}).get("run_id") or ""
-        left += [f"named actor {n}" for n in _named_actors(run_id, run.run_info.get("namespace", ""))]
-        return [f"left behind on host {host} after the run: {x}" for x in left]
     deadline = time.monotonic() + wait_s
-    while True:
-        left = _once(run, procs)
-        if not left or time.monotonic() >= deadline:
-            return [f"left behind after the run: {x}" for x in left]
+    while (left := _once(run, procs, whole_run=host is None)) and time.monotonic() < deadline:
         time.sleep(0.5)
+    where = f" on host {host}" if host is not None else ""
+    return [f"left behind{where} after the run: {x}" for x in left]

@@ -171,6 +171,34 @@ def test_a_cluster_runs_processes_are_checked_on_their_own_host(tmp_path):
     assert [w for w, _ in run_processes(run, "10.77.0.12").values()] == ["trainer-1 (log trainer-1-10.77.0.12-42.log)"]
 
 
+def test_a_live_process_of_the_run_is_left_behind_on_its_own_host_only(tmp_path):
+    """A real process named by a log on cluster host .11: checked on .11 it is left behind;
+    checked on .12, or as the root host's, it is not that host's to answer for."""
+    import json
+    import subprocess
+    import time
+
+    from verify.leftovers import leftovers
+
+    proc = subprocess.Popen(["sleep", "60"])
+    try:
+        time.sleep(0.1)
+        (tmp_path / "logs").mkdir()
+        (tmp_path / "logs" / f"shard-0-10.77.0.11-{proc.pid}.log").write_text("")
+        (tmp_path / "cluster.json").write_text(json.dumps({"hosts": {"10.77.0.11": 1, "10.77.0.12": 2}}))
+        run = _run_files(tmp_path, {}, [])
+        assert leftovers(run, wait_s=0.0, host="10.77.0.11") == [
+            f"left behind on host 10.77.0.11 after the run: process {proc.pid}: shard-0 (log shard-0-10.77.0.11-{proc.pid}.log)"]
+        assert leftovers(run, wait_s=0.0, host="10.77.0.12") == []
+        assert leftovers(run, wait_s=0.0) == []
+        proc.kill()
+        proc.wait()
+        assert leftovers(run, wait_s=0.0, host="10.77.0.11") == []  # gone: nothing left
+    finally:
+        proc.kill()
+        proc.wait()
+
+
 def test_a_damaged_checkpoint_loaded_is_a_violation_unless_its_step_was_saved_again_first(tmp_path):
     from verify.kills import Damage, check_damage_unused
 
