@@ -26,6 +26,25 @@ __all__ = ["stop_process", "stall_on_node", "damage_checkpoint", "fill_storage",
 FILL_LIMIT_BYTES = 4 << 30
 
 
+def _undo_later(*args: str) -> None:
+    """Starts a process of its own (``python -m core.faultlog ARGS``) that undoes a fault when
+    its time is up and logs that it did: it outlives the caller, a task or an actor's call."""
+    subprocess.Popen(
+        [sys.executable, "-m", "core.faultlog", *args],
+        start_new_session=True, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+
+
+def _local_root(uri: str, kind: str) -> str:
+    """The local directory of the checkpoint storage ``uri`` (made if missing); a storage fault
+    acts on a local filesystem only."""
+    root = local_path(uri)
+    if root is None:
+        raise ValueError(f"{kind} needs checkpoints on a local filesystem, not {uri}")
+    os.makedirs(root, exist_ok=True)
+    return root
+
+
 def stop_process(target: str, pid: int, seconds: float, trigger: str, log_dir: str) -> float | None:
     """Runs on the target's node: SIGSTOPs ``pid`` and starts a process of its own that
     SIGCONTs it ``seconds`` later. Returns when the stall began (None: no such process)."""
@@ -36,10 +55,7 @@ def stop_process(target: str, pid: int, seconds: float, trigger: str, log_dir: s
     log.write("sending", "stall", target, pid, trigger, t=now, seconds=seconds)
     os.kill(pid, signal.SIGSTOP)
     log.write("sent", "stall", target, pid, trigger, stall_time=now, seconds=seconds)
-    subprocess.Popen(
-        [sys.executable, "-m", "core.faultlog", "resume", str(pid), str(now + seconds), log_dir, target, trigger],
-        start_new_session=True, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )
+    _undo_later("resume", str(pid), str(now + seconds), log_dir, target, trigger)
     return now
 
 
@@ -83,10 +99,7 @@ def fill_storage(uri: str, seconds: float, trigger: str, log_dir: str) -> int:
     with a filler file, and starts a process of its own that deletes it ``seconds`` later.
     Returns the bytes written. Refuses a remote store, and a filesystem with more than
     ``FILL_LIMIT_BYTES`` free."""
-    root = local_path(uri)
-    if root is None:
-        raise ValueError(f"fill_storage needs checkpoints on a local filesystem, not {uri}")
-    os.makedirs(root, exist_ok=True)
+    root = _local_root(uri, "fill_storage")
     stat = os.statvfs(root)
     free = stat.f_bavail * stat.f_frsize
     if free > FILL_LIMIT_BYTES:
@@ -106,10 +119,7 @@ def fill_storage(uri: str, seconds: float, trigger: str, log_dir: str) -> int:
             except OSError:
                 break  # ENOSPC: full
     log.write("sent", "fill_storage", "storage", None, trigger, file=path, seconds=seconds, bytes=written)
-    subprocess.Popen(
-        [sys.executable, "-m", "core.faultlog", "free", path, str(now + seconds), log_dir, trigger],
-        start_new_session=True, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )
+    _undo_later("free", path, str(now + seconds), log_dir, trigger)
     return written
 
 
@@ -117,10 +127,7 @@ def slow_storage(uri: str, seconds: float, delay_s: float, trigger: str, log_dir
     """Makes every file written to the checkpoint storage under ``uri`` take ``delay_s`` longer
     for ``seconds`` (``core.checkpoint.files.pause_if_slow``), and starts a process of its own
     that removes the fault's file afterwards. A local filesystem only."""
-    root = local_path(uri)
-    if root is None:
-        raise ValueError(f"slow_storage needs checkpoints on a local filesystem, not {uri}")
-    os.makedirs(root, exist_ok=True)
+    root = _local_root(uri, "slow_storage")
     path = os.path.join(root, SLOW_WRITES_FILE)
     log = FaultLog(log_dir)
     now = time.time()
@@ -129,7 +136,4 @@ def slow_storage(uri: str, seconds: float, delay_s: float, trigger: str, log_dir
         json.dump({"until": now + seconds, "delay_s": delay_s}, f)
     os.replace(path + ".tmp", path)  # whole, for a writer that reads it meanwhile
     log.write("sent", "slow_storage", "storage", None, trigger, file=path, seconds=seconds, delay_s=delay_s)
-    subprocess.Popen(
-        [sys.executable, "-m", "core.faultlog", "free", path, str(now + seconds), log_dir, trigger],
-        start_new_session=True, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )
+    _undo_later("free", path, str(now + seconds), log_dir, trigger)

@@ -187,6 +187,7 @@ def chaos_hosts(run_dir: str, cluster_dir: str, wait_s: float) -> None:
     """Carries out the run's ``faults.hosts`` (host kills, partitions) on a namespace cluster,
     from outside its hosts (the machine's root namespace); ends when the run's report is written."""
     from app.host_chaos import Cluster, run_host_faults  # import cost: 0.1 s (pydantic); see the note at the top
+    from app.rebuild import REPORT_FILE  # import cost: as above
     from core.config import load_config
 
     path, deadline = Path(run_dir) / "config.yaml", time.monotonic() + wait_s
@@ -197,7 +198,7 @@ def chaos_hosts(run_dir: str, cluster_dir: str, wait_s: float) -> None:
     faults = load_config(str(path)).faults.hosts
     stop = threading.Event()
     started = time.time()
-    done = threading.Thread(target=lambda: _wait_for(Path(run_dir) / "report.json", started, stop), daemon=True)
+    done = threading.Thread(target=lambda: _wait_for(Path(run_dir) / REPORT_FILE, started, stop), daemon=True)
     done.start()
     for fault in run_host_faults(Cluster(cluster_dir), run_dir, faults, stop):
         click.echo(f"{fault.kind} of host {fault.host} after step {fault.after_step} ({fault.seconds:.1f} s)")

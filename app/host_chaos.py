@@ -17,6 +17,7 @@ from pathlib import Path
 
 from core.config_failures import HostFault
 from core.faultlog import FaultLog, fault_log_dir
+from core.journal import PROGRESS_FILE
 
 __all__ = ["Cluster", "run_host_faults", "last_step", "inject", "kill_host", "restart_host", "partition_host"]
 
@@ -54,7 +55,7 @@ class Cluster:
 
 def last_step(run_dir: str | os.PathLike) -> int:
     """The newest committed step the run's progress file names (-1: none yet)."""
-    path = Path(run_dir) / "progress.jsonl"
+    path = Path(run_dir) / PROGRESS_FILE
     try:
         lines = path.read_text().splitlines()
     except OSError:

@@ -6,15 +6,14 @@ own bookkeeping.
 
 from __future__ import annotations
 
-import json
 import logging
 import shutil
-from pathlib import Path
 
 import numpy as np
 import ray
 
 from app.job import TrainingJob
+from app.rebuild import ReportError, load_run
 from app.rayenv import connect_ray
 from core.config import RunConfig, config_from_dict, load_config
 from verify import verify_run
@@ -68,10 +67,11 @@ def soak_faults(base: RunConfig, seed: int) -> list[dict]:
 
 
 def written_report(run_dir) -> dict | None:
-    """The run's report.json as written, None if there is none (or a torn one)."""
+    """The run's report (``cpr report``'s reading: its report.json, or one rebuilt from its
+    files when the driver died first); None when the directory holds nothing to read."""
     try:
-        return json.loads((Path(run_dir) / "report.json").read_text())
-    except (OSError, ValueError):
+        return load_run(run_dir)
+    except ReportError:
         return None
 
 

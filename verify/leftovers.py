@@ -22,10 +22,15 @@ SHM_DIR = Path("/dev/shm")
 NETNS_DIR = Path("/var/run/netns")
 
 
+def _cluster(run: RunFiles) -> dict:
+    """The run's ``cluster.json``: the namespace cluster it ran on ({} for a run on this host)."""
+    path = run.run_dir / "cluster.json"
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
 def cluster_hosts(run: RunFiles) -> dict[str, int]:
     """IP -> host number of the namespace cluster the run ran on (none for a run on this host)."""
-    path = run.run_dir / "cluster.json"
-    return json.loads(path.read_text()).get("hosts", {}) if path.exists() else {}
+    return _cluster(run).get("hosts", {})
 
 
 def run_processes(run: RunFiles, host: str | None = None) -> dict[int, tuple[str, float]]:
@@ -85,27 +90,26 @@ def _named_actors(run_id: str, namespace: str) -> list[str]:
             if a["namespace"] == namespace and run_id in a["name"]]
 
 
-def _once(run: RunFiles, procs: dict[int, tuple[str, float]], whole_run: bool) -> list[str]:
-    """What is still there: the run's processes and named actors, and with ``whole_run`` its
-    shared-memory files and network namespaces (a host checked from inside has neither)."""
+def _once(run: RunFiles, procs: dict[int, tuple[str, float]], shm: bool, netns: list[str]) -> list[str]:
+    """What is still there: the run's processes and named actors, with ``shm`` its shared-memory
+    files, and which of the network namespaces ``netns`` exist."""
     out = [f"process {pid}: {what}" for pid, (what, seen_at) in sorted(procs.items()) if _started_by(pid, seen_at)]
     run_id = run.run_info.get("run_id") or (run.report or {}).get("run_id") or ""
-    if whole_run and run_id and SHM_DIR.is_dir():
+    if shm and run_id and SHM_DIR.is_dir():
         out += [f"shared-memory file {p}" for p in sorted(SHM_DIR.glob(f"cpr-{run_id}-*"))]
     out += [f"named actor {n}" for n in _named_actors(run_id, run.run_info.get("namespace", ""))]
-    if whole_run:
-        cluster = run.run_dir / "cluster.json"
-        netns = run.run_info.get("netns", []) + (json.loads(cluster.read_text()).get("netns", []) if cluster.exists() else [])
-        out += [f"network namespace {n}" for n in netns if (NETNS_DIR / n).exists()]
-    return out
+    return out + [f"network namespace {n}" for n in netns if (NETNS_DIR / n).exists()]
 
 
 def leftovers(run: RunFiles, wait_s: float = 10.0, host: str | None = None) -> list[str]:
     """What the run left behind, after waiting up to ``wait_s`` for it to go (on cluster host
     ``host`` only: its processes and named actors)."""
     procs = run_processes(run, host)
+    # A host checked from inside has no shared-memory file or namespace of the run's to answer for.
+    whole_run = host is None
+    netns = run.run_info.get("netns", []) + _cluster(run).get("netns", []) if whole_run else []
     deadline = time.monotonic() + wait_s
-    while (left := _once(run, procs, whole_run=host is None)) and time.monotonic() < deadline:
+    while (left := _once(run, procs, whole_run, netns)) and time.monotonic() < deadline:
         time.sleep(0.5)
     where = f" on host {host}" if host is not None else ""
     return [f"left behind{where} after the run: {x}" for x in left]
