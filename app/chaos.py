@@ -19,6 +19,7 @@ import ray
 from actors.client import SupervisorClient
 from actors.faults import sigkill_on_node
 from actors.supervisor.actor import supervisor_name
+from app.rayenv import join_ray
 from core.deadlines import Deadlines
 from core.errors import ConfigError
 
@@ -53,7 +54,7 @@ def find_supervisor(run_dir: str) -> SupervisorClient:
         raise ConfigError(f"{run_dir}: no run.json; is a run going on in this run directory?")
     info = json.loads(path.read_text())
     if not ray.is_initialized():
-        ray.init(address=os.environ.get("RAY_ADDRESS", info["address"]), namespace=info["namespace"], log_to_driver=False)
+        join_ray(os.environ.get("RAY_ADDRESS", info["address"]), info["namespace"], log_to_driver=False)
     try:
         return as_client(ray.get_actor(supervisor_name(info["run_id"]), namespace=info["namespace"]))
     except ValueError:
@@ -79,7 +80,8 @@ def kill_target(supervisor, target: str, timeout_s: float = 30.0, trigger: str =
     now = sigkill_on_node(client.handle, target, info, trigger, log_dir or client.fault_log_dir(), timeout_s)
     if now is None:
         raise ConfigError(f"{target} (pid {info.pid}) is already dead")
-    logger.warning("killed %s (pid %d) at %.3f", target, info.pid, now)
+    # The console's line for the kill is the supervisor's fault_injected event ([chaos] killing ...).
+    logger.info("killed %s (pid %d) at %.3f", target, info.pid, now)
     return {"target": target, "pid": info.pid, "node_id": info.node_id, "time": now}
 
 
@@ -165,8 +167,11 @@ def _kill_retrying(supervisor: SupervisorClient, target: str, stop: threading.Ev
                     landed.append(kill_target(supervisor, t, trigger="schedule", log_dir=log_dir,
                                               killed=killed))
             return landed
-        except (ConfigError, ray.exceptions.RayError, TimeoutError) as err:  # the run may be ending: try again
-            logger.warning("could not kill %s (attempt %d): %s", target, attempt + 1, err)
+        except (ConfigError, ray.exceptions.RayError, TimeoutError) as err:
+            # Being replaced, already dead from an earlier kill, or the run ending: the next try
+            # finds the new process. Only giving up is worth a console line.
+            logger.info("could not kill %s (attempt %d): %s", target, attempt + 1, err)
             if stop.wait(1.0):
                 return landed or None
+    logger.warning("gave up killing %s after %d attempts (it had no live process to kill)", target, _KILL_ATTEMPTS)
     return landed

@@ -34,14 +34,17 @@ def _parse_set(values: tuple[str, ...]) -> dict:
     return overrides
 
 
-@click.group()
+@click.group(context_settings={"max_content_width": 120, "help_option_names": ["-h", "--help"]},
+             epilog="`cpr COMMAND --help` tells more. The guide: docs/USER_GUIDE.md.")
 @click.option("-v", "--verbose", is_flag=True, help="Log at INFO level; `train` also shows every worker's output.")
 def main(verbose: bool) -> None:
-    """Fault-tolerant training of DLRM recommendation models on Ray."""
+    """Fault-tolerant training of DLRM recommendation models on Ray: embedding tables sharded over
+    Ray actors, the dense model replicated over Ray Train trainers, and training that goes on
+    when either dies."""
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
 
 
-@main.command()
+@main.command(short_help="Write synthetic Criteo-format data.")
 @click.option("--rows", type=click.IntRange(1), required=True, help="Training rows.")
 @click.option("--eval-rows", type=click.IntRange(1), default=None, help="Held-out rows (default rows/10).")
 @click.option("--out", type=click.Path(file_okay=False), required=True, help="Output directory.")
@@ -57,7 +60,7 @@ def datagen(rows: int, eval_rows: int | None, out: str, fmt: str, seed: int, voc
     click.echo(f"positive rate {s.positive_rate:.3f}; ceiling AUC of the hidden model {s.ceiling_auc:.4f}")
 
 
-@main.command()
+@main.command(short_help="Train: a config, or --resume a run.")
 @click.option("--config", "config_path", type=click.Path(dir_okay=False), default=None, help="YAML run config.")
 @click.option("--resume", "resume_dir", type=click.Path(file_okay=False), default=None,
               help="Continue the run in RUN_DIR from its last valid checkpoint.")
@@ -95,7 +98,7 @@ def train(
     click.echo(f"report: {cfg.run_dir}/report.json")
 
 
-@main.command()
+@main.command(short_help="Train on an emulated production clock.")
 @click.option("--config", "config_path", type=click.Path(exists=True, dir_okay=False), required=True)
 @click.option("--set", "sets", multiple=True, metavar="KEY=VALUE",
               help="Override a config field, e.g. --set recovery=full --set emulation.nodes=256 (repeatable).")
@@ -116,7 +119,7 @@ def emulate(config_path: str, sets: tuple[str, ...], no_progress: bool) -> None:
     click.echo(f"report: {cfg.run_dir}/report.json (its \"emulation\" entry has the emulated clock)")
 
 
-@main.command("config-docs")
+@main.command("config-docs", short_help="Print the config reference (markdown).")
 def config_docs() -> None:
     """Prints the config reference (markdown) from the config models."""
     from core.config_docs import config_reference  # import cost: 0.15 s (pydantic, numpy), see the note at the top
@@ -135,7 +138,7 @@ def _duration_s(value: str) -> float:
         raise click.BadParameter(f"expected a duration like 30s, 5m or 1h, got {value!r}") from None
 
 
-@main.group()
+@main.group(short_help="Kill a running job's actors or hosts.")
 @click.option("--run", "run_dir", type=click.Path(file_okay=False), required=True, help="The running job's run_dir.")
 @click.pass_context
 def chaos(ctx: click.Context, run_dir: str) -> None:
@@ -143,7 +146,7 @@ def chaos(ctx: click.Context, run_dir: str) -> None:
     ctx.obj = run_dir
 
 
-@chaos.command("kill")
+@chaos.command("kill", short_help="SIGKILL one shard, trainer or the supervisor.")
 @click.argument("target")
 @click.pass_obj
 def chaos_kill(run_dir: str, target: str) -> None:
@@ -154,7 +157,7 @@ def chaos_kill(run_dir: str, target: str) -> None:
     click.echo(f"killed {killed['target']} (pid {killed['pid']})")
 
 
-@chaos.command("schedule")
+@chaos.command("schedule", short_help="Kill random actors at a mean interval.")
 @click.option("--mtbf", "mtbf", default="30s", help="Mean time between failures, e.g. 30s.")
 @click.option("--targets", default="shards", help="Comma-separated: shards,trainers,supervisor.")
 @click.option("--duration", default="5m", help="Stop after this long, e.g. 5m.")
@@ -177,7 +180,7 @@ def chaos_schedule(run_dir: str, mtbf: str, targets: str, duration: str, distrib
     click.echo(f"{len(kills)} kills")
 
 
-@chaos.command("hosts")
+@chaos.command("hosts", short_help="Kill or cut off hosts of a namespace cluster.")
 @click.option("--cluster-dir", type=click.Path(file_okay=False, exists=True), required=True,
               help="The namespace cluster's CPR_CLUSTER_DIR (scripts/local_cluster.sh).")
 @click.option("--wait", "wait_s", type=click.FloatRange(0), default=300.0, show_default=True,
@@ -212,7 +215,7 @@ def _wait_for(path: Path, after: float, stop: threading.Event) -> None:
     stop.set()
 
 
-@main.command()
+@main.command(short_help="Train under random kills, then verify.")
 @click.option("--config", "config_path", type=click.Path(dir_okay=False), default="configs/soak.yaml", show_default=True)
 @click.option("--seed", "seeds", type=click.IntRange(0), multiple=True, default=(0,), help="One run per seed.")
 @click.option("--kills", type=click.IntRange(1), default=20, show_default=True, help="Random kills per run.")
@@ -233,7 +236,7 @@ def soak(config_path: str, seeds: tuple[int, ...], kills: int, mtbf: float) -> N
     sys.exit(1 if bad else 0)
 
 
-@main.command()
+@main.command(short_help="Export a checkpoint as torchrec's DLRM.")
 @click.argument("run_dir", type=click.Path(file_okay=False))
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), required=True, help="Output directory.")
 @click.option("--step", type=click.IntRange(0), default=None,
@@ -248,7 +251,7 @@ def export(run_dir: str, out_dir: str, step: int | None) -> None:
         click.echo(f"newer checkpoints not exported (incremental or corrupt): {list(result.skipped_newer)}")
 
 
-@main.command()
+@main.command(short_help="Check a finished run from its files.")
 @click.argument("run_dir", type=click.Path(file_okay=False, exists=True))
 @click.option("--wait", "wait_s", type=click.FloatRange(0), default=10.0, show_default=True,
               help="Seconds to give the run's processes to go before they count as left behind.")
@@ -284,9 +287,9 @@ def _verify_host(run_dir: str, host_ip: str, wait_s: float, named_actors: bool) 
 
     run = load_run(run_dir)
     if named_actors and os.environ.get("RAY_ADDRESS") and run.run_info.get("namespace"):
-        import ray  # import cost: 0.5 s; only to list the cluster's named actors
+        from app.rayenv import join_ray  # import cost: 0.5 s (ray); only to list the cluster's named actors
 
-        ray.init(address=os.environ["RAY_ADDRESS"], namespace=run.run_info["namespace"], log_to_driver=False)
+        join_ray(os.environ["RAY_ADDRESS"], run.run_info["namespace"], log_to_driver=False)
     left = leftovers(run, wait_s, host=host_ip)
     for line in left:
         click.echo(f"violation: {line}")
@@ -294,7 +297,7 @@ def _verify_host(run_dir: str, host_ip: str, wait_s: float, named_actors: bool) 
     sys.exit(1 if left else 0)
 
 
-@main.command()
+@main.command(short_help="Summary and plots of a run, again.")
 @click.argument("run_dir", type=click.Path())
 def report(run_dir: str) -> None:
     """Renders summary.txt, timeline.png and overhead.png of RUN_DIR again from its files
@@ -309,6 +312,9 @@ def report(run_dir: str) -> None:
 
 def run() -> None:
     """Entry point: user errors print one clear line and exit 2, not a traceback."""
+    # Ray reads RAY_AUTH_MODE once, when it is imported, and the commands import it later: set
+    # here, a plain shell runs every command with token authentication (the user's value wins).
+    os.environ.setdefault("RAY_AUTH_MODE", "token")
     try:
         main(standalone_mode=True)
     except CprError as err:

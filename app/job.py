@@ -26,8 +26,8 @@ from app.chaos import FaultSchedule, run_schedule, write_run_info
 from app.console import progress_loop
 from app.emulation import Emulation
 from app.lighthouse import start_lighthouse
-from app.logs import LOG_DIR, configure_driver_logging, link_ray_session_logs
-from app.rayenv import connect_ray, metrics_url
+from app.logs import LOG_DIR, configure_driver_logging, link_ray_session_logs, point_latest
+from app.rayenv import check_cluster_fits, connect_ray, metrics_url
 from app.report import build_report, rebuild_report, write_report
 from app.storage import check_every_node, expected_files
 from core.cache import prepare_data
@@ -107,14 +107,11 @@ class TrainingJob:
         start, so that ``fit()`` starts Ray Train's worker group meanwhile (trainers wait
         for the shards in ``trainer_setup``); a resumed run always waits (it restores first)."""
         cfg = self.cfg
-        if cfg.checkpoint.stored and not self.resume:
-            existing = CheckpointStore(cfg.checkpoint_uri).list_committed()
-            if existing:
-                raise ConfigError(
-                    f"{cfg.checkpoint_uri} already holds checkpoints of steps {existing[:3]}...; "
-                    f"continue that run with `cpr train --resume {cfg.run_dir}` or choose a new run_dir"
-                )
+        if cfg.checkpoint.stored and not self.resume and (existing := CheckpointStore(cfg.checkpoint_uri).list_committed()):
+            raise ConfigError(f"{cfg.checkpoint_uri} already holds checkpoints of steps {existing[:3]}...; continue that "
+                              f"run with `cpr train --resume {cfg.run_dir}`, or leave run_dir out: each run then gets its own")
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        point_latest(self.run_dir)
         configure_driver_logging(self.run_dir, self.verbose)
         (self.run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(), sort_keys=False))
         # Ray Train's modules (and torch: 3.0 s) load for fit() while the data cache is built.
@@ -127,6 +124,7 @@ class TrainingJob:
             self.cfg = cfg = self.emulation.configure(cfg)
             (self.run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(), sort_keys=False))
         self._started_ray = connect_ray(cfg, self.verbose)
+        check_cluster_fits(cfg)
         link_ray_session_logs(self.run_dir)
         if not self._started_ray:  # a cluster: every host must see the cache and the checkpoints
             caches = [self.data["train"].path, self.data["eval"].path]

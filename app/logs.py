@@ -18,7 +18,7 @@ import ray._private.worker
 
 from core.logs import LOG_DIR, RUN_LOG_HANDLER, file_handler
 
-__all__ = ["LOG_DIR", "configure_driver_logging", "link_ray_session_logs"]
+__all__ = ["LOG_DIR", "configure_driver_logging", "link_ray_session_logs", "point_latest"]
 
 
 class _ConsoleFilter(logging.Filter):
@@ -62,3 +62,17 @@ def link_ray_session_logs(run_dir: str | os.PathLike) -> Path | None:
         link.unlink()
     link.symlink_to(session / "logs", target_is_directory=True)
     return link
+
+
+def point_latest(run_dir: Path) -> None:
+    """Points ``latest`` beside a run in ``runs/`` (``runs/latest``) to that run, the newest;
+    replaced atomically, so a reader never finds it missing."""
+    if run_dir.parent.name != "runs":
+        return
+    link, tmp = run_dir.parent / "latest", run_dir.parent / f".latest-{os.getpid()}"
+    try:
+        tmp.unlink(missing_ok=True)
+        tmp.symlink_to(run_dir.name)
+        os.replace(tmp, link)
+    except OSError as err:  # a runs/latest that is a real directory, a file system without links
+        logging.getLogger(__name__).info("runs/latest not updated: %s", err)

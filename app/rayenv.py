@@ -12,8 +12,9 @@ import ray._private.worker
 from ray._private import ray_constants
 
 from core.config import RunConfig
+from core.errors import ConfigError
 
-__all__ = ["connect_ray", "keep_ray_on_loopback", "worker_env", "ray_system_config", "metrics_url", "LOOPBACK"]
+__all__ = ["connect_ray", "join_ray", "check_cluster_fits", "resources_needed", "keep_ray_on_loopback", "worker_env", "ray_system_config", "metrics_url", "LOOPBACK"]
 
 LOOPBACK = "127.0.0.1"
 
@@ -62,6 +63,16 @@ def ray_system_config() -> dict:
     return {"max_direct_call_object_size": INLINE_OBJECT_BYTES}
 
 
+def join_ray(address: str, namespace: str, **kwargs) -> None:
+    """``ray.init`` of a running cluster. A head on 127.0.0.1 (an embedded Ray, or `ray start
+    --head --node-ip-address=127.0.0.1`) has this driver on its machine, finding the local raylet
+    at 127.0.0.1: Ray would look for it at the machine's routable address and wait forever."""
+    if address.split("://")[-1].rsplit(":", 1)[0] in (LOOPBACK, "localhost"):
+        keep_ray_on_loopback()
+        kwargs["_node_ip_address"] = LOOPBACK
+    ray.init(address=address, namespace=namespace, **kwargs)
+
+
 def connect_ray(cfg: RunConfig, verbose: bool = False) -> bool:
     """Joins ``ray.address`` / RAY_ADDRESS, or starts an embedded Ray on 127.0.0.1 with
     token authentication. Returns True if this call started Ray (and must shut it down).
@@ -79,15 +90,16 @@ def connect_ray(cfg: RunConfig, verbose: bool = False) -> bool:
     # off too (they stay in the raylet's log, RUN_DIR/logs/ray/raylet.out).
     ray._private.worker._worker_logs_enabled = verbose
     if address:
-        ray.init(address=address, namespace=cfg.ray.namespace, runtime_env=runtime_env, **quiet)
+        join_ray(address, cfg.ray.namespace, runtime_env=runtime_env, **quiet)
         return False
-    os.environ.setdefault("RAY_AUTH_MODE", "token")
+    # RAY_AUTH_MODE is read when ray is imported: the cpr command sets it before (app.cli.run);
+    # left unset, Ray itself turns token authentication on for the Ray it starts here.
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     keep_ray_on_loopback()
     runtime_env["env_vars"]["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
     runtime_env["env_vars"]["GLOO_SOCKET_IFNAME"] = os.environ["GLOO_SOCKET_IFNAME"]
-    shard_like = cfg.embeddings.num_shards + cfg.embeddings.spares
-    needed = cfg.training.num_trainers + int(shard_like * cfg.embeddings.num_cpus + 0.999) + 1
+    # One CPU of headroom: a trainer's replacement may be placed before Ray frees its predecessor's.
+    needed = int(resources_needed(cfg)["CPU"] + 0.999) + 1
     ray.init(
         _node_ip_address=LOOPBACK,
         num_cpus=cfg.ray.num_cpus or max(os.cpu_count() or 1, needed),
@@ -99,6 +111,42 @@ def connect_ray(cfg: RunConfig, verbose: bool = False) -> bool:
         **quiet,
     )
     return True
+
+
+TRAINER_CPUS = 1.0  # Ray Train's default resources_per_worker
+
+
+def resources_needed(cfg: RunConfig) -> dict[str, float]:
+    """The Ray resources the run holds at once: every shard and warm spare (``embeddings.num_cpus``
+    and ``num_gpus`` each) and every trainer (one CPU); the supervisor, the lighthouse and Ray
+    Train's controller take none."""
+    emb, shard_like = cfg.embeddings, cfg.embeddings.num_shards + cfg.embeddings.spares
+    return {"CPU": shard_like * emb.num_cpus + cfg.training.num_trainers * TRAINER_CPUS,
+            "GPU": shard_like * emb.num_gpus}
+
+
+def check_cluster_fits(cfg: RunConfig) -> None:
+    """Raises ConfigError, before anything is placed, when the connected cluster cannot hold
+    the run: its shards, spares and trainers would otherwise wait for resources that never come
+    (Ray Train retries a worker group it cannot place)."""
+    need = resources_needed(cfg)
+    have = ray.cluster_resources()
+    nodes = [n["Resources"] for n in ray.nodes() if n.get("Alive")]
+    emb = cfg.embeddings
+    short = [f"{need[r]:g} {r}s and the cluster has {have.get(r, 0.0):g}" for r in ("CPU", "GPU")
+             if need[r] > have.get(r, 0.0) + 1e-9]
+    biggest = max((n.get("CPU", 0.0) for n in nodes), default=0.0)
+    if max(emb.num_cpus, TRAINER_CPUS) > biggest + 1e-9:
+        short.append(f"one process needs {max(emb.num_cpus, TRAINER_CPUS):g} CPUs and the largest node has {biggest:g}")
+    if not short:
+        return
+    raise ConfigError(
+        f"the cluster is too small for this config: it needs {'; '.join(short)} "
+        f"({emb.num_shards} shards + {emb.spares} spares at embeddings.num_cpus={emb.num_cpus:g}"
+        + (f", num_gpus={emb.num_gpus:g}" if emb.num_gpus else "")
+        + f", {cfg.training.num_trainers} trainers at 1 CPU). Lower training.num_trainers, embeddings.spares, "
+        "embeddings.num_shards or embeddings.num_cpus, or give Ray more (ray start --num-cpus, more nodes)"
+    )
 
 
 def metrics_url() -> str | None:

@@ -17,6 +17,7 @@ from ray.train import RunConfig as TrainRunConfig
 from ray.train.torch import TorchTrainer
 from ray.train.v2._internal.callbacks.datasets import DatasetsCallback
 from ray.train.v2._internal.callbacks.placement_group_callback import PlacementGroupCleanerCallback
+from ray.train.v2._internal.exceptions import WorkerGroupStartupFailedError, WorkerGroupStartupTimeoutError
 from ray.train.v2.api.exceptions import WorkerGroupError
 from ray.train.v2.torch.torchft_config import TorchftConfig, _TorchftBackend
 from ray.util.state import list_nodes
@@ -36,6 +37,11 @@ class TrainersFailed(CprError):
     """The trainers failed past ``budgets.max_trainer_failures``; the message says how."""
 
 logger = logging.getLogger(__name__)
+
+# Ray Train tries to start a worker group it cannot place again and again (60 s each, no limit by
+# default). The run checks the cluster's size before it starts (app.rayenv.check_cluster_fits);
+# past that, a group that cannot be placed this many times in a row ends the run with the reason.
+WORKER_GROUP_START_TRIES = 5
 
 
 class PrestartedLighthouseConfig(TorchftConfig):
@@ -100,7 +106,8 @@ def make_torch_trainer(group: TrainerGroup, attempt: int) -> TorchTrainer:
         run_config=TrainRunConfig(
             name=f"cpr-{group.run_id}" + (f"-{attempt}" if attempt else ""),
             storage_path=str(group.run_dir / "ray_train"),
-            failure_config=FailureConfig(max_failures=cfg.budgets.max_trainer_failures),
+            failure_config=FailureConfig(max_failures=cfg.budgets.max_trainer_failures,
+                                         controller_failure_limit=WORKER_GROUP_START_TRIES - 1),
         ),
     )
 
@@ -119,6 +126,12 @@ def fit_with_restarts(group: TrainerGroup, supervisor: SupervisorClient) -> None
             make_torch_trainer(group, attempt).fit()
             return
         except ControllerError as err:
+            if isinstance(err.controller_failure, (WorkerGroupStartupTimeoutError, WorkerGroupStartupFailedError)):
+                raise TrainersFailed(
+                    f"Ray Train could not start the {group.cfg.training.num_trainers} trainers "
+                    f"{WORKER_GROUP_START_TRIES} times in a row ({str(err.controller_failure).splitlines()[0][:200]}); "
+                    "the cluster lacks the CPUs for them now: free them, or lower training.num_trainers"
+                ) from err
             if not isinstance(err.controller_failure, ray.exceptions.RayActorError) or supervisor.status().stop:
                 raise
             attempt += 1

@@ -145,7 +145,7 @@ def _wall(events: list[dict], progress: list[dict]) -> tuple[dict, float | None,
         "data_prep_s": None,
         "startup_s": started - first if started is not None else None,
         "training_s": ((finished or last) - started) if started is not None else None,
-        "evaluation_s": evaluated["time"] - finished if (evaluated and finished) else None,
+        "evaluation_s": max(0.0, evaluated.get("wall_time", evaluated["time"]) - finished) if (evaluated and finished) else None,
         "total_s": last - first if first is not None else None,
     }
     return wall, first, last

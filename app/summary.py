@@ -17,7 +17,11 @@ def format_summary(report: dict) -> str:
 
 
 def _fmt(value, spec: str, unit: str = "", missing: str = "n/a") -> str:
-    return missing if value is None else format(value, spec) + unit
+    if value is None:
+        return missing
+    text = format(value, spec)
+    # A duration of a few microseconds below zero (two clocks) is zero, not "-0.0".
+    return (text[1:] if text.startswith("-") and not text.strip("-0.,") else text) + unit
 
 
 def _decision(decision: dict) -> tuple[str, str]:

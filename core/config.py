@@ -6,7 +6,9 @@ field's dotted name and its allowed range, as a ``ConfigError``.
 
 from __future__ import annotations
 
+import datetime
 import os
+import secrets
 from pathlib import Path
 from typing import Any, Literal
 
@@ -21,6 +23,13 @@ __all__ = [
 ]
 
 NUM_SPARSE = 26
+RUNS_DIR = "runs"
+
+
+def new_run_dir() -> str:
+    """A directory of its own for a run that names none: ``runs/<UTC date-time>-<6 hex>``."""
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M%S")
+    return f"{RUNS_DIR}/{stamp}-{secrets.token_hex(3)}"
 
 
 class GenerateConfig(_Section):
@@ -230,8 +239,9 @@ class RayConfig(_Section):
 class RunConfig(_Section):
     """A complete training run."""
 
-    run_dir: str = "runs/local"
-    """Where the report, events and caches of this run go."""
+    run_dir: str = Field(default_factory=new_run_dir)
+    """Where the report, events and caches of this run go; default: a new ``runs/<date>-<time>-<id>`` for
+    every run (``runs/latest`` points to the newest), so a config can be run any number of times."""
     seed: int = Field(0, ge=0)
     """Seed of model initialisation and data order."""
     data: DataConfig

@@ -27,6 +27,25 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _too_small_is_told_before_training(gcs_port: int, small_data, tmp_path: Path) -> None:
+    """The head has 6 CPUs; 2 shards, 1 spare and 6 trainers need 9. `cpr train` from a plain
+    shell says so in one error, before training, naming the settings that change it (Ray Train
+    would otherwise wait for a worker group it cannot place, and retry)."""
+    from tests.integration.test_front_door import plain_env
+
+    argv = [str(Path(sys.executable).parent / "cpr"), "train", "--no-progress", "--config", str(ROOT / "configs/local.yaml"),
+            "--set", f"ray.address=127.0.0.1:{gcs_port}", "--set", "training.num_trainers=6",
+            "--set", f"run_dir={tmp_path / 'too-small'}", "--set", f"data.train=[{small_data.train_path}]",
+            "--set", f"data.eval=[{small_data.eval_path}]", "--set", f"data.cache_dir={tmp_path / 'cache'}"]
+    told = subprocess.run(argv, env=plain_env(), capture_output=True, text=True, timeout=120)
+    assert told.returncode == 2, (told.stdout + told.stderr)[-3000:]
+    [line] = told.stderr.strip().splitlines()
+    assert line.startswith("error: the cluster is too small for this config: it needs 9 CPUs and the cluster has 6"), line
+    for setting in ("training.num_trainers", "embeddings.spares", "embeddings.num_cpus"):
+        assert setting in line, line
+    assert not (tmp_path / "too-small" / "events.jsonl").exists()  # nothing started
+
+
 def test_ray_job_submit_to_a_started_head(tmp_path, small_data):
     from ray.job_submission import JobStatus, JobSubmissionClient
 
@@ -70,6 +89,7 @@ def test_ray_job_submit_to_a_started_head(tmp_path, small_data):
                 return False
 
         wait_for_condition(_up, timeout=120, retry_interval_ms=500)
+        _too_small_is_told_before_training(gcs_port, small_data, tmp_path)
         client = JobSubmissionClient(address)
         run_dir = tmp_path / "run"
         overrides = [
