@@ -20,8 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import shutil
 import statistics
 import sys
@@ -31,6 +29,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.meta import describe, run_metadata  # noqa: E402
 from core.config import load_config  # noqa: E402
 
 PARTS = ("detection_s", "adoption_s", "load_s", "serving_s")
@@ -58,7 +57,7 @@ def _run(cfg, spares: int) -> dict:
         wait_for_condition(lambda: bool(store.list_committed()), timeout=600, retry_interval_ms=100)
         saved = store.list_committed()[-1]
         wait_for_condition(
-            lambda: (ray.get(job.supervisor.progress.remote(), timeout=30) or {"step": 0})["step"] >= saved + 3,
+            lambda: getattr(ray.get(job.supervisor.progress.remote(), timeout=30), "step", 0) >= saved + 3,
             timeout=600, retry_interval_ms=50,
         )
         kill_target(job.supervisor, "shard:1")
@@ -75,6 +74,42 @@ def _run(cfg, spares: int) -> dict:
         "steps": report["steps"],
         "auc": report["auc"],
     }
+
+
+def render(result: dict) -> str:
+    """The table of recovery.json, as markdown (recovery.md, and docs/RESULTS.md through
+    benchmarks/render_docs.py)."""
+    results = result["results"]
+    reps = result.get("reps") or max(len(rs) for rs in results.values())
+    meta = result.get("meta")
+    source = describe(meta) if meta else f"`{result.get('command', 'not recorded')}` on {result.get('machine', 'not recorded')}"
+    lines = [
+        "# Shard recovery: kill -> serving again",
+        "",
+        f"Rendered from `recovery.json`: {source}.",
+        "",
+        f"Config `{result.get('config', 'local.yaml')}` (2 shards table-wise, 2 trainers), 3 epochs, a full "
+        "checkpoint every 40 steps, shard 1 SIGKILLed 3 steps after a committed checkpoint; "
+        f"{reps} runs per row, medians (min-max).",
+        "",
+        "| shard | spares | reloaded | detection | adoption | load | serving (kill -> fleet committed) |",
+        "|---|---:|---:|---|---|---|---|",
+    ]
+    for key, rs in results.items():
+        size, spares = key.split(", spares ")
+        cells = []
+        for k in PARTS:
+            xs = [r[k] for r in rs]
+            cells.append(f"{statistics.median(xs):.3f} s ({min(xs):.3f}-{max(xs):.3f})")
+        lines.append(f"| {size} | {spares} | {rs[0]['bytes_reloaded'] / 1e6:,.0f} MB | " + " | ".join(cells) + " |")
+    lines += [
+        "",
+        "Adoption with a spare allocates the shard's tables in a process that has already imported torch, "
+        "fbgemm and the load path; without one it is a new Ray actor process importing them. Load reads, "
+        "verifies (sha256) and copies only the dead shard's own files.",
+        "",
+    ]
+    return "\n".join(lines)
 
 
 def main() -> None:
@@ -122,38 +157,16 @@ def main() -> None:
 
     med = {key: {k: statistics.median(r[k] for r in rs) for k in PARTS} for key, rs in results.items()}
     out = {
-        "command": "python benchmarks/recovery.py " + " ".join(sys.argv[1:]),
-        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}",
+        "meta": run_metadata(),
+        "config": Path(args.config).name,
+        "reps": args.reps,
         "results": results,
         "median_s": med,
     }
-    lines = [
-        "# Shard recovery: kill -> serving again",
-        "",
-        f"`{out['command']}` on {out['machine']}; config `{Path(args.config).name}` (2 shards table-wise, "
-        f"2 trainers), 3 epochs, a full checkpoint every 40 steps, shard 1 SIGKILLed 3 steps after a "
-        f"committed checkpoint; {args.reps} runs per row, medians (min-max).",
-        "",
-        "| shard | spares | reloaded | detection | adoption | load | serving (kill -> fleet committed) |",
-        "|---|---:|---:|---|---|---|---|",
-    ]
-    for key, rs in results.items():
-        size, spares = key.split(", spares ")
-        cells = []
-        for k in PARTS:
-            xs = [r[k] for r in rs]
-            cells.append(f"{statistics.median(xs):.3f} s ({min(xs):.3f}-{max(xs):.3f})")
-        lines.append(f"| {size} | {spares} | {rs[0]['bytes_reloaded'] / 1e6:,.0f} MB | " + " | ".join(cells) + " |")
-    lines += [
-        "",
-        "Adoption with a spare allocates the shard's tables in a process that has already imported torch, "
-        "fbgemm and the load path; without one it is a new Ray actor process importing them. Load reads, "
-        "verifies (sha256) and copies only the dead shard's own files.",
-        "",
-    ]
-    Path(args.out).write_text("\n".join(lines))
+    text = render(out)
+    Path(args.out).write_text(text)
     Path(args.out).with_suffix(".json").write_text(json.dumps(out, indent=2))
-    print("\n".join(lines))
+    print(text)
 
 
 if __name__ == "__main__":

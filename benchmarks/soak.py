@@ -36,8 +36,11 @@ def render(doc: dict) -> str:
     lines = [
         f"# Soak: faults of every kind on {where}, each run checked by `cpr verify`", "",
         f"Rendered from `{doc.get('file', 'soak.json')}`: {describe(doc['meta'])}.", "",
-        f"{len(rows)} runs, {faults} faults that landed (from the injector's own log), "
-        f"{sum(r['wedged'] for r in rows)} wedged, {sum(len(r['violations']) for r in rows)} violations.", "",
+        f"{len(rows)} runs, {faults} faults that landed (from the injector's own log; "
+        f"{min((r['faults'] for r in rows), default=0)}-{max((r['faults'] for r in rows), default=0)} a run): "
+        + _totals(rows) + f". **{sum(bool(r['finished']) for r in rows)} of {len(rows)} finished, "
+        f"{sum(r['wedged'] for r in rows)} wedged, {sum(len(r['violations']) for r in rows)} violations**; "
+        f"{min((r['wall_s'] for r in rows), default=0):.0f}-{max((r['wall_s'] for r in rows), default=0):.0f} s a run.", "",
         *_commits(rows),
         "| seed | faults | kills: shard / trainer / supervisor | stalls | damaged files "
         + ("| host kills | partitions | hosts lost " if hosts > 1 else "")
@@ -62,6 +65,20 @@ def render(doc: dict) -> str:
     if bad:
         lines += ["", "Violations:", ""] + [f"- seed {s}: {v}" for s, v in bad]
     return "\n".join(lines) + "\n"
+
+
+def _totals(rows: list[dict]) -> str:
+    """The faults of all runs by kind, in words."""
+    def total(key: str, *kinds: str) -> int:
+        return sum(r[key].get(k, 0) for r in rows for k in kinds)
+
+    parts = [f"{total('kills_by_kind', k)} {k}" for k in ("shard", "trainer", "supervisor")]
+    parts = [", ".join(parts) + " SIGKILLs", f"{total('other_faults', 'stall')} stalls",
+             f"{total('other_faults', 'corrupt_checkpoint', 'truncate_checkpoint')} damaged checkpoint files"]
+    if any(r.get("hosts", 1) > 1 for r in rows):
+        parts += [f"{total('other_faults', 'host_kill')} host kills", f"{total('other_faults', 'partition')} partitions",
+                  f"{sum(r.get('hosts_lost', 0) for r in rows)} hosts lost"]
+    return "; ".join(parts)
 
 
 def _commits(rows: list[dict]) -> list[str]:

@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -42,6 +41,7 @@ sys.path.insert(0, str(ROOT))
 os.environ.setdefault("RAY_AUTH_MODE", "token")
 os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
 
+from benchmarks.meta import describe, run_metadata  # noqa: E402
 from core.cache import MicrobatchFile  # noqa: E402
 from core.config import RunConfig, load_config  # noqa: E402
 from core.data import NUM_DENSE, NUM_SPARSE, sparse_to_rows  # noqa: E402
@@ -257,11 +257,15 @@ def run_workload(name: str, args, runs_root: Path) -> dict:
     return out
 
 
-def render(result: dict) -> list[str]:
+def render(result: dict) -> str:
+    """throughput.md from throughput.json (also docs/RESULTS.md, through benchmarks/render_docs.py)."""
+    meta = result.get("meta")
+    source = (describe(meta) if meta else f"`{result['command']}` at commit `{result['commit']}` on "
+              f"{result['machine']} (CPU model, memory and date not recorded)")
     lines = [
         "# Throughput: cpr vs a single-process torchrec DLRM",
         "",
-        f"`{result['command']}` on {result['machine']} at commit `{result['commit']}`.",
+        f"Rendered from `throughput.json`: {source}.",
         "",
         "(a) single process: torchrec FusedEmbeddingBagCollection + the same dense arches, torch on "
         f"{result['cores']} threads (every core); (b) cpr, 1 trainer; (c) cpr, 2 trainers; 2 embedding shards, "
@@ -321,7 +325,7 @@ def render(result: dict) -> list[str]:
             f"| **ratio** | **{ck['ratio']:.2f}** | |",
             "",
         ]
-    return lines
+    return "\n".join(lines)
 
 
 def main() -> None:
@@ -345,11 +349,8 @@ def main() -> None:
     from app.rayenv import connect_ray
 
     runs_root = Path(tempfile.mkdtemp(prefix="cpr-bench-"))
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
     result = {
-        "command": "python benchmarks/throughput.py " + " ".join(sys.argv[1:]),
-        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}",
-        "commit": commit.stdout.strip() or "unknown",
+        "meta": run_metadata(),
         "cores": os.cpu_count(),
         "pairs": args.pairs,
         "workloads": {},
@@ -357,11 +358,11 @@ def main() -> None:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
 
-    def write() -> list[str]:  # after every part, so that a later failure loses nothing
-        lines = render(result)
-        out.write_text("\n".join(lines))
+    def write() -> str:  # after every part, so that a later failure loses nothing
+        text = render(result)
+        out.write_text(text)
         out.with_suffix(".json").write_text(json.dumps(result, indent=2))
-        return lines
+        return text
 
     if args.workloads:
         connect_ray(load_config(ROOT / WORKLOADS["demo"][0]))
@@ -376,7 +377,7 @@ def main() -> None:
         base = load_config(ROOT / WORKLOADS["demo"][0])
         shard_rows = sum(base.model.rows_per_table) // base.embeddings.num_shards
         result["checkpoint_write"] = checkpoint_write_rate(shard_rows, base.model.embedding_dim, args.checkpoint_reps)
-    print("\n".join(write()))
+    print(write())
 
 
 if __name__ == "__main__":

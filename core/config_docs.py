@@ -37,7 +37,8 @@ def config_reference() -> str:
                 walk(sub, f"{prefix}{name}.")
                 continue
             type_s = str(ann).replace("typing.", "").replace("<class '", "").replace("'>", "").replace("|", "\\|")
-            default = "required" if info.is_required() else repr(info.default)
+            default = ("required" if info.is_required() else "computed" if info.default_factory is not None
+                       else repr(info.default))
             desc = " ".join((info.description or "").split())
             rows.append(f"| `{prefix}{name}` | `{type_s}` | `{default}` | {_allowed(info)} | {desc} |")
 

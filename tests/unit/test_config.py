@@ -86,15 +86,3 @@ def test_yaml_file_and_overrides(tmp_path):
 def test_shipped_configs_validate():
     for name in ["configs/local.yaml", "configs/criteo_kaggle.yaml"]:
         load_config(name)
-
-
-def test_readme_config_reference_is_current():
-    import re
-    from pathlib import Path
-
-    from core.config_docs import config_reference
-
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-    table = re.search(r"<!-- config-reference:start -->\n(.*)\n<!-- config-reference:end -->", readme, re.S)
-    assert table, "README lost its config reference markers"
-    assert table.group(1) == config_reference(), "README's config reference is stale: paste `cpr config-docs`"
