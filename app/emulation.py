@@ -18,6 +18,18 @@ real data, with real shards, and puts time on an *emulated clock* instead of the
   costs its measured share of the step time.
 
 The overheads are reported as shares of the failure-free training time, ``duration_h``.
+
+What is measured and what is charged (the report's ``emulation`` entry keeps them apart, under
+``measured`` and ``charged``):
+
+* **measured** on the real run: the PLS and the AUC, the rows each save wrote and each recovery
+  reloaded, the steps a full recovery redid, the real step time and the share of it that MFU/SSU
+  access tracking took (the ``tracking`` overhead is that share of ``duration_h``);
+* **charged** at production constants: ``save``, ``load`` and ``rescheduling`` are the constants
+  ``save_s``, ``load_s`` and ``reschedule_s`` times the counts above, and ``lost_computation`` is
+  the redone steps times the emulated step time. Nothing of them is timed here: for the same
+  interval and the same failures they are the same on every machine, and with full saves the save
+  charge is the same for every seed. The constants' sources are in ``EmulationConfig`` and docs/EMULATION.md.
 """
 
 from __future__ import annotations
@@ -34,11 +46,14 @@ from app.chaos import kill_target
 from core.errors import ConfigError
 from policies import CostInputs, decide_recovery, interval_steps
 
-__all__ = ["Emulation", "OVERHEADS"]
+__all__ = ["Emulation", "OVERHEADS", "MEASURED", "CHARGED"]
 
 logger = logging.getLogger(__name__)
 
 OVERHEADS = ("save", "load", "lost_computation", "rescheduling", "tracking")
+# The overheads timed on the real run, and those charged at the production constants.
+MEASURED = ("tracking",)
+CHARGED = ("save", "load", "lost_computation", "rescheduling")
 _RECOVERED = ("shard_recovered",)
 
 
@@ -131,7 +146,8 @@ class Emulation:
     def drive(self, supervisor, stop: threading.Event, poll_s: float = 0.02) -> None:
         """Kills a shard each time the emulated clock reaches the next failure. The clock is
         the steps executed (redone ones too) times ``step_s``, plus the emulated cost of the
-        saves and recoveries so far. One failure at a time: the next waits for the recovery."""
+        saves and recoveries so far. One failure at a time: the next waits for the recovery. No
+        failure after the last training step (the emulated job is over then)."""
         times = iter(self.failure_times_s())
         next_s = next(times, None)
         pick = np.random.default_rng([self.params.seed, 1])
@@ -151,6 +167,8 @@ class Emulation:
                 if step > last_step:
                     executed += step - last_step
                 last_step = step
+                if step >= self.total_steps:
+                    return  # training is over: the emulated job has ended, later failures do not hit it
             clock_s = executed * self.step_s + overhead_s
             if recovering or clock_s < next_s:
                 continue
@@ -183,7 +201,8 @@ class Emulation:
         return (sum(rates) / len(rates) * self.num_shards) / (wall_training_s / steps)
 
     def account(self, report: dict) -> dict:
-        """The emulated overheads of a finished run, as seconds and as % of ``duration_h``.
+        """The emulated overheads of a finished run, as seconds and as % of ``duration_h``, and
+        apart: what the real run ``measured`` and what is ``charged`` at the production constants.
         Each cost is counted once: saves from their events, load and rescheduling from the
         recoveries, redone steps from the full recoveries' counts, tracking from its measured
         share of the real step time (``_tracking_share``)."""
@@ -201,6 +220,32 @@ class Emulation:
         }
         d = self.decision
         expected = d.expected_overhead_frac_partial if d.mode.value == "partial" else d.expected_overhead_frac_full
+        pct = {k: round(100.0 * v / self.duration_s, 3) for k, v in seconds.items()}
+        steps = report.get("steps") or 0
+        training_s = (report.get("wall_time_s") or {}).get("training_s")
+        shares = [self._share(e.get("rows")) for e in saves]
+        reloaded = [self._share(f.get("rows_reloaded")) for f in failures]
+        measured = {
+            "what": "measured on the real run",
+            "pls": report.get("pls"),
+            "auc": report.get("auc"),
+            "steps": steps,
+            "step_s_real": round(training_s / steps, 5) if training_s and steps else None,
+            "tracking_share_of_step_pct": round(100.0 * tracking_share, 3),
+            "saves": len(saves),
+            "rows_saved_share_mean": round(sum(shares) / len(shares), 4) if shares else None,
+            "recoveries": len(failures),
+            "rows_reloaded_share_mean": round(sum(reloaded) / len(reloaded), 4) if reloaded else None,
+            "steps_redone": sum(f.get("lost_steps_recomputed") or 0 for f in failures),
+            "overhead_pct": {k: pct[k] for k in MEASURED},
+        }
+        charged = {
+            "what": "production constants times the counts measured (not timed here)",
+            "constants_s": {"save_s": p.save_s, "load_s": p.load_s, "reschedule_s": p.reschedule_s,
+                            "step_s": round(self.step_s, 3)},
+            "overhead_pct": {k: pct[k] for k in CHARGED},
+            "overhead_total_pct": round(sum(pct[k] for k in CHARGED), 3),
+        }
         return {
             "params": p.model_dump(),
             "step_s": round(self.step_s, 3),
@@ -215,6 +260,8 @@ class Emulation:
             "kills": self.kills,
             "saves": len(saves),
             "overhead_s": {k: round(v, 1) for k, v in seconds.items()},
-            "overhead_pct": {k: round(100.0 * v / self.duration_s, 3) for k, v in seconds.items()},
+            "overhead_pct": pct,
             "overhead_total_pct": round(100.0 * sum(seconds.values()) / self.duration_s, 3),
+            "measured": measured,
+            "charged": charged,
         }

@@ -15,25 +15,30 @@ against the failure-free run is listed beside their sum.
 ``--part emulation``: the paper's production-scale emulation (``app.emulation``, ``cpr emulate``),
 first as a sweep of PLS targets (checkpoint intervals) under partial recovery to fit AUC change
 against PLS, then full recovery at the Young/Daly interval against CPR (partial, full/MFU/SSU
-rows) at the PLS target the fit implies for an AUC budget (``--auc-budget``).
+rows) at the PLS target the fit implies for an AUC budget (``--auc-budget``). Every run setting
+comes from ``configs/emulate.yaml`` (its data generated into a temporary directory from its
+``data.generate``); the benchmark overrides only the seed, the recovery mode, the row policy and
+the PLS target. The PLS, AUC, tracking share and step times are measured; the save, load,
+rescheduling and lost-computation overheads are charged at the production constants of the
+config's ``emulation`` section (docs/EMULATION.md): the JSON and the table keep them apart.
 
-Writes benchmarks/results/cpr_tradeoff_{real,emulation}.{md,json}; ``benchmarks/tradeoff_plots.py``
-draws the pictures.
+Writes benchmarks/results/cpr_tradeoff_{real,emulation}.json (with ``benchmarks.meta.run_metadata()``)
+and the .md rendered from it by ``render_real`` / ``render_emulation`` (the functions
+benchmarks/render_docs.py uses for docs pages); ``benchmarks/tradeoff_plots.py`` draws the pictures.
 
     .venv/bin/python benchmarks/cpr_tradeoff.py --part real --seeds 0 1 2
     .venv/bin/python benchmarks/cpr_tradeoff.py --part emulation --seeds 0 1 2
+    .venv/bin/python benchmarks/cpr_tradeoff.py --part emulation --render-only   # .md from the .json
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import shutil
-import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import numpy as np
@@ -41,8 +46,11 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.meta import run_metadata  # noqa: E402
 from core.config import load_config  # noqa: E402
 from app.emulation import OVERHEADS as COMPONENTS  # noqa: E402
+from benchmarks.cpr_tradeoff_render import EMULATION_ROWS, TITLES, _rel, render_emulation, render_real, write_md  # noqa: E402,F401
+# (render_* and TITLES: re-exported, the tests and older callers import them from here)
 
 RESULTS = ROOT / "benchmarks" / "results"
 
@@ -97,14 +105,20 @@ def real_costs(report: dict, clean: dict) -> dict:
     }
 
 
-def summarize(values: list[float]) -> dict:
-    return {"mean": statistics.fmean(values), "min": min(values), "max": max(values), "n": len(values)}
-
-
 def _data(root: Path, rows: int):
     from core.data import generate
 
     return generate(str(root / "data"), rows, rows // 10, seed=0)
+
+
+def _config_data(base, root: Path):
+    """The config's own synthetic data (its ``data.generate``), written under ``root``."""
+    from core.data import generate
+
+    g = base.data.generate
+    if g is None:
+        raise SystemExit("the emulation config must generate its data (data.generate) for the benchmark to reproduce it")
+    return generate(str(root / "data"), g.train_rows, g.eval_rows, fmt=g.format, seed=g.seed, vocab_rows=g.vocab_rows)
 
 
 def _with(base, root: Path, data, name: str, **sections):
@@ -174,10 +188,12 @@ def fit_line(points: list[tuple[float, float]]) -> dict:
 
 
 def part_emulation(args, root: Path) -> dict:
+    """Runs configs/emulate.yaml as it is, overriding only the seed, the recovery mode, the row
+    policy and the PLS target (each run in a run_dir of its own under ``root``)."""
     base = load_config(args.emulation_config)
-    base = base.model_copy(update={"training": base.training.model_copy(update={"microbatch_rows": args.microbatch_rows})})
-    data = _data(root, args.rows)
-    out: dict = {"sweep": [], "rows": [], "clean": {}}
+    data = _config_data(base, root)
+    out: dict = {"config_file": _rel(args.emulation_config), "config": base.model_dump(mode="json", exclude={"run_dir"}),
+                 "sweep": [], "rows": [], "clean": {}, "clean_step_s": {}}
     tr = base.training
     out["total_steps"] = data.train_rows // (tr.microbatch_rows * tr.microbatches_per_step)
 
@@ -185,27 +201,40 @@ def part_emulation(args, root: Path) -> dict:
         cfg = _with(base, root, data, name, seed=seed, recovery=recovery,
                     checkpoint={"policy": policy, "pls_target": pls_target},
                     emulation={"seed": seed})
+        t0 = time.monotonic()
         report = run(cfg, timeline)
         e = report["emulation"]
+        m, c = e["measured"], e["charged"]
         ref = out["clean"][seed]
         return {
             "seed": seed, "recovery": recovery, "policy": policy, "pls_target": pls_target,
             "every_steps": e["every_steps"], "interval_h": e["interval_s"] / 3600, "failures": len(e["kills"]),
+            # measured on the real run
             "auc": report["auc"], "auc_change": report["auc"] - ref, "pls": report["pls"],
-            "expected_pls": e["expected_pls"], "overhead_pct": e["overhead_pct"],
-            "overhead_total_pct": e["overhead_total_pct"], "expected_overhead_pct": e["expected_overhead_pct"],
+            "step_s_real": m["step_s_real"], "tracking_share_of_step_pct": m["tracking_share_of_step_pct"],
+            "saves": m["saves"], "rows_saved_share_mean": m["rows_saved_share_mean"],
+            "rows_reloaded_share_mean": m["rows_reloaded_share_mean"], "steps_redone": m["steps_redone"],
+            "measured_overhead_pct": m["overhead_pct"],
+            # charged at the production constants
+            "charged_overhead_pct": c["overhead_pct"], "charged_total_pct": c["overhead_total_pct"],
+            "overhead_pct": e["overhead_pct"], "overhead_total_pct": e["overhead_total_pct"],
+            "expected_pls": e["expected_pls"], "expected_overhead_pct": e["expected_overhead_pct"],
+            "wall_s": round(time.monotonic() - t0, 1),
         }
 
     for seed in args.seeds:
+        t0 = time.monotonic()
         clean = run(_with(base, root, data, f"e{seed}-clean", seed=seed, emulation=None,
                           checkpoint={"every_steps": None, "final": False}))
         out["clean"][seed] = clean["auc"]
-        print(f"seed {seed}: failure-free AUC {clean['auc']:.4f}", flush=True)
+        out["clean_step_s"][seed] = clean["wall_time_s"]["training_s"] / clean["steps"]
+        print(f"seed {seed}: failure-free AUC {clean['auc']:.4f}, {out['clean_step_s'][seed]:.3f} s a step "
+              f"({time.monotonic() - t0:.0f} s wall)", flush=True)
         for target in args.sweep:
             r = emulated(f"e{seed}-sweep-{target}", seed, "partial", "full", target)
             out["sweep"].append(r)
             print(f"  sweep target {target}: every {r['every_steps']} steps, {r['failures']} failures, PLS {r['pls']:.4f}, "
-                  f"AUC change {r['auc_change']:+.4f}", flush=True)
+                  f"AUC change {r['auc_change']:+.4f} ({r['wall_s']:.0f} s wall)", flush=True)
     fit = fit_line([(r["pls"], r["auc_change"]) for r in out["sweep"]])
     implied = args.auc_budget / -fit["slope"] if fit["slope"] < 0 else max(args.sweep)
     target = float(min(max(implied, 0.005), 0.5))
@@ -213,149 +242,65 @@ def part_emulation(args, root: Path) -> dict:
     print(f"fit: AUC change = {fit['slope']:.4f} x PLS (rmse {fit['rmse']:.4f}); budget {args.auc_budget} -> "
           f"PLS target {implied:.4f} (used {target:.4f})", flush=True)
     for seed in args.seeds:
-        for recovery, policy in (("full", "full"), ("partial", "full"), ("partial", "mfu"), ("partial", "ssu")):
+        for recovery, policy in EMULATION_ROWS:
             timeline = RESULTS / "timeline_emulation.png" if (seed, recovery, policy) == (args.seeds[0], "partial", "mfu") else None
             r = emulated(f"e{seed}-{recovery}-{policy}", seed, recovery, policy, target, timeline)
             out["rows"].append(r)
             print(f"  {recovery}/{policy}: every {r['every_steps']} steps ({r['interval_h']:.1f} h), {r['failures']} failures, "
-                  f"overhead {r['overhead_total_pct']:.2f}% (model {r['expected_overhead_pct']:.2f}%), PLS {r['pls']:.4f}, "
-                  f"AUC {r['auc']:.4f} ({r['auc_change']:+.4f})", flush=True)
+                  f"overhead {r['overhead_total_pct']:.2f}% (charged {r['charged_total_pct']:.2f}%, model "
+                  f"{r['expected_overhead_pct']:.2f}%), PLS {r['pls']:.4f}, AUC {r['auc']:.4f} ({r['auc_change']:+.4f}) "
+                  f"({r['wall_s']:.0f} s wall)", flush=True)
     return out
-
-
-def _mm(rows: list[dict], key, spec: str = ".2f") -> str:
-    """Mean (min–max) of ``key`` over ``rows``."""
-    s = summarize([key(r) for r in rows])
-    return f"{s['mean']:{spec}} ({s['min']:{spec}}–{s['max']:{spec}})"
-
-
-def _mm4(rows: list[dict], key) -> str:
-    return _mm(rows, key, "+.4f")
-
-
-def write_real(args, res: dict, header: str) -> list[str]:
-    rows = res["rows"]
-    lines = [
-        "# CPR trade-off on real runs: overhead vs PLS vs AUC", "", header, "",
-        f"Config `{Path(args.config).name}` (2 trainers, 2 shards, table_wise) on {args.rows:,} synthetic rows "
-        f"({res['total_steps']} steps), seeds {args.seeds}. Checkpoints every {args.every_steps} steps with full saves; "
-        f"MFU/SSU save r={args.r} of a shard's rows every {max(1, round(args.every_steps * args.r))} steps, every "
-        f"{args.full_every}th save full. Failures: shards SIGKILLed at steps drawn with exponential gaps of mean "
-        f"{args.mtbf_steps} steps, the same for every row of a seed. Overheads in % of the seed's failure-free training "
-        "time (no saves, no failures); mean (min–max) over seeds. *Extra training* is the training time measured "
-        "against the failure-free run; the components should add up to about it.", "",
-        "| recovery | policy | modes used | failures | PLS | AUC change | overhead total | save | load | lost computation | rescheduling | tracking | save in background (not a stall) | extra training |",
-        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    for recovery in ("partial", "full", "auto"):
-        for policy in ("full", "mfu", "ssu"):
-            rs = [r for r in rows if r["recovery"] == recovery and r["policy"] == policy]
-            if not rs:
-                continue
-            modes = sorted({m for r in rs for m in r["modes_used"]})
-            lines.append(
-                f"| {recovery} | {policy} | {', '.join(modes)} | {_mm(rs, lambda r: r['failures'])} | "
-                f"{_mm(rs, lambda r: r['pls'], '.4f')} | "
-                f"{_mm4(rs, lambda r: r['auc_change'])} | {_mm(rs, lambda r: r['overhead_total_pct'])} | "
-                + " | ".join(_mm(rs, lambda r, k=k: r["overhead_pct"][k]) for k in COMPONENTS)
-                + f" | {_mm(rs, lambda r: r['save_background_pct'])} | {_mm(rs, lambda r: r['extra_training_pct'])} |"
-            )
-    return lines
-
-
-def write_emulation(args, res: dict, header: str) -> list[str]:
-    fit = res["fit"]
-    ecfg = load_config(args.emulation_config)
-    p = ecfg.emulation
-    total_steps = res.get("total_steps") or args.rows // (args.microbatch_rows * ecfg.training.microbatches_per_step)
-    step_h = p.duration_h / total_steps
-    lines = [
-        "# CPR trade-off in the production-scale emulation", "", header, "",
-        f"Config `{Path(args.emulation_config).name}` (2 trainers, 4 shards) on {args.rows:,} synthetic rows, "
-        f"microbatches of {args.microbatch_rows}; seeds {args.seeds}. Emulated: {p.duration_h:g} h of training on "
-        f"{p.nodes} hosts with a host MTBF of {p.node_mtbf_h:g} h (job MTBF {p.node_mtbf_h / p.nodes:.1f} h), save "
-        f"{p.save_s:g} s, load {p.load_s:g} s, reschedule {p.reschedule_s:g} s. Overheads in % of the failure-free "
-        "time; mean (min–max) over seeds; AUC change against the seed's failure-free run.", "",
-        "## AUC change against PLS (partial recovery, full saves, a sweep of PLS targets = checkpoint intervals)", "",
-        "| PLS target | interval (h) | failures | PLS | AUC change |", "|---:|---:|---:|---:|---:|",
-    ]
-    for t in sorted({r["pls_target"] for r in res["sweep"]}):
-        rs = [r for r in res["sweep"] if r["pls_target"] == t]
-        lines.append(f"| {t} | {rs[0]['interval_h']:.1f} | {_mm(rs, lambda r: r['failures'])} | "
-                     + ", ".join(f"{r['pls']:.4f}" for r in rs) + " | " + ", ".join(f"{r['auc_change']:+.4f}" for r in rs) + " |")
-    lines += [
-        "",
-        f"Fitted through the origin: **AUC change = {fit['slope']:.4f} × PLS** (rmse {fit['rmse']:.4f}, {fit['n']} runs). "
-        f"An AUC budget of {fit['auc_budget']} implies a **PLS target of {fit['implied_pls_target']:.4f}**"
-        + (f" (used: {fit['pls_target_used']:.4f}, clamped to [0.005, 0.5])" if abs(fit['pls_target_used'] - fit['implied_pls_target']) > 1e-9 else "")
-        + ".", "",
-        "## Full recovery (Young/Daly) against CPR (PLS-target interval)", "",
-        "| recovery | policy | interval: policy's (h) / used (steps, h) | failures | overhead total | save | load | lost computation | rescheduling | tracking | first-order model | PLS | AUC change |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    for recovery, policy in (("full", "full"), ("partial", "full"), ("partial", "mfu"), ("partial", "ssu")):
-        rs = [r for r in res["rows"] if r["recovery"] == recovery and r["policy"] == policy]
-        if not rs:
-            continue
-        lines.append(
-            f"| {recovery} | {policy} | {rs[0]['interval_h']:.1f} / {rs[0]['every_steps']}, "
-            f"{rs[0]['every_steps'] * step_h:.1f} | {_mm(rs, lambda r: r['failures'])} | "
-            f"{_mm(rs, lambda r: r['overhead_total_pct'])} | "
-            + " | ".join(_mm(rs, lambda r, k=k: r["overhead_pct"][k]) for k in COMPONENTS)
-            + f" | {_mm(rs, lambda r: r['expected_overhead_pct'])} | "
-            f"{summarize([r['pls'] for r in rs])['mean']:.4f} | {_mm4(rs, lambda r: r['auc_change'])} |"
-        )
-    return lines
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--part", choices=("real", "emulation"), required=True)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    parser.add_argument("--config", default=str(ROOT / "configs/local.yaml"))
-    parser.add_argument("--emulation-config", default=str(ROOT / "configs/emulate.yaml"))
-    parser.add_argument("--rows", type=int, default=200_000)
-    parser.add_argument("--microbatch-rows", type=int, default=256, help="emulation: smaller microbatches, more steps")
+    parser.add_argument("--config", default=str(ROOT / "configs/local.yaml"), help="real: the config")
+    parser.add_argument("--emulation-config", default=str(ROOT / "configs/emulate.yaml"),
+                        help="emulation: the config, run as it is but for seed, recovery, policy and PLS target")
+    parser.add_argument("--rows", type=int, default=200_000, help="real: synthetic training rows")
     parser.add_argument("--every-steps", type=int, default=20, help="real: full-save interval; MFU/SSU save r of the rows r times it")
-    parser.add_argument("--r", type=float, default=0.25)
-    parser.add_argument("--full-every", type=int, default=4)
-    parser.add_argument("--mtbf-steps", type=float, default=30.0)
+    parser.add_argument("--r", type=float, default=0.25, help="real")
+    parser.add_argument("--full-every", type=int, default=4, help="real")
+    parser.add_argument("--mtbf-steps", type=float, default=30.0, help="real")
     parser.add_argument("--sweep", type=float, nargs="+", default=[0.05, 0.3], help="emulation: PLS targets of the sweep")
-    parser.add_argument("--auc-budget", type=float, default=0.001)
-    parser.add_argument("--policies", nargs="+", default=["full", "mfu", "ssu"], choices=["full", "mfu", "ssu"])
-    parser.add_argument("--recoveries", nargs="+", default=["partial", "full", "auto"], choices=["partial", "full", "auto"])
+    parser.add_argument("--auc-budget", type=float, default=0.001, help="emulation")
+    parser.add_argument("--policies", nargs="+", default=["full", "mfu", "ssu"], choices=["full", "mfu", "ssu"], help="real")
+    parser.add_argument("--recoveries", nargs="+", default=["partial", "full", "auto"], choices=["partial", "full", "auto"],
+                        help="real")
     parser.add_argument("--render-only", action="store_true", help="rewrite the .md from the part's .json")
     args = parser.parse_args()
     out = RESULTS / f"cpr_tradeoff_{args.part}"
     if args.render_only:
-        saved = json.loads(out.with_suffix(".json").read_text())
-        args = argparse.Namespace(**saved.pop("args"))
-        command, machine = saved.pop("command"), saved.pop("machine")
-        saved["clean"] = {int(k): v for k, v in saved.get("clean", {}).items()}
-        lines = (write_real if args.part == "real" else write_emulation)(args, saved, f"`{command}` on {machine}.")
-        out.with_suffix(".md").write_text("\n".join(lines) + "\n")
-        print("\n".join(lines))
+        print(write_md(args.part, json.loads(out.with_suffix(".json").read_text()), out.with_suffix(".md")))
         return
 
     import ray
 
     from app.rayenv import connect_ray
 
+    meta = run_metadata()
     root = Path(tempfile.mkdtemp(prefix=f"cpr-bench-{args.part}-"))
     RESULTS.mkdir(parents=True, exist_ok=True)
+    t0 = time.monotonic()
     # Ray sized for the part's config (its shards, spare and trainers each hold a CPU).
     connect_ray(load_config(args.config if args.part == "real" else args.emulation_config))
     try:
         res = part_real(args, root) if args.part == "real" else part_emulation(args, root)
     finally:
         ray.shutdown()
-    command = "python benchmarks/cpr_tradeoff.py " + " ".join(sys.argv[1:])
-    machine = f"{platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}"
-    header = f"`{command}` on {machine}."
-    lines = (write_real if args.part == "real" else write_emulation)(args, res, header)
-    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
-    out.with_suffix(".json").write_text(json.dumps({"command": command, "machine": machine, "args": vars(args), **res}, indent=2))
-    print("\n".join(lines))
+    meta["wall_s"] = round(time.monotonic() - t0, 1)
+    args_out = {k: v for k, v in vars(args).items() if k != "render_only"}
+    if args.part == "emulation":  # the real part's settings do not apply
+        args_out = {k: args_out[k] for k in ("part", "seeds", "emulation_config", "sweep", "auc_budget")}
+        args_out["emulation_config"] = _rel(args_out["emulation_config"])
+    else:
+        args_out["config"] = _rel(args_out["config"])
+    result = {"meta": meta, "args": args_out, **res}
+    out.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
+    print(write_md(args.part, json.loads(out.with_suffix(".json").read_text()), out.with_suffix(".md")))
     shutil.rmtree(root, ignore_errors=True)
 
 

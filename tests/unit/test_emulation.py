@@ -112,3 +112,147 @@ def test_bad_emulation_values_and_emulation_with_faults_are_refused_by_name():
     with pytest.raises(ConfigError, match="emulation places its own failures"):
         config_from_dict(raw)
     assert EmulationConfig().node_mtbf_h / EmulationConfig().nodes == pytest.approx(49.5, abs=0.1)
+
+
+def _report(training_s: float = 40.0) -> dict:
+    total_rows = 26 * 1000
+    return {
+        "events": [
+            {"kind": "checkpoint_saved", "rows": total_rows, "final": False},
+            {"kind": "checkpoint_saved", "rows": total_rows // 4, "final": False},
+        ],
+        "failures": [
+            {"rows_reloaded": total_rows // 2, "lost_steps_recomputed": 0},
+            {"rows_reloaded": total_rows, "lost_steps_recomputed": 3},
+        ],
+        "shards": [{"applied_step": 99, "first_step_after_load": 0, "tracking_s": 0.5} for _ in range(4)],
+        "steps": 100,
+        "wall_time_s": {"training_s": training_s},
+        "pls": 0.02,
+        "auc": 0.75,
+    }
+
+
+def test_account_keeps_what_the_run_measured_apart_from_what_it_charges_at_the_constants():
+    from app.emulation import CHARGED, MEASURED, OVERHEADS
+
+    assert sorted(CHARGED + MEASURED) == sorted(OVERHEADS)
+    e = _emulation(save_s=100, load_s=200, reschedule_s=50, total_steps=100, duration_h=100)
+    acc = e.account(_report())
+    m, c = acc["measured"], acc["charged"]
+    assert set(m["overhead_pct"]) == set(MEASURED) and set(c["overhead_pct"]) == set(CHARGED)
+    assert c["overhead_total_pct"] + sum(m["overhead_pct"].values()) == pytest.approx(acc["overhead_total_pct"], abs=2e-3)
+    assert c["constants_s"] == {"save_s": 100, "load_s": 200, "reschedule_s": 50, "step_s": 3600.0}
+    assert (m["pls"], m["auc"], m["saves"], m["recoveries"], m["steps_redone"]) == (0.02, 0.75, 2, 2, 3)
+    assert m["step_s_real"] == pytest.approx(0.4) and m["rows_saved_share_mean"] == pytest.approx(0.625)
+    assert m["tracking_share_of_step_pct"] == pytest.approx(5.0, rel=1e-3)  # 0.02 s of a 0.4 s step
+    # A machine twice as slow changes what it measures (the tracking share), never what is charged.
+    slow = e.account(_report(training_s=80.0))
+    assert slow["charged"] == c
+    assert slow["measured"]["overhead_pct"]["tracking"] == pytest.approx(m["overhead_pct"]["tracking"] / 2, rel=1e-3)
+
+
+class _Progress:
+    def __init__(self, step: int):
+        self.step = step
+
+
+class _Supervisor:
+    def __init__(self, step: int):
+        self._step = step
+
+    def progress(self):
+        return _Progress(self._step)
+
+    def events_since(self, cursor: int) -> list:
+        return []
+
+
+@pytest.mark.parametrize("step, kills", [(5, 1), (10, 0)])
+def test_failures_stop_when_training_is_over(monkeypatch, step, kills):
+    """A failure whose time comes after the last training step is not placed: the emulated
+    job is over (killing a shard between the last step and the final save tests nothing)."""
+    import threading
+
+    import app.emulation as emulation
+
+    stop = threading.Event()
+    done = []
+
+    def fake_kill(supervisor, target, trigger):
+        done.append(target)
+        stop.set()
+        return {"target": target}
+
+    monkeypatch.setattr(emulation, "kill_target", fake_kill)
+    e = _emulation(node_mtbf_h=1, nodes=1, duration_h=100, total_steps=10)
+    assert e.failure_times_s()[0] < 5 * e.step_s
+    timer = threading.Timer(5.0, stop.set)  # a safety net: the loop must end by itself
+    timer.start()
+    try:
+        e.drive(_Supervisor(step), stop, poll_s=0.001)
+    finally:
+        timer.cancel()
+    assert len(done) == kills == len(e.kills)
+
+
+def _bench():
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    sys.path.insert(0, str(root))
+    import benchmarks.cpr_tradeoff as bench
+
+    return root, bench
+
+
+def test_the_benchmark_renders_without_starting_ray():
+    """Its module imports and renders in a fresh interpreter that never starts Ray."""
+    import subprocess
+    import sys
+
+    root, _ = _bench()
+    code = ("import json, ray; from benchmarks.cpr_tradeoff_render import render_emulation as r; "
+            "r(json.load(open('benchmarks/results/cpr_tradeoff_emulation.json'))); assert not ray.is_initialized()")
+    done = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_configs_emulate_yaml_is_what_the_published_emulation_ran():
+    """Every setting configs/emulate.yaml makes is the one in the published results file's
+    config (the benchmark overrides only seed, recovery, policy and PLS target, per run)."""
+    import json
+
+    import yaml
+
+    root, _ = _bench()
+    published = json.loads((root / "benchmarks/results/cpr_tradeoff_emulation.json").read_text())
+    assert published.get("config_file") == "configs/emulate.yaml", "rerun benchmarks/cpr_tradeoff.py --part emulation"
+    raw = yaml.safe_load((root / "configs/emulate.yaml").read_text())
+    ran = published["config"]
+
+    def same(want, got, where):
+        if isinstance(want, dict):
+            for k, v in want.items():
+                same(v, got[k], f"{where}.{k}")
+        else:
+            assert want == got, f"{where}: configs/emulate.yaml says {want!r}, the published run had {got!r}"
+
+    for section, value in raw.items():
+        if section in ("seed", "data"):  # per run / written to a temporary dir from data.generate
+            continue
+        same(value, ran[section], section)
+    same(raw["data"]["generate"], ran["data"]["generate"], "data.generate")
+
+
+def test_the_published_emulation_table_is_rendered_from_its_json():
+    import json
+
+    root, bench = _bench()
+    res = root / "benchmarks/results/cpr_tradeoff_emulation"
+    result = json.loads(res.with_suffix(".json").read_text())
+    assert "meta" in result and {"commit", "machine", "date", "command"} <= set(result["meta"])
+    assert res.with_suffix(".md").read_text() == f"# {bench.TITLES['emulation']}\n\n" + bench.render_emulation(result)
+    rendered = bench.render_emulation(result)
+    assert "**Measured**" in rendered and "**Charged at production constants**" in rendered
