@@ -28,7 +28,7 @@ def test_cpr_train_from_a_plain_shell_in_a_run_dir_of_its_own(small_data, tmp_pa
                  "cache_dir": str(tmp_path.parent / "cache")},
         "model": {"embedding_dim": 8, "table_rows": 20_000, "dense_arch": [32, 8], "over_arch": [32, 1]},
         "embeddings": {"num_shards": 2},
-        "training": {"num_trainers": 2, "microbatch_rows": 128, "microbatches_per_step": 4, "max_steps": 90},
+        "training": {"num_trainers": 1, "microbatch_rows": 128, "microbatches_per_step": 4, "max_steps": 60},
         "checkpoint": {"every_steps": 20},
         # One kill by the driver's schedule (the path whose console said each kill twice).
         "faults": {"targets": ["shards"], "max_failures": 1, "mtbf_s": 1.0, "distribution": "fixed"},
@@ -44,7 +44,7 @@ def test_cpr_train_from_a_plain_shell_in_a_run_dir_of_its_own(small_data, tmp_pa
     [run_dir] = [p for p in runs.iterdir() if p.name != "latest"]
     assert (runs / "latest").resolve() == run_dir.resolve()
     report = json.loads((runs / "latest" / "report.json").read_text())
-    assert report["steps"] == 90 and len(report["faults_injected"]) == 1
+    assert report["steps"] == 60 and len(report["faults_injected"]) == 1
     assert f"report: {Path('runs') / run_dir.name}/report.json" in console
 
     [kill] = report["faults_injected"]
