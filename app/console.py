@@ -31,7 +31,8 @@ def format_event(e: dict) -> str | None:
             f"{e['load_s']:.2f}s{serving}), {e['rows_reloaded']:,} rows reloaded"
         )
     if kind == "lost_samples_counted":
-        return f"[failure] {e['actor']}: {e['lost_samples']:,.0f} samples' updates lost (steps {e['first_step']}..{e['failed_at_step']})"
+        # first_step is when this incarnation of the shard went live, not where the loss began.
+        return f"[failure] {e['actor']}: {e['lost_samples']:,.0f} samples' updates lost (failed at step {e['failed_at_step']})"
     if kind == "state_changed" and e["state"] == "failed":
         return f"[stopped] {e['reason']}"
     if kind == "fault_injected":

@@ -56,6 +56,7 @@ RENDERERS: dict[str, str] = {
     "trainer_failures": "benchmarks.trainer_failures:render",
     "trainer_failures_scale": "benchmarks.trainer_failures_scale:render",
     "cuda_shard_check": "benchmarks.cuda_shard_check:render",
+    "suite": "benchmarks.suite:render",
 }
 
 CONFIG_PAGE = ROOT / "docs" / "CONFIG.md"

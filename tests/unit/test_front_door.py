@@ -73,3 +73,21 @@ def test_resources_a_run_holds_at_once():
         "training": {"num_trainers": 4},
     })
     assert resources_needed(cfg) == {"CPU": 5 * 0.5 + 4, "GPU": 5 * 0.25}
+
+
+def test_the_lost_samples_line_names_the_step_the_shard_failed_at():
+    from app.console import format_event
+
+    line = format_event({"kind": "lost_samples_counted", "actor": "shard:1", "lost_samples": 6144.0,
+                         "first_step": 0, "failed_at_step": 66})
+    assert line == "[failure] shard:1: 6,144 samples' updates lost (failed at step 66)"
+
+
+def test_the_suite_record_reads_pytests_summary_line():
+    from benchmarks.suite import summary_of
+
+    lines = ["....", "========= 603 passed, 1 skipped, 4 warnings in 860.69s (0:14:20) =========", "real 15m"]
+    assert summary_of(lines) == {"line": "603 passed, 1 skipped, 4 warnings in 860.69s (0:14:20)",
+                                 "counts": {"passed": 603, "skipped": 1, "warnings": 4}, "seconds": 860.69}
+    assert summary_of(["1 failed, 2 passed in 3.10s"])["counts"] == {"failed": 1, "passed": 2}
+    assert summary_of(["no summary here"]) is None
