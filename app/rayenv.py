@@ -130,8 +130,8 @@ def check_cluster_fits(cfg: RunConfig) -> None:
     the run: its shards, spares and trainers would otherwise wait for resources that never come
     (Ray Train retries a worker group it cannot place)."""
     need = resources_needed(cfg)
-    have = ray.cluster_resources()
     nodes = [n["Resources"] for n in ray.nodes() if n.get("Alive")]
+    have = {r: sum(n.get(r, 0.0) for n in nodes) for r in need}
     emb = cfg.embeddings
     short = [f"{need[r]:g} {r}s and the cluster has {have.get(r, 0.0):g}" for r in ("CPU", "GPU")
              if need[r] > have.get(r, 0.0) + 1e-9]

@@ -49,8 +49,7 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.meta import run_metadata  # noqa: E402
 from core.config import load_config  # noqa: E402
 from app.emulation import OVERHEADS as COMPONENTS  # noqa: E402
-from benchmarks.cpr_tradeoff_render import EMULATION_ROWS, TITLES, _rel, render_emulation, render_real, write_md  # noqa: E402,F401
-# (render_* and TITLES: re-exported, the tests and older callers import them from here)
+from benchmarks.cpr_tradeoff_render import EMULATION_ROWS, _rel, write_md  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
 

@@ -290,6 +290,10 @@ def _e(x: float | None) -> str:
     return "n/a" if x is None else ("0" if x == 0 else f"{x:.1e}")
 
 
+def _ms(timing: dict) -> str:
+    return "n/a" if timing.get("median_s") is None else f"{timing['median_s'] * 1e3:.2f} ms"
+
+
 def render(result: dict) -> str:
     """The GPU-against-CPU agreement and the step times of a result, as markdown."""
     v, ref = result["versions"], (result.get("vs_ref") or {}).get("ref_versions", {})
@@ -319,8 +323,7 @@ def render(result: dict) -> str:
                        (f"{(result.get('time_per_step_large_cuda') or {}).get('batch_per_microbatch')} rows a microbatch",
                         "time_per_step_large")):
         g, p = result.get(f"{key}_cuda") or {}, result.get(f"{key}_cpu") or {}
-        ms = lambda t: "n/a" if t.get("median_s") is None else f"{t['median_s'] * 1e3:.2f} ms"  # noqa: E731
-        out.append(f"| {label} | {ms(g)} | {ms(p)} |")
+        out.append(f"| {label} | {_ms(g)} | {_ms(p)} |")
     return "\n".join(out) + "\n"
 
 

@@ -202,7 +202,7 @@ def _bench():
 
     root = Path(__file__).resolve().parents[2]
     sys.path.insert(0, str(root))
-    import benchmarks.cpr_tradeoff as bench
+    import benchmarks.cpr_tradeoff_render as bench
 
     return root, bench
 
