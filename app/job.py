@@ -24,13 +24,13 @@ from actors.shm import remove_run_files_everywhere
 from actors.supervisor.actor import Supervisor, supervisor_name
 from app.chaos import FaultSchedule, run_schedule, write_run_info
 from app.console import progress_loop
+from app.dataprep import build_stores, resolve_data, with_table_rows
 from app.emulation import Emulation
 from app.lighthouse import start_lighthouse
 from app.logs import LOG_DIR, configure_driver_logging, link_ray_session_logs, point_latest
 from app.rayenv import check_cluster_fits, connect_ray, metrics_url
 from app.report import build_report, rebuild_report, write_report
 from app.storage import check_every_node, expected_files
-from core.cache import prepare_data
 from core.checkpoint import CheckpointStore
 from core.codec import encode
 from core.config import RunConfig, load_config
@@ -114,21 +114,22 @@ class TrainingJob:
         point_latest(self.run_dir)
         configure_driver_logging(self.run_dir, self.verbose)
         (self.run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(), sort_keys=False))
-        # Ray Train's modules (and torch: 3.0 s) load for fit() while the data cache is built.
-        # Bad data still fails before Ray starts.
+        # Ray Train's modules (and torch: 3.0 s) load for fit() while Ray starts and the data is
+        # preprocessed. Inputs that do not exist or cannot be read fail before Ray starts.
         threading.Thread(target=_import_ray_train, name="import-ray-train", daemon=True).start()
-        self.data = prepare_data(cfg)
-        self._t["data"] = time.perf_counter()
-        if cfg.emulation is not None and not self.resume:
-            self.emulation = Emulation.of(cfg, self._total_steps())
-            self.cfg = cfg = self.emulation.configure(cfg)
-            (self.run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(), sort_keys=False))
+        inputs = resolve_data(cfg)
         self._started_ray = connect_ray(cfg, self.verbose)
         check_cluster_fits(cfg)
         link_ray_session_logs(self.run_dir)
-        if not self._started_ray:  # a cluster: every host must see the cache and the checkpoints
-            caches = [self.data["train"].path, self.data["eval"].path]
-            check_every_node(expected_files(caches, cfg.checkpoint_uri, self.run_id), cfg.embeddings.call_timeout_s)
+        if not self._started_ray:  # a cluster: every host must see the local paths the run shares
+            check_every_node(expected_files(cfg.cache_dir, cfg.checkpoint_uri, self.run_id), cfg.embeddings.call_timeout_s)
+        self.data = build_stores(cfg, inputs)
+        self._t["data"] = time.perf_counter()
+        self.cfg = cfg = with_table_rows(cfg, self.data["table_rows"])
+        if cfg.emulation is not None and not self.resume:
+            self.emulation = Emulation.of(cfg, self._total_steps())
+            self.cfg = cfg = self.emulation.configure(cfg)
+        (self.run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(), sort_keys=False))
         self._lighthouse = start_lighthouse(self._lighthouse_name, cfg.ray.namespace, self._lighthouse_kwargs())
         if self.resume:
             _kill_leftovers(self.run_dir, cfg.ray.namespace)
@@ -137,7 +138,7 @@ class TrainingJob:
         self.metrics_url = metrics_url()
         write_run_info(
             self.run_dir, self.run_id, cfg.ray.namespace, ray.get_runtime_context().gcs_address, self.metrics_url,
-            train_cache=self.data["train"].path,
+            train_cache=self.data["train"].uri,
         )
         if wait or self.resume:
             return self.await_start()
@@ -154,7 +155,7 @@ class TrainingJob:
                 max_restarts=-1, max_task_retries=-1,
                 scheduling_strategy=NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False),
             )
-            .remote(cfg.model_dump(), self.run_id, self.data["train"].path, self.data["eval"].path,
+            .remote(cfg.model_dump(), self.run_id, self.data["train"].uri, self.data["eval"].uri,
                     self.data["train"].microbatches, self.resume)
         )
         self.client = SupervisorClient(self.supervisor, Deadlines.of(cfg))

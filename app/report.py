@@ -23,6 +23,21 @@ logger = logging.getLogger(__name__)
 SUMMARY_FILE = "summary.txt"
 
 
+def data_section(data: dict) -> dict:
+    """Which mapping the run used, its tables, and where and how its stores were made."""
+    train, evaluation = data["train"], data["eval"]
+    return {
+        "mapping": train.mapping["kind"],
+        "min_count": train.mapping["min_count"] if train.mapping["kind"] == "vocab" else None,
+        "table_rows": list(train.mapping["table_rows"]),
+        "embedding_rows": sum(train.mapping["table_rows"]),
+        "train_rows": train.rows, "eval_rows": evaluation.rows,
+        "train_store": train.uri.split("?", 1)[0], "eval_store": evaluation.uri.split("?", 1)[0],
+        "reused": train.reused and evaluation.reused,
+        "preprocessing": {"train": train.build, "eval": evaluation.build},
+    }
+
+
 def build_report(cfg: RunConfig, summary: dict, data: dict, wall: dict) -> dict:
     tr = cfg.training
     evaluation = summary.get("eval") or {}
@@ -59,6 +74,7 @@ def build_report(cfg: RunConfig, summary: dict, data: dict, wall: dict) -> dict:
         "samples_this_run": samples_this_run,
         "samples_per_s": samples_this_run / wall["training_s"] if wall["training_s"] > 0 else None,
         "bad_lines_skipped": data["train"].bad_lines + data["eval"].bad_lines,
+        "data": data_section(data),
         # The mode each failure used, as decided when it happened (not recomputed at the end).
         "recovery": summary.get("recovery_mode"),
         "state": summary.get("state"),

@@ -1,13 +1,14 @@
-"""Storage every host of a cluster must see: the microbatch cache (trainers memory-map it by
-path) and the checkpoints (each shard writes and reads its own files there).
+"""Storage every host of a cluster must see where the run keeps it on a local path: the
+microbatch store (preprocessing tasks write it, trainers read it) and the checkpoints (each
+shard writes and reads its own files there).
 
 On one node this holds by construction. On a cluster, a path that is local to each host
 would be read wrongly (another host's file of the same name, or none) or written where the
-supervisor cannot commit it, so the driver checks it before any trainer starts: it writes
-a probe file into the checkpoint directory, and a task on every alive node reads the probe
-and the cache files back by path. A node that cannot is refused with the path, the node and
-what to do. Object-store checkpoint URIs (``s3://``, ``gs://``...) are shared by nature and
-not probed.
+supervisor cannot commit it, so the driver checks it before preprocessing: it writes a
+probe file into each such directory, and a task on every alive node reads the probes back
+by path. A node that cannot is refused with the path, the node and what to do. Object-store
+URIs (``s3://``, ``gs://``...) are shared by nature and not probed: a cluster whose data and
+checkpoints live in object storage needs no shared directory.
 """
 
 from __future__ import annotations
@@ -44,6 +45,6 @@ def check_every_node(expected: dict[str, dict], timeout_s: float = 60.0) -> None
         raise ConfigError(
             "the run's storage is not shared by every host of the cluster: " + "; ".join(found[:6])
             + ". Put data.cache_dir and checkpoint.storage (or run_dir) on storage that every node mounts "
-            "at the same path (NFS, EFS...), or give checkpoint.storage an object-store URI (s3://, gs://)"
+            "at the same path (NFS, EFS...), or give them object-store URIs (s3://, gs://)"
         )
-    logger.info("every node sees the cache and the checkpoint directory (%d files checked)", len(expected))
+    logger.info("every node sees the run's local storage (%d probes checked)", len(expected))

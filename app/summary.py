@@ -39,6 +39,18 @@ def _modes(report: dict) -> str:
     return ", ".join(f"{m} recovery" for m in used) if used else "no recovery needed"
 
 
+def _data_line(data: dict | None) -> str:
+    if not data:
+        return "  categorical ids   unknown (no data section)"
+    how = "hash (id mod table rows)" if data["mapping"] == "hash" else f"vocabulary (values seen >= {data['min_count']} times)"
+    rows = data["table_rows"]
+    build = (data.get("preprocessing") or {}).get("train") or {}
+    made = "reused" if data.get("reused") else (f"preprocessed on {build.get('engine')} at {build.get('rows_per_s', 0):,.0f} rows/s"
+                                              if build else "")
+    return (f"  categorical ids   {how}: {sum(rows):,} embedding rows in {len(rows)} tables "
+            f"({min(rows):,}..{max(rows):,}); store {made}")
+
+
 def _overview(report: dict) -> list[str]:
     """The run's name, then one line each: quality, samples, bad lines, failures, recovery,
     overhead and wall time."""
@@ -59,6 +71,7 @@ def _overview(report: dict) -> list[str]:
         f"  samples trained   {_fmt(samples, ',', missing='unknown (no config)')} in {report.get('steps')} steps"
         + (f"  ({report['samples_per_s']:,.0f} samples/s)" if report.get("samples_per_s") else ""),
         f"  bad lines skipped {_fmt(report.get('bad_lines_skipped'), '')}",
+        _data_line(report.get("data")),
         f"  failures          {len(report.get('failures') or [])} shard ({_modes(report)}), "
         f"{len(report.get('faults_injected') or [])} kills injected, {report.get('supervisor_restarts') or 0} supervisor restarts, "
         f"PLS {_fmt(report.get('pls'), '.5f')} ({report.get('lost_samples') or 0:,.0f} samples' updates lost), "

@@ -11,9 +11,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from core.cache import MicrobatchFile
+from core.store import MicrobatchStore
 from core.config import RunConfig
-from core.data import NUM_SPARSE, sparse_to_rows
+from core.data import NUM_SPARSE
 from core.plan import ShardingPlan, shard_row_ids, slice_offsets
 from core.books import KillRecord, StepCommit, TrainerFailure
 from core.records import CommitRecord, Heal, StepFailure
@@ -92,11 +92,11 @@ def count_lost_samples(
         return 0.0  # the dead actor never applied a step
     offsets = slice_offsets(plan.shards[k])
     saved_at = saved_at_rows(plan.shard_rows(k), span.chain, incrementals)
-    cache = MicrobatchFile(train_cache)
+    cache = MicrobatchStore(train_cache)
 
     def rows_of_step(t: int):
         for m in range(schedule.microbatches_per_step):
-            rows = sparse_to_rows(cache.get(schedule.microbatch(t, m))[2], cfg.model.rows_per_table)
+            rows = cache.get(schedule.microbatch(t, m))[2].astype(np.int64)
             sb = plan.route(rows, k)
             yield shard_row_ids(sb.lengths, sb.indices, offsets)
 

@@ -48,18 +48,31 @@ class GenerateConfig(_Section):
 
 
 class DataConfig(_Section):
-    """Where the Criteo-format data lives and how it is read."""
+    """Where the Criteo-format data lives and how it is preprocessed (on Ray Data) into the microbatch store."""
 
     train: list[str] = Field(..., min_length=1)
-    """Training files: Criteo TSV (optionally .gz) or Parquet, read as a stream."""
+    """Training files: local paths or ``pyarrow.fs`` URIs (``s3://bucket/day_*.gz?endpoint_override=host:port``),
+    globs allowed; Criteo TSV (optionally .gz) or Parquet, read as a stream."""
     eval: list[str] = Field(..., min_length=1)
-    """Held-out files; a fixed split that is never trained on."""
+    """Held-out files, as ``train``; a fixed split that is never trained on."""
     generate: GenerateConfig | None = None
-    """If set and the files are missing, synthetic data is generated first."""
+    """If set and the (local) files are missing, synthetic data is generated first."""
     skip_bad_lines: bool = False
     """Count and skip malformed lines instead of stopping with an error."""
+    mapping: Literal["hash", "vocab"] = "hash"
+    """Categorical id -> table row: ``hash`` (id mod the table's rows, ``model.table_rows``) or ``vocab``
+    (values seen at least ``min_count`` times in the training data get their own row, the rest of a
+    feature share one; the tables get the vocabulary's sizes)."""
+    min_count: int = Field(3, ge=1, le=10**9)
+    """``mapping: vocab``: how often a value must occur in the training data to get a row of its own."""
+    chunk_mb: int = Field(64, ge=1, le=4096)
+    """Preprocessing task size: a plain TSV file is cut into byte ranges of this many MiB (a gzip or
+    Parquet file is one task)."""
     cache_dir: str | None = None
-    """Where the preprocessed microbatch cache goes; default ``<run_dir>/cache``."""
+    """Where the microbatch store goes (a path or ``pyarrow.fs`` URI, reused when inputs and options match);
+    default ``<run_dir>/cache``, or beside ``checkpoint.storage`` when that is an object-store URI."""
+    store_cache_mb: int = Field(256, ge=0, le=1 << 20)
+    """Per trainer: memory for microbatches read from a remote store (a local store is memory-mapped)."""
 
 
 class ModelConfig(_Section):
@@ -297,7 +310,15 @@ class RunConfig(_Section):
 
     @property
     def cache_dir(self) -> str:
-        return self.data.cache_dir or str(Path(self.run_dir) / "cache")
+        if self.data.cache_dir:
+            return self.data.cache_dir
+        storage = self.checkpoint.storage
+        if storage and "://" in storage and not storage.startswith("file://"):
+            prefix, _, rest = storage.partition("://")
+            path, _, options = rest.partition("?")
+            parent = path.rstrip("/").rsplit("/", 1)[0] if "/" in path.rstrip("/") else path.rstrip("/")
+            return f"{prefix}://{parent}/cache" + (f"?{options}" if options else "")
+        return str(Path(self.run_dir) / "cache")
 
     @property
     def checkpoint_uri(self) -> str:

@@ -256,7 +256,6 @@ class TrainerSetup:
     schedule: StepSchedule | None = None
     train_cache: str = ""
     eval_cache: str = ""
-    train_cache_bytes: int = 0
     resume: ResumePoint | None = None
     training_started: bool = False
     next_checkpoint_step: int | None = None

@@ -1,7 +1,9 @@
-"""What every host of a cluster must see as the driver wrote it: the microbatch cache (trainers
-memory-map it by path) and the checkpoint directory (each shard writes and reads its own files
-there). ``expected_files`` lists them with a fresh probe; ``problems`` says what this host does
-not see. ``app.storage`` runs the check on every node before training; trainers run it again.
+"""What every host of a cluster must share with the driver when the run keeps it on a local
+path: the microbatch store (preprocessing tasks write it and trainers read it on every host)
+and the checkpoint directory (each shard writes and reads its own files there).
+``expected_files`` writes a fresh probe into each such directory; ``problems`` says what this
+host does not see. Object-store URIs (``s3://``, ``gs://``...) are shared by nature and not
+probed. ``app.storage`` runs the check on every node before preprocessing.
 """
 
 from __future__ import annotations
@@ -17,18 +19,20 @@ __all__ = ["expected_files", "problems", "PROBE"]
 PROBE = ".cpr-storage-probe-{run_id}"
 
 
-def expected_files(cache_files: list[str], checkpoint_uri: str, run_id: str) -> dict[str, dict]:
-    """What every node must see: each cache file with its size, and a fresh probe file (with
-    its content) written into the checkpoint directory. Returns ``{path: {"field", "size",
-    "content"}}``; the probe is removed by ``check_every_node``."""
-    out = {p: {"field": "data.cache_dir", "size": os.path.getsize(p), "content": None} for p in cache_files}
-    directory = local_path(checkpoint_uri)
-    if directory is not None:
+def expected_files(cache_uri: str, checkpoint_uri: str, run_id: str) -> dict[str, dict]:
+    """What every node must see: a fresh probe file (with its content) in the store's and the
+    checkpoints' directories where they are local paths. Returns ``{path: {"field", "size",
+    "content"}}``; the probes are removed by ``check_every_node``."""
+    out = {}
+    for field, uri in (("data.cache_dir", cache_uri), ("checkpoint.storage", checkpoint_uri)):
+        directory = local_path(uri)
+        if directory is None:
+            continue
         Path(directory).mkdir(parents=True, exist_ok=True)
         probe = Path(directory) / PROBE.format(run_id=run_id)
         content = secrets.token_hex(16)
         probe.write_text(content)
-        out[str(probe)] = {"field": "checkpoint.storage", "size": len(content), "content": content}
+        out[str(probe)] = {"field": field, "size": len(content), "content": content}
     return out
 
 

@@ -9,9 +9,9 @@ access is one sparse feature of one sample: 1/26 of a sample.
 from __future__ import annotations
 
 import numpy as np
-import pyarrow as pa
 
 from core.schedule import StepSchedule
+from core.store import MicrobatchStore
 from verify.store import Store
 from verify.timeline import LostSpanSeen
 
@@ -19,17 +19,17 @@ __all__ = ["DataCache", "rows_per_table", "recount_lost"]
 
 
 class DataCache:
-    """The training cache as written: record batch ``i`` is cached microbatch ``i``."""
+    """The training data's microbatch store as written (any ``pyarrow.fs`` URI): microbatch
+    ``i`` and its table rows."""
 
-    def __init__(self, path: str):
-        self._reader = pa.ipc.open_file(pa.memory_map(path, "r"))
+    def __init__(self, uri: str):
+        self._store = MicrobatchStore(uri, 0)
 
     def __len__(self) -> int:
-        return self._reader.num_record_batches
+        return len(self._store)
 
     def sparse(self, i: int) -> np.ndarray:
-        column = self._reader.get_batch(i).column("sparse")
-        return column.values.to_numpy().reshape(len(column), -1)
+        return self._store.get(i)[2]
 
 
 def rows_per_table(model: dict, features: int) -> np.ndarray:

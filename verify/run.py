@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from core.schedule import StepSchedule
+from core.store import MANIFEST_FILE
 from verify.files import RunFiles, load_run
 from verify.kills import (check_damage_unused, check_hosts, check_kills, counts_by_kind, host_faults, host_victims,
                           landed_kills, planted_damage, stalled_pids)
@@ -43,14 +45,16 @@ class Verdict:
 
 
 def _train_cache(run: RunFiles) -> str | None:
-    path = run.run_info.get("train_cache")
-    if path and Path(path).exists():
-        return path
+    """The training store's URI: as run.json names it, else the local store in data.cache_dir
+    that lists the run's train files."""
+    uri = run.run_info.get("train_cache")
+    if uri and ("://" in uri or (Path(uri) / MANIFEST_FILE).exists()):
+        return uri
     cache_dir = run.resolve(run.config["data"].get("cache_dir") or str(Path(run.config["run_dir"]) / "cache"))
-    sources = [str(p) for p in run.config["data"]["train"]]
-    for meta in sorted(cache_dir.glob("train-*.json")):
-        if json.loads(meta.read_text()).get("sources") == sources and meta.with_suffix(".arrow").exists():
-            return str(meta.with_suffix(".arrow"))
+    sources = [os.path.abspath(p) for p in run.config["data"]["train"]]
+    for meta in sorted(cache_dir.glob(f"train-*/{MANIFEST_FILE}")):
+        if json.loads(meta.read_text()).get("sources") == sources:
+            return str(meta.parent)
     return None
 
 

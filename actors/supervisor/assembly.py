@@ -161,7 +161,7 @@ def assemble(inputs: RunInputs, on_crash: Callable[[str, BaseException], None], 
     reporter = HostLossReporter(events, controller.shards_on, trainers.ranks_on, spares.on_node)
     setup = TrainerSetup(
         finished=False, plan=inputs.plan, schedule=inputs.schedule, train_cache=inputs.train_cache,
-        eval_cache=inputs.eval_cache, train_cache_bytes=os.path.getsize(inputs.train_cache), audit_dir=audit,
+        eval_cache=inputs.eval_cache, audit_dir=audit,
     )
     desk = TrainerDesk(lock, controller, checkpoints, trainers, events, policy, deadlines, setup,
                        lambda step: _position(cfg, inputs.schedule, step), ck.final, run_id)

@@ -77,7 +77,7 @@ class TrainerDesk:
                 resume=ResumePoint(start, dense) if start is not None else None,
                 training_started=self._trainers.has_started(), next_checkpoint_step=self._ckpt.next_due(),
                 **{k: getattr(self._setup, k) for k in ("plan", "schedule", "train_cache", "eval_cache",
-                                                         "train_cache_bytes", "audit_dir")},
+                                                         "audit_dir")},
             )
 
     def _start_step(self, rank: int) -> int | None:

@@ -8,15 +8,14 @@ import numpy as np
 import torch
 
 from actors.trainer.shards import ShardClient
-from core.cache import MicrobatchFile
-from core.data import sparse_to_rows
+from core.store import MicrobatchStore
 
 __all__ = ["evaluate"]
 
 EVAL_ROWS_PER_LOOKUP = 8192
 
 
-def evaluate(model, client: ShardClient, eval_file: MicrobatchFile, table_rows) -> dict[str, float]:
+def evaluate(model, client: ShardClient, eval_file: MicrobatchStore) -> dict[str, float]:
     """``auc``, ``log_loss``, ``eval_rows`` and ``positive_rate`` of ``model`` on ``eval_file``."""
     from torchmetrics.functional.classification import binary_auroc  # import cost: 1.9 s, at the end only
 
@@ -28,7 +27,7 @@ def evaluate(model, client: ShardClient, eval_file: MicrobatchFile, table_rows) 
         for first in range(0, n, per_lookup):
             parts = [eval_file.get(i) for i in range(first, min(first + per_lookup, n))]
             y, dense, sparse = (np.concatenate([p[j] for p in parts]) for j in range(3))
-            pooled = client.lookup(sparse_to_rows(sparse, table_rows))
+            pooled = client.lookup(sparse.astype(np.int64))
             logits = model(torch.from_numpy(dense), torch.from_numpy(pooled))
             preds.append(torch.sigmoid(logits))
             labels.append(torch.from_numpy(y))

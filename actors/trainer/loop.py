@@ -23,7 +23,7 @@ from actors.trainer.evaluate import evaluate
 from actors.trainer.pipeline import Prefetcher, microbatch_loader
 from actors.trainer.shards import ShardCallFailed, ShardClient
 from actors.trainer.step import Trainer
-from core.cache import MicrobatchFile
+from core.store import MicrobatchStore
 from core.config import RunConfig, config_from_dict
 from core.data import NUM_DENSE, NUM_SPARSE
 from core.deadlines import Deadlines
@@ -31,7 +31,6 @@ from core.errors import ConfigError
 from core.logs import configure_process_logging
 from core.model import DenseAdagrad, DenseModel
 from core.records import EvalResult, SaveRequest, StartMarks, TrainerSetup, TrainerStart
-from core.storage import problems
 
 __all__ = ["train_loop"]
 
@@ -75,12 +74,11 @@ def _make_trainer(rank: int, cfg: RunConfig, supervisor: SupervisorClient, setup
         run_id=loop_config.get("run_id", ""), node_id=ray.get_runtime_context().get_node_id(),
         shared_memory=cfg.embeddings.transport == "auto",
     )
-    # A host that does not share the driver's cache would train on another file, or none.
-    missing = problems({setup.train_cache: {"field": "data.cache_dir", "size": setup.train_cache_bytes, "content": None}})
-    if missing:
-        raise ConfigError(f"trainer {rank} on host {ray.util.get_node_ip_address()}: {missing[0]} "
-                          "(every host must see the cache at the driver's path)")
-    train_file = MicrobatchFile(setup.train_cache)
+    # A host that cannot reach the store (a local path it does not share) stops here, saying so.
+    try:
+        train_file = MicrobatchStore(setup.train_cache, cfg.data.store_cache_mb << 20)
+    except ConfigError as err:
+        raise ConfigError(f"trainer {rank} on host {ray.util.get_node_ip_address()}: {err}") from None
     marks["client"] = time.time()
     torch.manual_seed(cfg.seed)  # identical dense init on every trainer
     model = DenseModel(NUM_DENSE, NUM_SPARSE, cfg.model.dense_arch, cfg.model.over_arch)
@@ -96,7 +94,7 @@ def _make_trainer(rank: int, cfg: RunConfig, supervisor: SupervisorClient, setup
     trainer = Trainer(
         rank=rank, cfg=cfg, supervisor=supervisor, shards=shards, schedule=setup.schedule, model=model,
         optimizer=optimizer, manager=manager, pg=pg,
-        prefetch=Prefetcher(microbatch_loader(train_file, setup.schedule, setup.plan, cfg.model.rows_per_table)),
+        prefetch=Prefetcher(microbatch_loader(train_file, setup.schedule, setup.plan)),
         generation=setup.generation, next_checkpoint=setup.next_checkpoint_step, resume=setup.resume,
         replacement=setup.training_started, initial_state=initial_state, audit=_audit_file(setup, rank),
     )
@@ -257,7 +255,7 @@ def _evaluate_and_report(t: Trainer, setup: TrainerSetup) -> bool:
     t0 = time.perf_counter()
     for attempt in range(_EVAL_ATTEMPTS):
         try:
-            metrics = evaluate(t.model, t.shards, MicrobatchFile(setup.eval_cache), t.cfg.model.rows_per_table)
+            metrics = evaluate(t.model, t.shards, MicrobatchStore(setup.eval_cache, 0))
             break
         except ShardCallFailed as err:
             t.supervisor.report_shard_failure(err.shard, t.generation, err.reason, steps)

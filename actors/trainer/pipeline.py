@@ -9,8 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from core.cache import MicrobatchFile
-from core.data import sparse_to_rows
+from core.store import MicrobatchStore
 from core.plan import ShardingPlan
 from core.records import PhaseTimes
 from core.schedule import StepSchedule
@@ -18,13 +17,13 @@ from core.schedule import StepSchedule
 __all__ = ["Prefetcher", "PhaseTimer", "microbatch_loader"]
 
 
-def microbatch_loader(train_file: MicrobatchFile, schedule: StepSchedule, plan: ShardingPlan, table_rows):
-    """What the prefetcher runs: a step's microbatches (labels, dense features, embedding rows)
-    and those rows split per shard."""
+def microbatch_loader(train_file: MicrobatchStore, schedule: StepSchedule, plan: ShardingPlan):
+    """What the prefetcher runs: a step's microbatches (labels, dense features, embedding rows,
+    mapped when the store was built) and those rows split per shard."""
 
     def load(step: int, mine: list[int]):
         parts = [train_file.get(schedule.microbatch(step, m)) for m in mine]
-        rows = sparse_to_rows(np.concatenate([p[2] for p in parts]), table_rows)
+        rows = np.concatenate([p[2] for p in parts]).astype(np.int64)
         routed = [plan.route(rows, k) for k in range(plan.num_shards)]
         return np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts]), rows, routed
 

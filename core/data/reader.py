@@ -17,20 +17,19 @@ import pyarrow as pa
 import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 
+from core.data.chunks import Chunk, lines_before, open_chunk, whole_file
 from core.data.criteo import COLUMNS, RawBatch, bad_row_reason, parse_batch
+from core.data.sources import InputFile, open_filesystem
 from core.errors import ConfigError, DataFormatError
 
 __all__ = ["CriteoReader"]
 
 
-def _is_parquet(path: str) -> bool:
-    return path.lower().endswith((".parquet", ".pq"))
-
-
 class CriteoReader:
     """Streams Criteo records from TSV, TSV.gz or Parquet files with pyarrow, never the whole file in memory.
 
-    Iterating yields RawBatch of ``batch_rows`` rows; the last batch of each file may be
+    ``paths`` are local paths or ``pyarrow.fs`` URIs (core.data.sources), resolved files or
+    chunks of them (core.data.chunks); messages name a file by its URI without options. Iterating yields RawBatch of ``batch_rows`` rows; the last batch of each file may be
     shorter. A malformed record raises DataFormatError naming its file and 1-based line
     (Parquet: row) number, unless ``skip_bad_lines``: then it is dropped and counted in
     ``bad_lines`` (reset at the start of each pass over the files). Text that is not UTF-8
@@ -38,12 +37,13 @@ class CriteoReader:
     whether or not bad lines are skipped.
     """
 
-    def __init__(self, paths: Sequence[str], batch_rows: int = 65536, skip_bad_lines: bool = False):
-        if isinstance(paths, (str, os.PathLike)):
+    def __init__(self, paths: Sequence[str | InputFile | Chunk] | str, batch_rows: int = 65536,
+                 skip_bad_lines: bool = False):
+        if isinstance(paths, (str, os.PathLike, InputFile, Chunk)):
             paths = [paths]
         if batch_rows < 1:
             raise ConfigError(f"batch_rows = {batch_rows}, must be >= 1")
-        self._paths = [os.fspath(p) for p in paths]
+        self._chunks = [_as_chunk(p) for p in paths]
         self._batch_rows = batch_rows
         self._skip_bad_lines = skip_bad_lines
         # About one batch of text per parser block; never so small that a long but valid
@@ -53,9 +53,15 @@ class CriteoReader:
 
     def __iter__(self) -> Iterator[RawBatch]:
         self.bad_lines = 0
-        for path in self._paths:
-            chunks = self._read_parquet(path) if _is_parquet(path) else self._read_tsv(path)
-            yield from self._rebatch(chunks)
+        for chunk in self._chunks:
+            parts = self._read_parquet(chunk.file) if chunk.file.parquet else self._read_tsv(chunk)
+            try:
+                yield from self._rebatch(parts)
+            except DataFormatError as err:
+                if chunk.start == 0:
+                    raise
+                # a chunk's lines are numbered from its start: the message names the file's line
+                raise DataFormatError(err.path, err.line + lines_before(chunk), err.reason) from None
 
     def _rebatch(self, chunks: Iterator[RawBatch]) -> Iterator[RawBatch]:
         """Cuts a file's chunks of good rows into batches of exactly batch_rows (but the last)."""
@@ -74,9 +80,11 @@ class CriteoReader:
         if pending_rows:
             yield _concat(pending)
 
-    def _read_parquet(self, path: str) -> Iterator[RawBatch]:
+    def _read_parquet(self, file: InputFile) -> Iterator[RawBatch]:
+        path = file.name
+        fs, fs_path = open_filesystem(file.uri)
         try:
-            pf = pq.ParquetFile(path)
+            pf = pq.ParquetFile(fs.open_input_file(fs_path))
         except pa.ArrowInvalid as exc:  # e.g. a TSV or an empty file named .parquet
             raise DataFormatError(path, 1, f"not a Parquet file: {exc}") from None
         with pf:
@@ -103,11 +111,12 @@ class CriteoReader:
                 yield parsed.good(bad)
                 rows_before += batch.num_rows
 
-    def _read_tsv(self, path: str) -> Iterator[RawBatch]:
+    def _read_tsv(self, chunk: Chunk) -> Iterator[RawBatch]:
+        path = chunk.file.name
         tsv = _TsvFile(path, self._skip_bad_lines)
         # serial parsing is what makes InvalidRow.number known
         read_options = pacsv.ReadOptions(column_names=list(COLUMNS), use_threads=False, block_size=self._block_bytes)
-        with pa.input_stream(path, compression="detect") as stream:
+        with open_chunk(chunk) as stream:
             try:
                 with _decode_errors_of(tsv.handler, tsv.not_utf8):
                     reader = pacsv.open_csv(
@@ -273,6 +282,14 @@ def _unreadable(path: str, line: int, exc: Exception, stream: pa.NativeFile, not
         # e.g. a line longer than a parser block, a corrupt or truncated .gz
         return DataFormatError(path, line, f"unreadable at or after this line: {message}")
     return exc
+
+
+def _as_chunk(source: str | os.PathLike | InputFile | Chunk) -> Chunk:
+    if isinstance(source, Chunk):
+        return source
+    if isinstance(source, InputFile):
+        return Chunk(source)
+    return whole_file(os.fspath(source))
 
 
 def _concat(batches: list[RawBatch]) -> RawBatch:

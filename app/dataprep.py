@@ -1,0 +1,258 @@
+"""A run's data made ready on Ray Data: the inputs resolved (``pyarrow.fs`` URIs and globs),
+cut into chunks, and preprocessed by Ray Data tasks spread over the cluster's CPUs into the
+microbatch stores of the training and evaluation data (core.store), which are reused when
+their inputs and options match.
+
+Ray Data runs each stage as a ``map`` over a dataset of task descriptions (chunks, then
+parts); every task streams its chunk from storage and writes its part to the store, so the
+driver holds only the tasks' summaries, whatever the input size. A vocabulary run counts the
+ids in the same pass, sums the counts per feature with a Ray Data ``groupby``, and remaps
+the parts it wrote with the vocabulary. ``app.dataengines`` runs the stages: on Ray Data, or
+one after another in this process (``LocalEngine``).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import ray
+
+from app.dataengines import RayDataEngine
+from core.config import RunConfig, config_from_dict
+from core.data import generate
+from core.data.chunks import Chunk, plan_chunks
+from core.data.sources import InputFile, child_uri, is_local, open_filesystem, resolve_inputs, split_uri
+from core.errors import ConfigError, InsufficientData
+from core.store import Mapping, StoreManifest, Vocabulary, read_manifest, store_key, write_manifest
+from core.store.build import part_name, remap_part, stitch_tails, write_chunk
+from core.store.vocab import VOCAB_FILE
+
+__all__ = ["DataInputs", "StoreInfo", "build_stores", "resolve_data", "with_table_rows"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class StoreInfo:
+    uri: str
+    rows: int
+    microbatches: int
+    microbatch_rows: int
+    bad_lines: int
+    reused: bool
+    mapping: dict
+    build: dict
+
+
+@dataclass(frozen=True)
+class DataInputs:
+    train: list[InputFile]
+    eval: list[InputFile]
+    ceiling_auc: float | None
+
+
+def resolve_data(cfg: RunConfig) -> DataInputs:
+    """Synthetic data generated if configured and missing (local paths), then every input URI
+    resolved to its files: a URI that does not exist, cannot be read, or a glob that matches
+    nothing, stops the run here, before Ray or any actor starts."""
+    d = cfg.data
+    missing = [p for p in d.train + d.eval if is_local(p) and not any(c in p for c in "*?[") and not Path(p).exists()]
+    if missing and d.generate is not None:
+        out_dir = Path(d.train[0]).parent
+        gen = d.generate
+        logger.info("generating %d + %d synthetic rows into %s", gen.train_rows, gen.eval_rows, out_dir)
+        summary = generate(str(out_dir), gen.train_rows, gen.eval_rows, fmt=gen.format, seed=gen.seed,
+                           vocab_rows=gen.vocab_rows)
+        produced = {str(Path(summary.train_path)), str(Path(summary.eval_path))}
+        if not all(str(Path(p)) in produced for p in d.train + d.eval):
+            raise ConfigError(f"data.generate wrote {sorted(produced)} but data.train/data.eval name {d.train + d.eval}")
+    elif missing:
+        raise ConfigError(f"data files not found: {missing} (set data.generate to create synthetic data)")
+    ceiling = None
+    if is_local(d.train[0]):
+        datagen_json = Path(split_uri(d.train[0])[1]).parent / "datagen.json"
+        if datagen_json.exists():
+            ceiling = json.loads(datagen_json.read_text()).get("ceiling_auc")
+    return DataInputs(resolve_inputs(d.train, "data.train"), resolve_inputs(d.eval, "data.eval"), ceiling)
+
+
+def build_stores(cfg: RunConfig, inputs: DataInputs, engine=None) -> dict:
+    """The train and eval stores: ``{"train": StoreInfo, "eval": StoreInfo, "ceiling_auc",
+    "table_rows"}``; ``table_rows`` is what the mapping gives each table. ``engine``: where
+    the tasks run, default Ray Data (Ray must be up)."""
+    engine = engine or RayDataEngine()
+    d, rows = cfg.data, cfg.training.microbatch_rows
+    if d.mapping == "hash":
+        mapping = Mapping("hash", tuple(cfg.model.rows_per_table))
+        options = {"rows": rows, "skip": d.skip_bad_lines, "mapping": "hash", "table_rows": mapping.table_rows}
+    else:
+        mapping = Mapping("vocab", (), d.min_count)
+        options = {"rows": rows, "skip": d.skip_bad_lines, "mapping": "vocab", "min_count": d.min_count}
+    train_key = store_key(inputs.train, {**options, "name": "train"})
+    train = _build(engine, cfg, "train", inputs.train, train_key, mapping, keep_tail=False, vocab_uri=None)
+    mapping = Mapping(**{**train.mapping, "table_rows": tuple(train.mapping["table_rows"])})
+    vocab_uri = child_uri(train.uri, VOCAB_FILE) if mapping.kind == "vocab" else None
+    eval_key = store_key(inputs.eval, {**options, "name": "eval", "vocab_of": train_key})
+    evaluation = _build(engine, cfg, "eval", inputs.eval, eval_key, mapping, keep_tail=True, vocab_uri=vocab_uri)
+    return {"train": train, "eval": evaluation, "ceiling_auc": inputs.ceiling_auc, "table_rows": list(mapping.table_rows)}
+
+
+def with_table_rows(cfg: RunConfig, table_rows: list[int]) -> RunConfig:
+    """``cfg`` with the tables a vocabulary gave (``hash``: unchanged)."""
+    if cfg.data.mapping != "vocab" or cfg.model.rows_per_table == list(table_rows):
+        return cfg
+    raw = cfg.model_dump()
+    raw["model"].update(table_rows=list(table_rows), max_ind_range=None)
+    return config_from_dict(raw)
+
+
+def _build(engine, cfg: RunConfig, name: str, files: list[InputFile], key: str, mapping: Mapping, keep_tail: bool,
+           vocab_uri: str | None) -> StoreInfo:
+    uri = child_uri(cfg.cache_dir, f"{name}-{key}")
+    found = read_manifest(uri)
+    if found is not None:
+        logger.info("%s data: reusing the store %s (%d microbatches)", name, uri.split("?")[0], found.microbatches)
+        return _info(uri, found, True)
+    t0 = time.perf_counter()
+    chunks = plan_chunks(files, cfg.data.chunk_mb << 20)
+    counting = mapping.kind == "vocab" and vocab_uri is None
+    logger.info("%s data: preprocessing %d file(s) in %d chunk(s) on %s into %s", name, len(files), len(chunks),
+                engine.name, uri.split("?")[0])
+    rows = cfg.training.microbatch_rows
+    task = functools.partial(_write_chunk_task, store_uri=uri, rows=rows, skip=cfg.data.skip_bad_lines,
+                             mapping=None if counting else mapping, vocab_uri=vocab_uri)
+    done = engine.map(task, [{"index": i, "chunk": _chunk_dict(c)} for i, c in enumerate(chunks)], name)
+    _check_usable(name, files, done, rows)
+    tails = [s["index"] for s in done if s["tail_rows"]]
+    kind = "raw" if counting else "part"
+    last = engine.map(functools.partial(_stitch_task, store_uri=uri, rows=rows, keep_tail=keep_tail, kind=kind),
+                [{"index": len(chunks), "tails": tails}], name)[0]
+    parts = [s for s in done if s["microbatches"]] + ([last] if last["microbatches"] else [])
+    if counting:
+        counts = [child_uri(uri, part_name(s["index"], "counts")) for s in done]
+        vocabulary = engine.vocabulary(counts, cfg.data.min_count, name)
+        for c in counts:
+            _delete(c)
+        vocabulary.write(child_uri(uri, VOCAB_FILE))
+        mapping = Mapping("vocab", vocabulary.table_rows, cfg.data.min_count)
+        engine.map(functools.partial(_remap_task, store_uri=uri, vocab_uri=child_uri(uri, VOCAB_FILE)),
+             [{"index": p["index"]} for p in parts], name)
+    if sum(p["microbatches"] for p in parts) == 0:
+        raise InsufficientData(f"{name} data: {sum(s['usable'] for s in done)} usable rows, fewer than one "
+                               f"microbatch of {rows} rows")
+    seconds = time.perf_counter() - t0
+    usable = sum(s["usable"] for s in done)
+    manifest = StoreManifest(
+        key=key, microbatch_rows=rows, rows=usable - last["dropped_rows"],
+        parts=[{"file": part_name(p["index"]), "microbatches": p["microbatches"]} for p in parts],
+        bad_lines=sum(s["bad_lines"] for s in done), mapping=_mapping_dict(mapping), sources=[f.name for f in files],
+        build=_build_stats(done, seconds, usable, engine.name),
+    )
+    write_manifest(uri, manifest)
+    logger.info("%s data: %d rows in %d microbatches, %.1f s (%.0f rows/s)", name, manifest.rows,
+                manifest.microbatches, seconds, usable / max(seconds, 1e-9))
+    return _info(uri, manifest, False)
+
+
+def _mapping_dict(mapping: Mapping) -> dict:
+    return {"kind": mapping.kind, "table_rows": list(mapping.table_rows), "min_count": mapping.min_count}
+
+
+def _info(uri: str, m: StoreManifest, reused: bool) -> StoreInfo:
+    return StoreInfo(uri, m.rows, m.microbatches, m.microbatch_rows, m.bad_lines, reused, m.mapping, m.build)
+
+
+def _build_stats(done: list[dict], seconds: float, usable: int, engine: str) -> dict:
+    hosts: dict[str, dict] = {}
+    for s in done:
+        h = hosts.setdefault(s["node_ip"], {"chunks": 0, "rows": 0, "task_s": 0.0, "peak_rss_mb": 0.0})
+        h["chunks"] += 1
+        h["rows"] += s["usable"]
+        h["task_s"] = round(h["task_s"] + s["seconds"], 3)
+        h["peak_rss_mb"] = round(max(h["peak_rss_mb"], s["peak_rss_mb"]), 1)
+    return {"engine": engine, "seconds": round(seconds, 3), "rows_per_s": round(usable / max(seconds, 1e-9)),
+            "chunks": len(done), "hosts": hosts}
+
+
+def _check_usable(name: str, files: list[InputFile], done: list[dict], rows: int) -> None:
+    """Stops a run on data that cannot train or evaluate anything: a file without a usable row
+    (empty, or all of it skipped), or fewer rows than one microbatch."""
+    per_file = {f.name: [0, 0] for f in files}
+    for s in done:
+        per_file[s["file"]][0] += s["usable"]
+        per_file[s["file"]][1] += s["bad_lines"]
+
+    def counts(path: str, usable: int, skipped: int) -> str:
+        if usable + skipped == 0:
+            return f"{path}: empty (0 lines)"
+        return f"{path}: {usable + skipped} lines read, {skipped} skipped as malformed, {usable} usable"
+
+    empty = [(p, u, s) for p, (u, s) in per_file.items() if u == 0]
+    if empty:
+        raise InsufficientData(f"{name} data: {len(empty)} of {len(per_file)} file(s) hold no usable row; "
+                               + "; ".join(counts(*f) for f in empty))
+    usable = sum(u for u, _ in per_file.values())
+    if usable < rows:
+        raise InsufficientData(f"{name} data: {usable} usable rows, fewer than one microbatch of {rows} rows; "
+                               + "; ".join(counts(p, u, s) for p, (u, s) in per_file.items()))
+
+
+# --- what the Ray Data tasks run -------------------------------------------------------------
+
+
+def _chunk_dict(c: Chunk) -> str:
+    f = c.file
+    return json.dumps([f.uri, f.name, f.size, f.mtime_ns, c.start, c.stop])
+
+
+def _chunk_of(raw: str) -> Chunk:
+    uri, name, size, mtime, start, stop = json.loads(raw)
+    return Chunk(InputFile(uri, name, size, mtime), start, stop)
+
+
+def _write_chunk_task(row: dict, store_uri: str, rows: int, skip: bool, mapping: Mapping | None,
+                      vocab_uri: str | None) -> dict:
+    if vocab_uri is not None:
+        mapping = _VocabMapping(vocab_uri)
+    out = write_chunk(_chunk_of(row["chunk"]), store_uri, row["index"], rows, skip, mapping)
+    return {**out, "node_ip": _node_ip()}
+
+
+class _VocabMapping:
+    """A known vocabulary as write_chunk's mapping (read once per worker process)."""
+
+    kind = "vocab"
+
+    def __init__(self, uri: str):
+        self._vocabulary = _vocabulary(uri)
+
+    def map_ids(self, sparse):
+        return self._vocabulary.map_ids(sparse)
+
+
+@functools.lru_cache(maxsize=2)
+def _vocabulary(uri: str) -> Vocabulary:
+    return Vocabulary.read(uri)
+
+
+def _stitch_task(row: dict, store_uri: str, rows: int, keep_tail: bool, kind: str) -> dict:
+    out = stitch_tails(store_uri, list(row["tails"]), row["index"], rows, keep_tail, kind)
+    return {**out, "node_ip": _node_ip()}
+
+
+def _remap_task(row: dict, store_uri: str, vocab_uri: str) -> dict:
+    return {**remap_part(store_uri, row["index"], _vocabulary(vocab_uri)), "node_ip": _node_ip()}
+
+
+def _delete(uri: str) -> None:
+    fs, path = open_filesystem(uri)
+    fs.delete_file(path)
+
+
+def _node_ip() -> str:
+    return ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"

@@ -1,0 +1,184 @@
+"""The store's files: the microbatch schema, the key that says which inputs and options a
+store holds, its manifest, and the writing of a chunk's rows into whole microbatches (what a
+preprocessing task runs; no Ray here).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.fs as pafs
+
+from core.data.criteo import NUM_DENSE, NUM_SPARSE, RawBatch
+from core.data.sources import InputFile, open_filesystem
+from core.errors import ConfigError
+
+__all__ = [
+    "MANIFEST_FILE", "SCHEMA", "Mapping", "PartWriter", "StoreManifest", "join", "read_manifest",
+    "record_batch", "store_key", "write_manifest",
+]
+
+FORMAT_VERSION = 2
+MANIFEST_FILE = "store.json"
+SCHEMA = pa.schema([
+    ("label", pa.float32()), ("dense", pa.list_(pa.float32(), NUM_DENSE)), ("sparse", pa.list_(pa.uint32(), NUM_SPARSE)),
+])
+
+
+def join(base: str, name: str) -> str:
+    return f"{base.rstrip('/')}/{name}"
+
+
+@dataclass(frozen=True)
+class Mapping:
+    """How a raw categorical id becomes a row of its table.
+
+    ``hash``: ``id mod table_rows[f]`` (DLRM's ``max_ind_range``). ``vocab``: values seen at
+    least ``min_count`` times in the training data get rows 1..K of their table in value
+    order, every other value (rare, or unseen in training) shares row 0; ``table_rows`` is
+    then K + 1 per feature, known once the training data is counted."""
+
+    kind: str
+    table_rows: tuple[int, ...] = ()
+    min_count: int = 0
+
+    def describe(self) -> str:
+        rows = sum(self.table_rows)
+        if self.kind == "hash":
+            return f"hash (id mod table rows), {rows:,} rows in 26 tables"
+        return f"vocabulary (values seen >= {self.min_count} times), {rows:,} rows in 26 tables"
+
+    def map_ids(self, sparse: np.ndarray) -> np.ndarray:
+        """Raw ids -> rows (hash only; a vocabulary maps through core.store.vocab)."""
+        rows = np.asarray(self.table_rows, dtype=np.uint64)
+        return (sparse.astype(np.uint64) % rows).astype(np.uint32)
+
+
+@dataclass(frozen=True)
+class StoreManifest:
+    """What ``store.json`` says: the parts in order with their microbatch counts, and how the
+    store was made."""
+
+    key: str
+    microbatch_rows: int
+    rows: int
+    parts: list[dict]  # {"file", "microbatches"}
+    bad_lines: int
+    mapping: dict
+    sources: list[str]
+    build: dict = field(default_factory=dict)  # seconds, rows/s, per-host work: for the report
+
+    @property
+    def microbatches(self) -> int:
+        return sum(p["microbatches"] for p in self.parts)
+
+
+def store_key(files: list[InputFile], options: dict) -> str:
+    """Names a store by its inputs (URI, size, modification time) and the options that shape
+    its contents: changed data or options make another store."""
+    h = hashlib.blake2b(digest_size=10)
+    h.update(json.dumps([FORMAT_VERSION, options], sort_keys=True).encode())
+    for f in files:
+        h.update(f"{f.name}|{f.size}|{f.mtime_ns}".encode())
+    return h.hexdigest()
+
+
+def write_manifest(uri: str, manifest: StoreManifest) -> None:
+    fs, path = open_filesystem(uri, "data.cache_dir")
+    _write_bytes(fs, join(path, MANIFEST_FILE), json.dumps(asdict(manifest), indent=1).encode())
+
+
+def read_manifest(uri: str) -> StoreManifest | None:
+    """The manifest of the store at ``uri``, None if there is none (or an older format)."""
+    fs, path = open_filesystem(uri, "data.cache_dir")
+    try:
+        with fs.open_input_stream(join(path, MANIFEST_FILE), compression=None) as f:
+            raw = json.loads(f.read())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"data.cache_dir: the store manifest {join(uri, MANIFEST_FILE)} is unreadable: {exc}") from None
+    if raw.get("version", FORMAT_VERSION) != FORMAT_VERSION:
+        return None
+    raw.pop("version", None)
+    return StoreManifest(**raw)
+
+
+def _write_bytes(fs: pafs.FileSystem, path: str, payload: bytes) -> None:
+    """Whole or not at all: a local file through a rename, an object in one PUT."""
+    if isinstance(fs, pafs.LocalFileSystem):
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        tmp = f"{path}.tmp{os.getpid()}"
+        with open(tmp, "wb") as f:
+            f.write(payload)
+        os.replace(tmp, path)
+        return
+    with fs.open_output_stream(path) as f:
+        f.write(payload)
+
+
+def record_batch(labels: np.ndarray, dense: np.ndarray, sparse: np.ndarray) -> pa.RecordBatch:
+    return pa.record_batch(
+        [
+            pa.array(labels, type=pa.float32()),
+            pa.FixedSizeListArray.from_arrays(pa.array(dense.reshape(-1), type=pa.float32()), NUM_DENSE),
+            pa.FixedSizeListArray.from_arrays(pa.array(sparse.reshape(-1), type=pa.uint32()), NUM_SPARSE),
+        ],
+        schema=SCHEMA,
+    )
+
+
+class PartWriter:
+    """Cuts the rows it is given into whole microbatches of ``microbatch_rows``, written as the
+    record batches of one IPC file (opened at the first whole one); ``close`` returns the
+    rows left over, fewer than one microbatch."""
+
+    def __init__(self, fs: pafs.FileSystem, path: str, microbatch_rows: int):
+        self._fs, self._path, self._rows = fs, path, microbatch_rows
+        self._sink = self._writer = None
+        self._carry: RawBatch | None = None
+        self.microbatches = 0
+
+    def add(self, batch: RawBatch) -> None:
+        parts = (batch.labels, batch.dense, batch.sparse)
+        if self._carry is not None:
+            parts = tuple(np.concatenate([c, p]) for c, p in zip(
+                (self._carry.labels, self._carry.dense, self._carry.sparse), parts))
+            self._carry = None
+        n = len(parts[0])
+        full = n - n % self._rows
+        for start in range(0, full, self._rows):
+            sl = slice(start, start + self._rows)
+            self._write(record_batch(*(p[sl] for p in parts)))
+        if full < n:
+            self._carry = RawBatch(*(p[full:] for p in parts))
+
+    def write_short(self, batch: RawBatch) -> None:
+        """A last microbatch shorter than the others (evaluation data keeps its tail)."""
+        self._write(record_batch(batch.labels, batch.dense, batch.sparse))
+
+    def _write(self, rb: pa.RecordBatch) -> None:
+        if self._writer is None:
+            if isinstance(self._fs, pafs.LocalFileSystem):
+                os.makedirs(os.path.dirname(self._path), exist_ok=True)
+            self._sink = self._fs.open_output_stream(self._path)
+            self._writer = pa.ipc.new_file(self._sink, SCHEMA)
+        self._writer.write_batch(rb)
+        self.microbatches += 1
+
+    def close(self, keep_short: bool = False) -> RawBatch | None:
+        """Closes the file; ``keep_short`` first writes the rows left over as a last, shorter
+        microbatch (evaluation data keeps its tail), else they are returned."""
+        if keep_short and self._carry is not None:
+            self.write_short(self._carry)
+            self._carry = None
+        if self._writer is not None:
+            self._writer.close()
+            self._sink.close()
+        carry, self._carry = self._carry, None
+        return carry
