@@ -32,7 +32,7 @@ from core.store import Mapping, StoreManifest, Vocabulary, read_manifest, store_
 from core.store.build import part_name, remap_part, stitch_tails, write_chunk
 from core.store.vocab import VOCAB_FILE
 
-__all__ = ["DataInputs", "StoreInfo", "build_stores", "resolve_data", "with_table_rows"]
+__all__ = ["DataInputs", "StoreInfo", "build_stores", "prepare_data", "resolve_data", "with_table_rows"]
 
 logger = logging.getLogger(__name__)
 
@@ -102,6 +102,11 @@ def build_stores(cfg: RunConfig, inputs: DataInputs, engine=None) -> dict:
     return {"train": train, "eval": evaluation, "ceiling_auc": inputs.ceiling_auc, "table_rows": list(mapping.table_rows)}
 
 
+def prepare_data(cfg: RunConfig, engine=None) -> dict:
+    """``build_stores`` of the config's inputs (benchmarks: ``engine=LocalEngine()`` needs no Ray)."""
+    return build_stores(cfg, resolve_data(cfg), engine)
+
+
 def with_table_rows(cfg: RunConfig, table_rows: list[int]) -> RunConfig:
     """``cfg`` with the tables a vocabulary gave (``hash``: unchanged)."""
     if cfg.data.mapping != "vocab" or cfg.model.rows_per_table == list(table_rows):
@@ -127,7 +132,7 @@ def _build(engine, cfg: RunConfig, name: str, files: list[InputFile], key: str, 
     task = functools.partial(_write_chunk_task, store_uri=uri, rows=rows, skip=cfg.data.skip_bad_lines,
                              mapping=None if counting else mapping, vocab_uri=vocab_uri)
     done = engine.map(task, [{"index": i, "chunk": _chunk_dict(c)} for i, c in enumerate(chunks)], name)
-    _check_usable(name, files, done, rows)
+    _check_usable(name, files, done, 1 if keep_tail else rows)
     tails = [s["index"] for s in done if s["tail_rows"]]
     kind = "raw" if counting else "part"
     last = engine.map(functools.partial(_stitch_task, store_uri=uri, rows=rows, keep_tail=keep_tail, kind=kind),
@@ -181,7 +186,7 @@ def _build_stats(done: list[dict], seconds: float, usable: int, engine: str) -> 
 
 def _check_usable(name: str, files: list[InputFile], done: list[dict], rows: int) -> None:
     """Stops a run on data that cannot train or evaluate anything: a file without a usable row
-    (empty, or all of it skipped), or fewer rows than one microbatch."""
+    (empty, or all of it skipped), or fewer than ``rows`` rows (training: one microbatch)."""
     per_file = {f.name: [0, 0] for f in files}
     for s in done:
         per_file[s["file"]][0] += s["usable"]

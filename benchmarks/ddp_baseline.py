@@ -20,7 +20,7 @@ mechanism ReCoVer (and cpr's method (a)) is compared against:
   paid on every failure.
 
 It trains on the same data as cpr, in the same order: the microbatch cache that cpr's driver
-builds (``core.cache.prepare_data``) and cpr's ``StepSchedule`` (a step is
+builds (``app.dataprep.prepare_data``) and cpr's ``StepSchedule`` (a step is
 ``microbatches_per_step`` microbatches, permuted per epoch by the run's seed). Each worker takes
 an even share of the rows of every step, so the global batch is the same whatever the number
 of workers, and a restart from step ``s`` replays exactly the data of steps ``s, s+1, ...``.
@@ -165,7 +165,7 @@ def run_ddp(cfg: core.config.RunConfig, kills: int, healthy_s: float, checkpoint
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig
 
-    from core.cache import prepare_data
+    from app.dataprep import prepare_data
     from core.schedule import StepSchedule
 
     # Ship the worker's code by value, whatever the workers' sys.path.
@@ -179,8 +179,8 @@ def run_ddp(cfg: core.config.RunConfig, kills: int, healthy_s: float, checkpoint
     ).total_steps
     trainer = _trainer_class()(
         train_loop_per_worker=worker.train_loop,
-        train_loop_config={"config": cfg.model_dump(), "workdir": str(workdir), "train_cache": data["train"].path,
-                           "eval_cache": data["eval"].path, "checkpoint_every": checkpoint_every},
+        train_loop_config={"config": cfg.model_dump(), "workdir": str(workdir), "train_cache": data["train"].uri,
+                           "eval_cache": data["eval"].uri, "checkpoint_every": checkpoint_every},
         scaling_config=ScalingConfig(num_workers=n, use_gpu=False),
         torch_config=TorchConfig(backend="gloo"),
         run_config=RunConfig(name=f"ddp-{uuid.uuid4().hex[:8]}", storage_path=str(workdir / "ray_train"),

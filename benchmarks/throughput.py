@@ -42,9 +42,9 @@ os.environ.setdefault("RAY_AUTH_MODE", "token")
 os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
 
 from benchmarks.meta import describe, run_metadata  # noqa: E402
-from core.cache import MicrobatchFile  # noqa: E402
+from core.store import MicrobatchStore  # noqa: E402
 from core.config import RunConfig, load_config  # noqa: E402
-from core.data import NUM_DENSE, NUM_SPARSE, sparse_to_rows  # noqa: E402
+from core.data import NUM_DENSE, NUM_SPARSE  # noqa: E402
 
 WORKLOADS = {"demo": ("configs/local.yaml", 90), "ref": ("configs/dlrm_ref.yaml", 40)}
 PHASES = ("quorum", "data", "lookup", "dense", "push", "allreduce", "commit")
@@ -78,7 +78,7 @@ def single_process(cfg: RunConfig, train_cache: str, steps: int) -> dict:
     )
     model = torchrec_dense_model(NUM_DENSE, NUM_SPARSE, cfg.model.dense_arch, cfg.model.over_arch)
     opt = torch.optim.Adagrad(model.parameters(), lr=cfg.training.dense_learning_rate)
-    data = MicrobatchFile(train_cache)
+    data = MicrobatchStore(train_cache)
     tr = cfg.training
     schedule = StepSchedule.from_config(len(data), tr.microbatches_per_step, tr.epochs, steps, cfg.seed)
     keys = [f"f{t}" for t in range(NUM_SPARSE)]
@@ -89,7 +89,7 @@ def single_process(cfg: RunConfig, train_cache: str, steps: int) -> dict:
         parts = [data.get(schedule.microbatch(step, m)) for m in range(tr.microbatches_per_step)]
         labels = torch.from_numpy(np.concatenate([p[0] for p in parts]))
         dense = torch.from_numpy(np.concatenate([p[1] for p in parts]))
-        rows = sparse_to_rows(np.concatenate([p[2] for p in parts]), rows_per_table)
+        rows = np.concatenate([p[2] for p in parts]).astype(np.int64)  # mapped when the store was built
         batch = rows.shape[0]
         kjt = KeyedJaggedTensor.from_lengths_sync(
             keys=keys,
@@ -203,7 +203,8 @@ def _spread(xs: list[float]) -> str:
 
 
 def run_workload(name: str, args, runs_root: Path) -> dict:
-    from core.cache import prepare_data
+    from app.dataengines import LocalEngine
+    from app.dataprep import prepare_data
 
     config, default_steps = WORKLOADS[name]
     steps = args.steps or default_steps
@@ -215,7 +216,7 @@ def run_workload(name: str, args, runs_root: Path) -> dict:
             "faults": None,
         }
     )
-    data = prepare_data(base.model_copy(update={"run_dir": str(runs_root / f"{name}-prep")}))
+    data = prepare_data(base.model_copy(update={"run_dir": str(runs_root / f"{name}-prep")}), LocalEngine())
     variants = {"single": None, **{f"cpr{n}": n for n in args.trainers}}
     results: dict[str, list[dict]] = {k: [] for k in variants}
     for pair in range(args.pairs):
@@ -223,7 +224,7 @@ def run_workload(name: str, args, runs_root: Path) -> dict:
         for key in order:
             n = variants[key]
             if n is None:
-                results[key].append(single_process(base, data["train"].path, steps))
+                results[key].append(single_process(base, data["train"].uri, steps))
             else:
                 cfg = base.model_copy(
                     update={

@@ -217,16 +217,16 @@ def evaluate(tbe, dense, eval_path: str, table_rows) -> dict:
     import numpy as np
     import torch
 
-    from core.cache import MicrobatchFile
-    from core.data import _auc, sparse_to_rows
+    from core.store import MicrobatchStore
+    from core.data import _auc
 
-    eval_file = MicrobatchFile(eval_path)
+    eval_file = MicrobatchStore(eval_path)
     preds, ys = [], []
     dense.eval()
     with torch.no_grad():
         for i in range(len(eval_file)):
             y, x, sparse = eval_file.get(i)
-            pooled = lookup(tbe, torch.from_numpy(sparse_to_rows(sparse, table_rows)), grad=False)
+            pooled = lookup(tbe, torch.from_numpy(sparse.astype(np.int64)), grad=False)
             preds.append(torch.sigmoid(dense(torch.from_numpy(x), pooled)).numpy())
             ys.append(y)
     p, y = np.concatenate(preds), np.concatenate(ys)
@@ -290,9 +290,9 @@ def train_loop(loop_config: dict) -> None:
     import torch
     from torch.nn.parallel import DistributedDataParallel
 
-    from core.cache import MicrobatchFile
+    from core.store import MicrobatchStore
     from core.config import config_from_dict
-    from core.data import NUM_DENSE, NUM_SPARSE, sparse_to_rows
+    from core.data import NUM_DENSE, NUM_SPARSE
     from core.model import DenseAdagrad, DenseModel
     from core.schedule import StepSchedule
 
@@ -318,7 +318,7 @@ def train_loop(loop_config: dict) -> None:
                             "prev_step": previous["step"] if previous else None, "entered": entered,
                             "load_s": load_s, "time": time.time()}) + "\n")
 
-    train_file = MicrobatchFile(loop_config["train_cache"])
+    train_file = MicrobatchStore(loop_config["train_cache"])
     m, table_rows = tr.microbatches_per_step, cfg.model.rows_per_table
     schedule = StepSchedule.from_config(len(train_file), m, tr.epochs, tr.max_steps, cfg.seed)
     global_rows = m * tr.microbatch_rows
@@ -335,7 +335,7 @@ def train_loop(loop_config: dict) -> None:
     for step in range(start_step, schedule.total_steps):
         parts = [train_file.get(schedule.microbatch(step, k)) for k in range(m)]
         labels, x, sparse = (np.concatenate([p[j] for p in parts])[lo:hi] for j in range(3))
-        rows = torch.from_numpy(sparse_to_rows(sparse, table_rows))
+        rows = torch.from_numpy(sparse.astype(np.int64))
         durable = train_step(tbe, ddp, dense_opt, (labels, x, rows), global_rows, pad_to,
                              saves.durable if saves is not None else -1)
         done = step + 1

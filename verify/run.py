@@ -15,12 +15,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from core.schedule import StepSchedule
-from core.store import MANIFEST_FILE
 from verify.files import RunFiles, load_run
 from verify.kills import (check_damage_unused, check_hosts, check_kills, counts_by_kind, host_faults, host_victims,
                           landed_kills, planted_damage, stalled_pids)
 from verify.leftovers import leftovers
-from verify.lost import DataCache, recount_lost
+from verify.lost import STORE_MANIFEST, DataCache, recount_lost
 from verify.store import Store
 from verify.timeline import torn_lines, walk_dense, walk_shard
 
@@ -48,11 +47,11 @@ def _train_cache(run: RunFiles) -> str | None:
     """The training store's URI: as run.json names it, else the local store in data.cache_dir
     that lists the run's train files."""
     uri = run.run_info.get("train_cache")
-    if uri and ("://" in uri or (Path(uri) / MANIFEST_FILE).exists()):
+    if uri and ("://" in uri or (Path(uri) / STORE_MANIFEST).exists()):
         return uri
     cache_dir = run.resolve(run.config["data"].get("cache_dir") or str(Path(run.config["run_dir"]) / "cache"))
     sources = [os.path.abspath(p) for p in run.config["data"]["train"]]
-    for meta in sorted(cache_dir.glob(f"train-*/{MANIFEST_FILE}")):
+    for meta in sorted(cache_dir.glob(f"train-*/{STORE_MANIFEST}")):
         if json.loads(meta.read_text()).get("sources") == sources:
             return str(meta.parent)
     return None

@@ -10,10 +10,9 @@ from ray._common.test_utils import wait_for_condition
 
 from core.checkpoint import CheckpointStore
 from core.schedule import StepSchedule
-from core.cache import MicrobatchFile
+from core.store import MicrobatchStore
 from app.chaos import kill_target
 from core.config import config_from_dict
-from core.data import sparse_to_rows
 from app.job import TrainingJob
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
@@ -91,11 +90,11 @@ def _run(ray, cfg, kill: str | None = None, kill_after_step: int = 0, steps_past
 
 def _step_rows(job, cfg, steps):
     """Table rows (int64 [B, 26]) of every microbatch of the given training steps."""
-    data = MicrobatchFile(job.data["train"].path)
+    data = MicrobatchStore(job.data["train"].uri)
     schedule = StepSchedule.from_config(len(data), M, cfg.training.epochs, None, cfg.seed)
     for s in steps:
         for m in range(M):
-            yield sparse_to_rows(data.get(schedule.microbatch(s, m))[2], cfg.model.rows_per_table)
+            yield data.get(schedule.microbatch(s, m))[2].astype(np.int64)
 
 
 def _looked_up(job, cfg, plan, steps) -> list[set[int]]:

@@ -31,7 +31,9 @@ from core.data import (
     preprocess_dense,
     sparse_to_rows,
 )
-from core.cache import build_cache
+from app.dataengines import LocalEngine
+from app.dataprep import build_stores, resolve_data
+from core.config import config_from_dict
 from core.errors import ConfigError, DataFormatError, InsufficientData
 
 pytestmark = pytest.mark.timeout(60)
@@ -521,13 +523,30 @@ def test_file_that_is_not_parquet_is_a_data_format_error(tmp_path):
         assert info.value.reason.startswith("not a Parquet file")
 
 
+def build(tmp_path: Path, train: list, eval_: list | None = None, rows: int = 64, skip: bool = False) -> dict:
+    """The train and eval stores of these files, built in this process (no Ray)."""
+    if eval_ is None:
+        eval_ = [write_tsv(tmp_path / "good-eval.tsv", numbered_lines(300))]
+    cfg = config_from_dict({
+        "run_dir": str(tmp_path / "run"),
+        "data": {"train": [str(p) for p in train], "eval": [str(p) for p in eval_], "skip_bad_lines": skip,
+                 "cache_dir": str(tmp_path / "cache")},
+        "model": {"table_rows": 1000}, "training": {"microbatch_rows": rows},
+    })
+    return build_stores(cfg, resolve_data(cfg), LocalEngine())
+
+
+def _good_train(tmp_path: Path) -> Path:
+    return write_tsv(tmp_path / "good-train.tsv", numbered_lines(300))
+
+
 def test_cache_of_a_binary_file_raises_and_leaves_no_cache(tmp_path, unraisable):
     path = tmp_path / "train.tsv"
     path.write_bytes(np.random.default_rng(5).bytes(50_000))
     with pytest.raises(DataFormatError) as info:
-        build_cache([str(path)], str(tmp_path / "cache"), "train", 64)
+        build(tmp_path, [path])
     assert (info.value.path, info.value.line) == (str(path), 1)
-    assert list((tmp_path / "cache").iterdir()) == []
+    assert not list((tmp_path / "cache").rglob("store.json"))
     gc.collect()
     assert unraisable == []
 
@@ -541,16 +560,16 @@ def test_empty_training_file_is_insufficient_data(tmp_path):
     good = write_tsv(tmp_path / "good.tsv", numbered_lines(300))
     for paths in ([empty], [good, empty]):
         with pytest.raises(InsufficientData) as info:
-            build_cache([str(p) for p in paths], str(tmp_path / "cache"), "train", 64)
+            build(tmp_path, paths)
         assert f"{empty}: empty (0 lines)" in str(info.value)
         assert str(info.value).startswith(f"train data: 1 of {len(paths)} file(s) hold no usable row")
-    assert not list((tmp_path / "cache").glob("*.arrow"))
+    assert not list((tmp_path / "cache").rglob("store.json"))
 
 
 def test_training_file_with_every_line_skipped_is_insufficient_data(tmp_path):
     path = write_tsv(tmp_path / "bad.tsv", [BAD_LINES["too_few"][0], BAD_LINES["not_hex"][0], ""])
     with pytest.raises(InsufficientData) as info:
-        build_cache([str(path)], str(tmp_path / "cache"), "train", 64, skip_bad_lines=True)
+        build(tmp_path, [path], skip=True)
     assert f"{path}: 3 lines read, 3 skipped as malformed, 0 usable" in str(info.value)
     assert str(pickle.loads(pickle.dumps(info.value))) == str(info.value)  # crosses Ray actors intact
 
@@ -559,32 +578,32 @@ def test_fewer_rows_than_one_microbatch_is_insufficient_data(tmp_path):
     a = write_tsv(tmp_path / "a.tsv", numbered_lines(30) + [BAD_LINES["too_few"][0]])
     b = write_tsv(tmp_path / "b.tsv", numbered_lines(20))
     with pytest.raises(InsufficientData) as info:
-        build_cache([str(a), str(b)], str(tmp_path / "cache"), "train", 64, skip_bad_lines=True)
+        build(tmp_path, [a, b], skip=True)
     message = str(info.value)
     assert message.startswith("train data: 50 usable rows, fewer than one microbatch of 64 rows")
     assert f"{a}: 31 lines read, 1 skipped as malformed, 30 usable" in message
     assert f"{b}: 20 lines read, 0 skipped as malformed, 20 usable" in message
     # evaluation keeps a short tail: the same rows make one microbatch there
-    info_eval = build_cache([str(a), str(b)], str(tmp_path / "cache"), "eval", 64, True, keep_tail=True)
+    info_eval = build(tmp_path, [_good_train(tmp_path)], [a, b], skip=True)["eval"]
     assert (info_eval.rows, info_eval.microbatches, info_eval.bad_lines) == (50, 1, 1)
 
 
 def test_eval_file_without_rows_is_insufficient_data(tmp_path):
     path = write_tsv(tmp_path / "eval.tsv", [BAD_LINES["bad_label"][0]] * 4)
     with pytest.raises(InsufficientData, match=r"^eval data: 1 of 1 file\(s\) hold no usable row"):
-        build_cache([str(path)], str(tmp_path / "cache"), "eval", 64, skip_bad_lines=True, keep_tail=True)
+        build(tmp_path, [_good_train(tmp_path)], [path], skip=True)
 
 
 def test_microbatches_span_files_and_count_every_skipped_line(tmp_path):
     a = write_tsv(tmp_path / "a.tsv", numbered_lines(100) + [BAD_LINES["too_many"][0]])
     b = write_tsv(tmp_path / "b.tsv.gz", numbered_lines(60) + [BAD_LINES["not_integer"][0]])
-    info = build_cache([str(a), str(b)], str(tmp_path / "cache"), "train", 64, skip_bad_lines=True)
+    info = build(tmp_path, [a, b], skip=True)["train"]
     assert (info.rows, info.microbatches, info.bad_lines, info.reused) == (128, 2, 2, False)
-    again = build_cache([str(a), str(b)], str(tmp_path / "cache"), "train", 64, skip_bad_lines=True)
+    again = build(tmp_path, [a, b], skip=True)["train"]
     assert (again.rows, again.microbatches, again.bad_lines, again.reused) == (128, 2, 2, True)
 
 
-# --- end to end: `cpr train` on bad data fails in data preparation, before Ray -------------
+# --- end to end: `cpr train` on bad data fails in preprocessing, before any actor starts -----
 
 
 def run_cpr_train(tmp_path: Path, train: Path, eval_: Path, *args: str) -> subprocess.CompletedProcess:
@@ -599,9 +618,9 @@ def run_cpr_train(tmp_path: Path, train: Path, eval_: Path, *args: str) -> subpr
             }
         )
     )
-    # An address where no Ray listens: a run that got past its data could only fail to
-    # connect, never start a local Ray.
-    env = {**os.environ, "RAY_ADDRESS": "127.0.0.1:9", "PYTHONWARNINGS": "default"}  # shows ResourceWarnings
+    # Preprocessing runs on the run's own embedded Ray (Ray Data tasks); no actor starts.
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_ADDRESS")}
+    env["PYTHONWARNINGS"] = "default"  # shows ResourceWarnings
     return subprocess.run(
         [sys.executable, "-m", "app", "train", "--config", str(config), "--no-progress", *args],
         capture_output=True, text=True, timeout=120, env=env, cwd=Path(__file__).resolve().parents[2],
@@ -613,23 +632,24 @@ def assert_one_error_line(result: subprocess.CompletedProcess, expected_start: s
     assert result.returncode == 2, output
     errors = [x for x in result.stderr.splitlines() if x.startswith("error:")]
     assert len(errors) == 1 and errors[0].startswith(expected_start), output
-    noises = ("Exception ignored", "Traceback", "ResourceWarning", "Started a local Ray", "Connecting to existing Ray")
+    noises = ("Exception ignored", "Traceback", "ResourceWarning", "Connecting to existing Ray", "ray.data", "UDF")
     for noise in noises:
         assert noise not in output, output
 
 
 @pytest.mark.timeout(150)
-def test_cpr_train_on_a_binary_file_fails_before_ray_with_one_error(tmp_path):
+def test_cpr_train_on_a_binary_file_fails_in_preprocessing_with_one_error(tmp_path):
     train = tmp_path / "train.tsv"
     train.write_bytes(np.random.default_rng(11).bytes(100_000))
     eval_ = write_tsv(tmp_path / "eval.tsv", numbered_lines(100))
     result = run_cpr_train(tmp_path, train, eval_)
     assert_one_error_line(result, f"error: {train}:1: not UTF-8 text")
     assert not (tmp_path / "run" / "checkpoints").exists()
+    assert not (tmp_path / "run" / "events.jsonl").exists()  # no supervisor, no shard, no trainer
 
 
 @pytest.mark.timeout(150)
-def test_cpr_train_with_every_line_skipped_fails_before_ray(tmp_path):
+def test_cpr_train_with_every_line_skipped_fails_in_preprocessing(tmp_path):
     train = write_tsv(tmp_path / "train.tsv", [BAD_LINES["too_few"][0]] * 5)
     eval_ = write_tsv(tmp_path / "eval.tsv", numbered_lines(100))
     result = run_cpr_train(tmp_path, train, eval_, "--skip-bad-lines")

@@ -21,7 +21,14 @@ pytestmark = pytest.mark.timeout(30)
 
 
 class _Cache:
+    """What the report reads of a store (app.dataprep.StoreInfo)."""
+
     bad_lines = 0
+    rows = 1000
+    uri = "/tmp/cache/train-0"
+    reused = False
+    mapping = {"kind": "hash", "table_rows": [1000] * 26, "min_count": 0}
+    build = {"engine": "Ray Data", "rows_per_s": 50_000, "seconds": 0.02, "chunks": 1, "hosts": {}}
 
 
 def _failure(actor, mode, reason):

@@ -1,4 +1,5 @@
-"""What every host must see (app.storage), checked in this process: the probe and the cache."""
+"""What every host must see (app.storage), checked in this process: the probes in the local
+directories a run shares (the microbatch store's and the checkpoints')."""
 
 from __future__ import annotations
 
@@ -9,28 +10,26 @@ from core.storage import expected_files, problems
 
 
 def test_the_driver_sees_what_it_wrote_and_a_host_with_other_files_does_not(tmp_path):
-    cache = tmp_path / "cache.arrow"
-    cache.write_bytes(b"x" * 100)
-    want = expected_files([str(cache)], str(tmp_path / "ckpt"), "run1")
-    probe = next(p for p, w in want.items() if w["field"] == "checkpoint.storage")
-    assert Path(probe).parent == tmp_path / "ckpt" and Path(probe).exists()
+    want = expected_files(str(tmp_path / "cache"), str(tmp_path / "ckpt"), "run1")
+    probes = {w["field"]: Path(p) for p, w in want.items()}
+    assert set(probes) == {"data.cache_dir", "checkpoint.storage"}
+    assert probes["checkpoint.storage"].parent == tmp_path / "ckpt" and probes["data.cache_dir"].parent == tmp_path / "cache"
     assert problems(want) == []
 
-    Path(probe).write_text("another host's file of the same name")
-    cache.write_bytes(b"x" * 99)
+    probes["checkpoint.storage"].write_text("another host's file of the same name")
     found = problems(want)
-    assert len(found) == 2
-    assert any(f.startswith("checkpoint.storage: ") and "another file here" in f for f in found)
-    assert any(f.startswith("data.cache_dir: ") and "99 bytes, the driver's has 100" in f for f in found)
+    assert len(found) == 1 and found[0].startswith("checkpoint.storage: ") and "another file here" in found[0]
 
-    Path(probe).unlink()
-    cache.unlink()
-    assert all("is not there" in f for f in problems(want))
+    for p in probes.values():
+        p.unlink()
+    found = problems(want)
+    assert len(found) == 2 and all("is not there" in f for f in found)
+    assert any(f.startswith("data.cache_dir: ") for f in found)
 
 
-def test_object_store_checkpoints_are_not_probed(tmp_path):
-    cache = tmp_path / "c.arrow"
-    cache.write_bytes(b"1")
+def test_object_store_uris_are_not_probed(tmp_path):
     assert local_path("s3://bucket/run") is None
     assert local_path("file:///mnt/x") == "/mnt/x" and local_path("/mnt/x") == "/mnt/x"
-    assert list(expected_files([str(cache)], "s3://bucket/run", "r")) == [str(cache)]
+    assert expected_files("s3://bucket/cache", "s3://bucket/run", "r") == {}
+    only_local = expected_files(str(tmp_path / "cache"), "gs://bucket/run", "r")
+    assert [w["field"] for w in only_local.values()] == ["data.cache_dir"]
