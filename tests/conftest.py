@@ -7,8 +7,13 @@ import os
 
 import pytest
 
+from tests.s3_server import CREDENTIALS, S3Server
+
 os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
 os.environ.setdefault("RAY_AUTH_MODE", "token")
+# moto's credentials, before Ray starts: the run's workers get the driver's AWS variables.
+for _k, _v in CREDENTIALS.items():
+    os.environ.setdefault(_k, _v)
 
 
 @pytest.fixture(scope="session")
@@ -43,3 +48,14 @@ def small_data(tmp_path_factory):
     out = tmp_path_factory.mktemp("data")
     summary = generate(str(out), 120_000, 8_000, fmt="tsv", seed=1, vocab_rows=5_000)
     return summary
+
+
+@pytest.fixture(scope="session")
+def s3(tmp_path_factory):
+    """A real S3 API server (moto) on 127.0.0.1 for the session, with a bucket ``cpr``."""
+    server = S3Server(tmp_path_factory.mktemp("s3") / "moto.log")
+    try:
+        server.bucket("cpr")
+        yield server
+    finally:
+        server.stop()

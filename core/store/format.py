@@ -118,7 +118,7 @@ def _write_bytes(fs: pafs.FileSystem, path: str, payload: bytes) -> None:
             f.write(payload)
         os.replace(tmp, path)
         return
-    with fs.open_output_stream(path) as f:
+    with fs.open_output_stream(path, compression=None) as f:
         f.write(payload)
 
 
@@ -166,7 +166,7 @@ class PartWriter:
         if self._writer is None:
             if isinstance(self._fs, pafs.LocalFileSystem):
                 os.makedirs(os.path.dirname(self._path), exist_ok=True)
-            self._sink = self._fs.open_output_stream(self._path)
+            self._sink = self._fs.open_output_stream(self._path, compression=None)
             self._writer = pa.ipc.new_file(self._sink, SCHEMA)
         self._writer.write_batch(rb)
         self.microbatches += 1

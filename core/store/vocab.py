@@ -45,7 +45,7 @@ class IdCounter:
     def write(self, fs: pafs.FileSystem, path: str) -> None:
         """The counts as an IPC file of 26 record batches, batch ``f`` feature ``f``'s distinct
         values with their counts: a feature's counts are read alone (``read_feature_counts``)."""
-        with fs.open_output_stream(path) as sink, pa.ipc.new_file(sink, COUNTS_SCHEMA) as out:
+        with fs.open_output_stream(path, compression=None) as sink, pa.ipc.new_file(sink, COUNTS_SCHEMA) as out:
             for f, parts in enumerate(self._parts):
                 if parts:
                     values, counts = _sum_counts(np.concatenate([p[0] for p in parts]),
@@ -121,7 +121,7 @@ class Vocabulary:
         if isinstance(fs, pafs.LocalFileSystem):
             fs.create_dir(path.rsplit("/", 1)[0], recursive=True)
         table = self.to_table()
-        with fs.open_output_stream(path) as sink, pa.ipc.new_file(sink, table.schema) as writer:
+        with fs.open_output_stream(path, compression=None) as sink, pa.ipc.new_file(sink, table.schema) as writer:
             writer.write_table(table)
 
     @classmethod
