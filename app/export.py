@@ -17,6 +17,9 @@ import numpy as np
 from core.checkpoint import DENSE_FILE, FULL, CheckpointInfo, CheckpointStore
 from core.config import RunConfig, load_config
 from core.data import NUM_DENSE, SPARSE_COLUMNS
+from core.data.sources import child_uri
+from core.store import Vocabulary
+from core.store.vocab import VOCAB_FILE
 from core.errors import CheckpointCorrupt, CheckpointNotFound, CprError
 
 __all__ = ["ExportError", "ExportResult", "build_dlrm", "export_model", "MODEL_JSON", "MODEL_PT"]
@@ -29,6 +32,7 @@ logger = logging.getLogger(__name__)
 
 MODEL_JSON = "model.json"
 MODEL_PT = "model.pt"
+VOCAB_PARQUET = "vocab.parquet"
 
 
 class ExportError(CprError):
@@ -72,7 +76,42 @@ def export_model(run_dir: str, out_dir: str, step: int | None = None) -> ExportR
     except OSError as exc:
         raise ExportError(f"cannot read the checkpoints under {uri}: {exc}") from None
     state = _dlrm_state(cfg, tables, dense, info.step)
-    return _write(out_dir, _model_doc(cfg, info.step), state, info.step, sum(len(t) for t in tables), newer)
+    doc = {**_model_doc(cfg, info.step), "categorical": _categorical(cfg)}
+    vocabulary = _vocabulary(cfg, run_dir) if cfg.data.mapping == "vocab" else None
+    result = _write(out_dir, doc, state, info.step, sum(len(t) for t in tables), newer)
+    if vocabulary is not None:
+        _write_vocabulary(Path(out_dir) / VOCAB_PARQUET, vocabulary)
+    return result
+
+
+def _categorical(cfg: RunConfig) -> dict:
+    """How a raw Criteo categorical id (8 hex digits, as an unsigned 32-bit number; missing: 0)
+    becomes the row of its table, the way the run's preprocessing mapped it."""
+    if cfg.data.mapping == "hash":
+        return {"mapping": "hash", "row": "id mod num_embeddings of the column's table"}
+    return {"mapping": "vocab", "min_count": cfg.data.min_count, "vocab_file": VOCAB_PARQUET,
+            "row": f"the row of (column, id) in {VOCAB_PARQUET}; 0 for an id it does not list"}
+
+
+def _vocabulary(cfg: RunConfig, run_dir: str) -> Vocabulary:
+    """The vocabulary stored with the run's training store (run.json names the store)."""
+    info = Path(run_dir) / "run.json"
+    store = json.loads(info.read_text()).get("train_cache") if info.exists() else None
+    if not store:
+        raise ExportError(f"{run_dir}: run.json names no training store, so its vocabulary cannot be exported")
+    try:
+        return Vocabulary.read(child_uri(store, VOCAB_FILE))
+    except (OSError, ValueError) as exc:
+        raise ExportError(f"cannot read the run's vocabulary {child_uri(store, VOCAB_FILE).split('?')[0]}: {exc}") from None
+
+
+def _write_vocabulary(path: Path, vocabulary: Vocabulary) -> None:
+    import pyarrow.parquet as pq
+
+    table = vocabulary.to_table().select(["column", "value", "row"])
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    pq.write_table(table, tmp)
+    os.replace(tmp, path)
 
 
 def _run_config(run_dir: str) -> tuple[RunConfig, str]:

@@ -234,3 +234,34 @@ def test_command_line_error_is_one_line(tmp_path):
     assert done.returncode == 2
     assert done.stderr.strip().splitlines() == [f"error: {tmp_path / 'nowhere'}: no such run directory"]
     assert issubclass(ExportError, CprError)
+
+
+def test_a_vocabulary_run_exports_its_vocabulary_to_map_raw_ids(tmp_path):
+    """The exported model maps raw Criteo ids the way the run's preprocessing did: model.json
+    says how, and vocab.parquet lists (column, id, row), readable without cpr."""
+    import pyarrow.parquet as pq
+
+    from core.store import Vocabulary
+
+    run_dir, store = _fake_run(tmp_path)
+    raw = yaml.safe_load((run_dir / "config.yaml").read_text())
+    raw["data"].update(mapping="vocab", min_count=2)
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))
+    # table t has _TABLE_ROWS[t] = 3 + t rows: row 0 shared, and 2 + t values of its own
+    vocabulary = Vocabulary([np.arange(100, 102 + t, dtype=np.uint32) * (t + 1) for t in range(26)])
+    assert list(vocabulary.table_rows) == _TABLE_ROWS
+    train_store = tmp_path / "cache" / "train-abc"
+    vocabulary.write(str(train_store / "vocab.arrow"))
+    (run_dir / "run.json").write_text(json.dumps({"train_cache": str(train_store)}))
+    _save(store, 10, seed=1)
+
+    export_model(str(run_dir), str(tmp_path / "out"))
+    doc = json.loads((tmp_path / "out" / "model.json").read_text())
+    assert doc["categorical"]["mapping"] == "vocab" and doc["categorical"]["vocab_file"] == "vocab.parquet"
+    table = pq.read_table(tmp_path / "out" / "vocab.parquet").to_pydict()
+    rows = {(c, v): r for c, v, r in zip(table["column"], table["value"], table["row"])}
+    assert rows[("C1", 100)] == 1 and rows[("C1", 101)] == 2 and rows[("C3", 3 * 103)] == 4
+    assert len(rows) == sum(_TABLE_ROWS) - 26
+    (run_dir / "run.json").unlink()
+    with pytest.raises(ExportError, match="names no training store"):
+        export_model(str(run_dir), str(tmp_path / "out2"))

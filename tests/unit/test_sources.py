@@ -1,0 +1,134 @@
+"""Input URIs and globs (core.data.sources), files cut into chunks (core.data.chunks), the
+frequency-thresholded vocabulary (core.store.vocab) and the store built from them in one
+process (app.dataprep with LocalEngine): local files, no Ray."""
+
+from __future__ import annotations
+
+import gzip
+from pathlib import Path
+
+import numpy as np
+import pyarrow.fs as pafs
+import pytest
+
+from app.dataengines import LocalEngine
+from app.dataprep import build_stores, resolve_data, with_table_rows
+from core.config import config_from_dict
+from core.data import CriteoReader, generate
+from core.data.chunks import plan_chunks
+from core.data.sources import child_uri, resolve_inputs
+from core.errors import ConfigError, DataFormatError
+from core.store import MicrobatchStore, Vocabulary
+from core.store.vocab import IdCounter, frequent_values
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture(scope="module")
+def tsv(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("src")
+    return Path(generate(str(out), 3_000, 200, fmt="tsv", seed=4, vocab_rows=300).train_path)
+
+
+def test_globs_match_in_name_order_and_across_directories(tmp_path):
+    for name in ("day_10", "day_2", "day_1", "other", "sub/day_3"):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text("x")
+    names = [Path(f.name).relative_to(tmp_path).as_posix() for f in resolve_inputs([f"{tmp_path}/day_*"], "data.train")]
+    assert names == ["day_1", "day_10", "day_2"]  # sorted by name; a subdirectory is not matched by *
+    deep = resolve_inputs([f"{tmp_path}/**/day_?"], "data.train")
+    assert [Path(f.name).name for f in deep] == ["day_3"]
+    listed = resolve_inputs([str(tmp_path / "other"), f"{tmp_path}/day_1"], "data.eval")
+    assert [Path(f.name).name for f in listed] == ["other", "day_1"] and listed[0].size == 1
+
+
+@pytest.mark.parametrize("uri, said", [
+    ("missing.tsv", "missing.tsv does not exist"),
+    ("day_*.tsv", "day_*.tsv matches no file"),
+    ("adir", "adir is a directory; name its files or a glob such as"),
+    ("nope://bucket/x", "data.train: cannot open nope://bucket/x"),
+])
+def test_inputs_that_cannot_be_read_are_refused_naming_field_and_uri(tmp_path, uri, said):
+    (tmp_path / "adir").mkdir()
+    target = uri if "://" in uri else str(tmp_path / uri)
+    with pytest.raises(ConfigError) as info:
+        resolve_inputs([target], "data.train")
+    assert str(info.value).startswith("data.train: ") and said.split(" ", 1)[1] in str(info.value), str(info.value)
+
+
+def test_a_run_with_a_missing_input_stops_before_anything_starts(tmp_path):
+    cfg = config_from_dict({"run_dir": str(tmp_path / "run"),
+                            "data": {"train": [str(tmp_path / "t_*.tsv")], "eval": [str(tmp_path / "e.tsv")]}})
+    with pytest.raises(ConfigError, match="data files not found"):
+        resolve_data(cfg)
+
+
+@pytest.mark.parametrize("chunk_bytes", [997, 40_000, 10**9])
+def test_chunks_hold_every_line_once_in_order(tsv, chunk_bytes):
+    files = resolve_inputs([str(tsv)], "data.train")
+    chunks = plan_chunks(files, chunk_bytes)
+    assert len(chunks) == max(1, -(-files[0].size // chunk_bytes))
+    whole = list(CriteoReader([str(tsv)]))
+    parts = [b for c in chunks for b in CriteoReader([c])]
+    for field in ("labels", "dense", "sparse"):
+        assert np.array_equal(np.concatenate([getattr(b, field) for b in parts]),
+                              np.concatenate([getattr(b, field) for b in whole]))
+
+
+def test_a_malformed_line_in_a_later_chunk_names_the_files_line(tmp_path, tsv):
+    lines = tsv.read_text().splitlines(keepends=True)
+    bad = tmp_path / "bad.tsv"
+    bad.write_text("".join(lines[:2500] + ["0\tnot a record\n"] + lines[2500:]))
+    chunks = plan_chunks(resolve_inputs([str(bad)], "data.train"), 50_000)
+    assert len(chunks) > 5
+    with pytest.raises(DataFormatError) as info:
+        for c in chunks:
+            list(CriteoReader([c]))
+    assert (info.value.path, info.value.line) == (str(bad), 2501)
+
+
+def test_gzip_and_parquet_files_are_one_chunk_each(tmp_path, tsv):
+    gz = tmp_path / "a.tsv.gz"
+    gz.write_bytes(gzip.compress(tsv.read_bytes()))
+    chunks = plan_chunks(resolve_inputs([str(gz), str(tsv)], "data.train"), 50_000)
+    assert chunks[0].whole and chunks[0].file.gzip and len(chunks) > 2
+
+
+def test_the_vocabulary_keeps_values_seen_min_count_times_and_shares_row_zero(tmp_path):
+    counter = IdCounter()
+    sparse = np.zeros((10, 26), dtype=np.uint32)
+    sparse[:, 0] = [7, 7, 7, 9, 9, 5, 5, 5, 5, 1]
+    counter(sparse[:6])
+    counter(sparse[6:])  # counts add up over batches and chunks
+    path = str(tmp_path / "counts.arrow")
+    counter.write(pafs.LocalFileSystem(), path)
+    assert list(frequent_values([path, path], 0, 3)) == [5, 7, 9]  # two chunks: 9 seen 4 times
+    kept = [frequent_values([path], f, 3) for f in range(26)]
+    vocab = Vocabulary(kept)
+    assert list(kept[0]) == [5, 7] and vocab.table_rows[0] == 3 and vocab.table_rows[1] == 2  # 0 seen 10 times
+    rows = vocab.map_ids(np.array([[5] + [0] * 25, [7] + [0] * 25, [9] + [1] * 25, [123] + [0] * 25], dtype=np.uint32))
+    assert list(rows[:, 0]) == [1, 2, 0, 0] and list(rows[:, 1]) == [1, 1, 0, 1]
+    again = Vocabulary.from_table(vocab.to_table())
+    assert all(np.array_equal(a, b) for a, b in zip(again.values, vocab.values))
+
+
+def test_a_vocabulary_run_gets_its_tables_from_the_data(tmp_path, tsv):
+    eval_ = tsv.parent / "eval.tsv"
+    raw = {"run_dir": str(tmp_path / "run"),
+           "data": {"train": [str(tsv)], "eval": [str(eval_)], "mapping": "vocab", "min_count": 2, "chunk_mb": 1},
+           "model": {"table_rows": 777}, "training": {"microbatch_rows": 64}}
+    cfg = config_from_dict(raw)
+    data = build_stores(cfg, resolve_data(cfg), LocalEngine())
+    rows = data["table_rows"]
+    assert len(rows) == 26 and all(1 <= r < 300 for r in rows)  # 300 distinct values per feature at most
+    assert (Path(data["train"].uri) / "vocab.arrow").exists() and data["train"].mapping["kind"] == "vocab"
+    store = MicrobatchStore(data["eval"].uri)
+    assert all((store.get(i)[2] < np.array(rows)).all() for i in range(len(store)))
+    assert with_table_rows(cfg, rows).model.rows_per_table == rows
+    hashed = config_from_dict({**raw, "data": {**raw["data"], "mapping": "hash"}})
+    assert with_table_rows(hashed, rows) is hashed
+
+
+def test_child_uris_keep_their_options():
+    assert child_uri("s3://b/x?endpoint_override=h:1", "train-1") == "s3://b/x/train-1?endpoint_override=h:1"
+    assert child_uri("/tmp/a/", "b") == "/tmp/a/b"
