@@ -4,7 +4,7 @@ and by one process, against a plain pyarrow read of the same file.
 Synthetic Criteo data (``core.data.generate``, by default the 45,840,617 rows of the real
 Criteo Kaggle train file) is written once into ``--workdir`` and reused while its rows and
 seed are the same. Each measurement runs in a process of its own, which reports its own
-peak RSS (``ru_maxrss``), with a fresh ``data.cache_dir`` so that no store is reused:
+peak RSS (VmHWM), with a fresh ``data.cache_dir`` so that no store is reused:
 
 - ``pyarrow_read``: ``pyarrow.csv.open_csv`` of the train TSV, multithreaded, every column
   read as a string as the product's reader does, the batches dropped (the parse alone);
@@ -17,6 +17,9 @@ peak RSS (``ru_maxrss``), with a fresh ``data.cache_dir`` so that no store is re
   wall-time split (report.json).
 
 rows/s and seconds are those of the train store (the eval store is recorded beside them).
+A worker's peak RSS is the product's own figure (StoreInfo.build["hosts"], ``ru_maxrss`` of the
+task's process). Disk: the TSV (about 257 bytes a row) and one store at a time (about 200
+bytes a row, removed after its section): some 21 GB at the full size.
 Then the issue's targets, from the measurements: Ray Data not slower than one process, at
 least 0.8x the plain pyarrow read, driver peak RSS under 1 GB. Writes
 benchmarks/results/data.json; ``render`` gives its table (benchmarks/render_docs.py).
@@ -58,6 +61,14 @@ CLUSTER_NOTE = ("The 3-host cluster case is not measured by this version of benc
 
 
 def _peak_rss_mb() -> float:
+    """This process's peak RSS: VmHWM, which starts afresh at exec; ru_maxrss would carry the
+    parent's peak at the fork over (Linux keeps it across execve)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return round(int(line.split()[1]) / 1024, 1)
+    except OSError:
+        pass
     return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
 
 

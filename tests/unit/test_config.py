@@ -84,5 +84,5 @@ def test_yaml_file_and_overrides(tmp_path):
 
 
 def test_shipped_configs_validate():
-    for name in ["configs/local.yaml", "configs/criteo_kaggle.yaml"]:
+    for name in ["configs/local.yaml", "configs/criteo_kaggle.yaml", "configs/object_storage.yaml"]:
         load_config(name)

@@ -132,3 +132,14 @@ def test_a_vocabulary_run_gets_its_tables_from_the_data(tmp_path, tsv):
 def test_child_uris_keep_their_options():
     assert child_uri("s3://b/x?endpoint_override=h:1", "train-1") == "s3://b/x/train-1?endpoint_override=h:1"
     assert child_uri("/tmp/a/", "b") == "/tmp/a/b"
+
+
+def test_the_store_goes_beside_object_store_checkpoints_unless_named():
+    base = {"run_dir": "/tmp/r", "data": {"train": ["t"], "eval": ["e"]}}
+    assert config_from_dict(base).cache_dir == "/tmp/r/cache"
+    remote = {**base, "checkpoint": {"storage": "s3://b/runs/x/checkpoints?endpoint_override=h:9&scheme=http"}}
+    assert config_from_dict(remote).cache_dir == "s3://b/runs/x/cache?endpoint_override=h:9&scheme=http"
+    named = {**remote, "data": {**base["data"], "cache_dir": "gs://c/store"}}
+    assert config_from_dict(named).cache_dir == "gs://c/store"
+    local_ckpt = {**base, "checkpoint": {"storage": "/mnt/nfs/ckpt"}}
+    assert config_from_dict(local_ckpt).cache_dir == "/tmp/r/cache"
