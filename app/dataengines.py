@@ -33,9 +33,10 @@ def _vocabulary(results: list[dict]) -> Vocabulary:
 
 
 class LocalEngine:
-    """Every task in this process, in order."""
+    """Every task in this process, in order: data of one chunk (one task either way), the
+    one-process comparison of ``benchmarks/data.py``, and unit tests without Ray."""
 
-    name = "one process"
+    name = "driver"
 
     def map(self, fn: Callable[[dict], dict], items: list[dict], what: str) -> list[dict]:
         return [fn(item) for item in items]

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import ray
 
-from app.dataengines import RayDataEngine
+from app.dataengines import LocalEngine, RayDataEngine
 from core.config import RunConfig, config_from_dict
 from core.data import generate
 from core.data.chunks import Chunk, plan_chunks
@@ -32,7 +32,8 @@ from core.store import Mapping, StoreManifest, Vocabulary, read_manifest, store_
 from core.store.build import part_name, remap_part, stitch_tails, write_chunk
 from core.store.vocab import VOCAB_FILE
 
-__all__ = ["DataInputs", "StoreInfo", "build_stores", "prepare_data", "resolve_data", "with_table_rows"]
+__all__ = ["DataInputs", "StoreInfo", "build_stores", "one_task_each", "prepare_data", "resolve_data",
+           "with_table_rows"]
 
 logger = logging.getLogger(__name__)
 
@@ -81,11 +82,20 @@ def resolve_data(cfg: RunConfig) -> DataInputs:
     return DataInputs(resolve_inputs(d.train, "data.train"), resolve_inputs(d.eval, "data.eval"), ceiling)
 
 
+def one_task_each(cfg: RunConfig, inputs: DataInputs) -> bool:
+    """Whether the training and the evaluation data are one chunk each: one task, which the
+    driver runs itself (``build_stores``), so it can do so before Ray starts."""
+    size = cfg.data.chunk_mb << 20
+    return len(plan_chunks(inputs.train, size)) == 1 and len(plan_chunks(inputs.eval, size)) == 1
+
+
 def build_stores(cfg: RunConfig, inputs: DataInputs, engine=None) -> dict:
     """The train and eval stores: ``{"train": StoreInfo, "eval": StoreInfo, "ceiling_auc",
     "table_rows"}``; ``table_rows`` is what the mapping gives each table. ``engine``: where
-    the tasks run, default Ray Data (Ray must be up)."""
-    engine = engine or RayDataEngine()
+    the tasks run; default: Ray Data across the cluster (Ray must be up), except for data of
+    one chunk, which is one task, and the driver runs it (Ray Data's start, 2-4 s on a fresh
+    cluster, would cost more than the task; see ``LocalEngine``)."""
+    engine = engine or _AutoEngine()
     d, rows = cfg.data, cfg.training.microbatch_rows
     if d.mapping == "hash":
         mapping = Mapping("hash", tuple(cfg.model.rows_per_table))
@@ -107,6 +117,20 @@ def prepare_data(cfg: RunConfig, engine=None) -> dict:
     return build_stores(cfg, resolve_data(cfg), engine)
 
 
+class _AutoEngine:
+    """Ray Data for data of several chunks, the driver for one."""
+
+    def __init__(self) -> None:
+        self._ray_data: RayDataEngine | None = None
+
+    def choose(self, chunks: int):
+        if chunks == 1:
+            return LocalEngine()
+        if self._ray_data is None:
+            self._ray_data = RayDataEngine()
+        return self._ray_data
+
+
 def with_table_rows(cfg: RunConfig, table_rows: list[int]) -> RunConfig:
     """``cfg`` with the tables a vocabulary gave (``hash``: unchanged)."""
     if cfg.data.mapping != "vocab" or cfg.model.rows_per_table == list(table_rows):
@@ -125,6 +149,8 @@ def _build(engine, cfg: RunConfig, name: str, files: list[InputFile], key: str, 
         return _info(uri, found, True)
     t0 = time.perf_counter()
     chunks = plan_chunks(files, cfg.data.chunk_mb << 20)
+    if isinstance(engine, _AutoEngine):
+        engine = engine.choose(len(chunks))
     counting = mapping.kind == "vocab" and vocab_uri is None
     logger.info("%s data: preprocessing %d file(s) in %d chunk(s) on %s into %s", name, len(files), len(chunks),
                 engine.name, uri.split("?")[0])
@@ -159,7 +185,7 @@ def _build(engine, cfg: RunConfig, name: str, files: list[InputFile], key: str, 
         build=_build_stats(done, seconds, usable, engine.name),
     )
     write_manifest(uri, manifest)
-    logger.info("%s data: %d rows in %d microbatches, %.1f s (%.0f rows/s)", name, manifest.rows,
+    logger.info("%s data: %d rows read, %d in %d microbatches, %.1f s (%.0f rows/s)", name, usable, manifest.rows,
                 manifest.microbatches, seconds, usable / max(seconds, 1e-9))
     return _info(uri, manifest, False)
 

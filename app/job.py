@@ -24,11 +24,11 @@ from actors.shm import remove_run_files_everywhere
 from actors.supervisor.actor import Supervisor, supervisor_name
 from app.chaos import FaultSchedule, run_schedule, write_run_info
 from app.console import progress_loop
-from app.dataprep import build_stores, resolve_data, with_table_rows
+from app.dataprep import build_stores, one_task_each, resolve_data, with_table_rows
 from app.emulation import Emulation
 from app.lighthouse import start_lighthouse
 from app.logs import LOG_DIR, configure_driver_logging, link_ray_session_logs, point_latest
-from app.rayenv import check_cluster_fits, connect_ray, metrics_url
+from app.rayenv import check_cluster_fits, cluster_address, connect_ray, metrics_url
 from app.report import build_report, rebuild_report, write_report
 from app.storage import check_every_node, expected_files
 from core.checkpoint import CheckpointStore
@@ -118,12 +118,18 @@ class TrainingJob:
         # preprocessed. Inputs that do not exist or cannot be read fail before Ray starts.
         threading.Thread(target=_import_ray_train, name="import-ray-train", daemon=True).start()
         inputs = resolve_data(cfg)
+        # Data of one chunk per store is one task that the driver runs: before Ray starts, where
+        # this run starts its own Ray (no store to share); else once Ray is up and storage checked.
+        early = one_task_each(cfg, inputs) and not cluster_address(cfg)
+        if early:
+            self.data = build_stores(cfg, inputs)
         self._started_ray = connect_ray(cfg, self.verbose)
         check_cluster_fits(cfg)
         link_ray_session_logs(self.run_dir)
         if not self._started_ray:  # a cluster: every host must see the local paths the run shares
             check_every_node(expected_files(cfg.cache_dir, cfg.checkpoint_uri, self.run_id), cfg.embeddings.call_timeout_s)
-        self.data = build_stores(cfg, inputs)
+        if not early:
+            self.data = build_stores(cfg, inputs)
         self._t["data"] = time.perf_counter()
         self.cfg = cfg = with_table_rows(cfg, self.data["table_rows"])
         if cfg.emulation is not None and not self.resume:

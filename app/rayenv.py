@@ -14,7 +14,7 @@ from ray._private import ray_constants
 from core.config import RunConfig
 from core.errors import ConfigError
 
-__all__ = ["connect_ray", "join_ray", "check_cluster_fits", "resources_needed", "keep_ray_on_loopback", "worker_env", "ray_system_config", "metrics_url", "LOOPBACK"]
+__all__ = ["cluster_address", "connect_ray", "join_ray", "check_cluster_fits", "resources_needed", "keep_ray_on_loopback", "worker_env", "ray_system_config", "metrics_url", "LOOPBACK"]
 
 LOOPBACK = "127.0.0.1"
 
@@ -76,6 +76,11 @@ def join_ray(address: str, namespace: str, **kwargs) -> None:
     ray.init(address=address, namespace=namespace, **kwargs)
 
 
+def cluster_address(cfg: RunConfig) -> str | None:
+    """The Ray cluster the run joins (``ray.address``, else ``RAY_ADDRESS``); None: it starts its own."""
+    return cfg.ray.address or os.environ.get("RAY_ADDRESS") or None
+
+
 def connect_ray(cfg: RunConfig, verbose: bool = False) -> bool:
     """Joins ``ray.address`` / RAY_ADDRESS, or starts an embedded Ray on 127.0.0.1 with
     token authentication. Returns True if this call started Ray (and must shut it down).
@@ -85,7 +90,7 @@ def connect_ray(cfg: RunConfig, verbose: bool = False) -> bool:
     """
     if ray.is_initialized():
         return False
-    address = cfg.ray.address or os.environ.get("RAY_ADDRESS")
+    address = cluster_address(cfg)
     runtime_env = {"env_vars": worker_env()}
     quiet = {"log_to_driver": verbose, "logging_level": logging.INFO if verbose else logging.WARNING}
     # log_to_driver leaves out the workers' output, not the raylet's "a worker died" lines,

@@ -25,6 +25,15 @@ def part_name(index: int, kind: str = "part") -> str:
 
 
 def _peak_rss_mb() -> float:
+    """This process's peak resident memory (VmHWM: ru_maxrss would carry over a forking
+    parent's peak)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
