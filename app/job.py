@@ -115,21 +115,18 @@ class TrainingJob:
         configure_driver_logging(self.run_dir, self.verbose)
         (self.run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(), sort_keys=False))
         # Ray Train's modules (and torch: 3.0 s) load for fit() while Ray starts and the data is
-        # preprocessed. Inputs that do not exist or cannot be read fail before Ray starts.
+        # preprocessed. Inputs that do not exist or cannot be read fail before Ray starts, and so
+        # does data of one chunk per store (one task: the driver's) where the run starts its Ray.
         threading.Thread(target=_import_ray_train, name="import-ray-train", daemon=True).start()
         inputs = resolve_data(cfg)
-        # Data of one chunk per store is one task that the driver runs: before Ray starts, where
-        # this run starts its own Ray (no store to share); else once Ray is up and storage checked.
-        early = one_task_each(cfg, inputs) and not cluster_address(cfg)
-        if early:
+        if early := one_task_each(cfg, inputs) and not cluster_address(cfg):
             self.data = build_stores(cfg, inputs)
         self._started_ray = connect_ray(cfg, self.verbose)
         check_cluster_fits(cfg)
         link_ray_session_logs(self.run_dir)
         if not self._started_ray:  # a cluster: every host must see the local paths the run shares
             check_every_node(expected_files(cfg.cache_dir, cfg.checkpoint_uri, self.run_id), cfg.embeddings.call_timeout_s)
-        if not early:
-            self.data = build_stores(cfg, inputs)
+        self.data = self.data if early else build_stores(cfg, inputs)
         self._t["data"] = time.perf_counter()
         self.cfg = cfg = with_table_rows(cfg, self.data["table_rows"])
         if cfg.emulation is not None and not self.resume:
@@ -142,10 +139,8 @@ class TrainingJob:
         self._create_supervisor()
         self._starting = self.client.start()
         self.metrics_url = metrics_url()
-        write_run_info(
-            self.run_dir, self.run_id, cfg.ray.namespace, ray.get_runtime_context().gcs_address, self.metrics_url,
-            train_cache=self.data["train"].uri,
-        )
+        write_run_info(self.run_dir, self.run_id, cfg.ray.namespace, ray.get_runtime_context().gcs_address,
+                       self.metrics_url, train_cache=self.data["train"].uri)
         if wait or self.resume:
             return self.await_start()
         return None

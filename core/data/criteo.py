@@ -119,6 +119,10 @@ def _parse_labels(col: pa.Array) -> tuple[np.ndarray, np.ndarray]:
     """-> (float32 labels, bad mask). Only 0 and 1 are labels; missing is bad."""
     strings = _as_strings(col)
     if strings is not None:
+        chars = _fixed_width_bytes(strings, 1) if strings.null_count == 0 else None
+        if chars is not None:  # every label one character: compared as bytes, without Arrow kernels
+            ones, zeros = chars[:, 0] == ord("1"), chars[:, 0] == ord("0")
+            return ones.astype(np.float32), ~(ones | zeros)
         ones = _mask(pc.equal(strings, "1"), False)
         zeros = _mask(pc.equal(strings, "0"), False)
         return ones.astype(np.float32), ~(ones | zeros)
@@ -174,11 +178,49 @@ def _fixed_width_bytes(strings: pa.Array, width: int) -> np.ndarray | None:
     return np.frombuffer(data_buf, dtype=np.uint8)[start:end].reshape(n, width)
 
 
+def _decode_hex8(chars: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """uint8 [n, 8] ASCII -> (uint32 ids, mask of rows holding a byte that is not a hex digit)."""
+    nibbles = np.take(_HEX_NIBBLE, chars)
+    bad = (np.ascontiguousarray(nibbles).view(np.uint64).ravel() & _NOT_NIBBLE_BITS) != 0
+    packed = (nibbles[:, 0::2] << 4) | nibbles[:, 1::2]  # [n, 4] bytes, most significant first
+    return packed.view(">u4")[:, 0].astype(np.uint32), bad
+
+
+def _hex_of_full_width(strings: pa.Array) -> tuple[np.ndarray, np.ndarray | None] | None:
+    """The common case, decoded straight from the column's buffers: every value 8 bytes or
+    missing (null or empty). None when some value has another length."""
+    n = len(strings)
+    offset_type = np.int64 if pa.types.is_large_string(strings.type) else np.int32
+    _, offsets_buf, data_buf = strings.buffers()
+    offsets = np.frombuffer(offsets_buf, dtype=offset_type)[strings.offset : strings.offset + n + 1]
+    lengths = np.diff(offsets)
+    present = lengths == 8
+    if not (present | (lengths == 0)).all():
+        return None
+    if strings.null_count and (lengths[~_mask(pc.is_valid(strings), False)] != 0).any():
+        return None  # a null slot holding bytes (Arrow allows it): the general path
+    ids = np.zeros(n, dtype=np.uint32)
+    if not present.any():
+        return ids, None
+    # Missing values take no bytes: the present ones lie back to back, 8 bytes each.
+    chars = np.frombuffer(data_buf, dtype=np.uint8)[int(offsets[0]) : int(offsets[-1])].reshape(-1, 8)
+    values, bad = _decode_hex8(chars)
+    ids[present] = values
+    if not bad.any():
+        return ids, None
+    mask = np.zeros(n, dtype=bool)
+    mask[present] = bad
+    return ids, mask
+
+
 def _parse_hex(col: pa.Array) -> tuple[np.ndarray, np.ndarray | None]:
     """-> (uint32 ids with missing as 0, bad mask or None). Values are up to 8 hex digits."""
     strings = _as_strings(col)
     if strings is None:
         raise _UnsupportedType(f"type {col.type} is not supported, expected string")
+    fast = _hex_of_full_width(strings)
+    if fast is not None:
+        return fast
     strings = pc.fill_null(strings, "")
     bad = pc.greater(pc.binary_length(strings), 8).to_numpy(zero_copy_only=False)
     if bad.any():
@@ -193,10 +235,8 @@ def _parse_hex(col: pa.Array) -> tuple[np.ndarray, np.ndarray | None]:
         strings = pc.if_else(pa.array(not_ascii), "", strings)
         chars = _fixed_width_bytes(pc.utf8_lpad(strings, 8, padding="0"), 8)
         assert chars is not None
-    nibbles = np.take(_HEX_NIBBLE, chars)
-    bad |= (np.ascontiguousarray(nibbles).view(np.uint64).ravel() & _NOT_NIBBLE_BITS) != 0
-    packed = (nibbles[:, 0::2] << 4) | nibbles[:, 1::2]  # [n, 4] bytes, most significant first
-    ids = packed.view(">u4")[:, 0].astype(np.uint32)
+    ids, not_hex = _decode_hex8(chars)
+    bad |= not_hex
     return ids, (bad if bad.any() else None)
 
 
