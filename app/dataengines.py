@@ -59,6 +59,10 @@ class RayDataEngine:
         ctx = ray.data.DataContext.get_current()
         ctx.enable_progress_bars = False
         ctx.print_on_execution_start = False
+        # Ray Data reserves part of the cluster for each operator's outputs: on a small cluster that
+        # leaves CPUs idle between tasks (12 tasks of 0.5 s on 2 CPUs: 4.4 s, without it 3.1 s).
+        # Our tasks write their output to the store and return a few numbers.
+        ctx.op_resource_reservation_enabled = False
         # Its console lines (a progress-bar notice, a task's error, which the driver raises
         # itself) stay out of the run's console; ray-data.log in the session keeps them.
         logging.getLogger("ray.data").setLevel(logging.CRITICAL)

@@ -161,8 +161,8 @@ def _build(engine, cfg: RunConfig, name: str, files: list[InputFile], key: str, 
     _check_usable(name, files, done, 1 if keep_tail else rows)
     tails = [s["index"] for s in done if s["tail_rows"]]
     kind = "raw" if counting else "part"
-    last = engine.map(functools.partial(_stitch_task, store_uri=uri, rows=rows, keep_tail=keep_tail, kind=kind),
-                [{"index": len(chunks), "tails": tails}], name)[0]
+    # One small task (fewer than a microbatch of rows per chunk, read one chunk's at a time): the driver's.
+    last = _stitch_task({"index": len(chunks), "tails": tails}, store_uri=uri, rows=rows, keep_tail=keep_tail, kind=kind)
     parts = [s for s in done if s["microbatches"]] + ([last] if last["microbatches"] else [])
     if counting:
         counts = [child_uri(uri, part_name(s["index"], "counts")) for s in done]
