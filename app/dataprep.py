@@ -26,14 +26,15 @@ from app.dataengines import LocalEngine, RayDataEngine
 from core.config import RunConfig, config_from_dict
 from core.data import generate
 from core.data.chunks import Chunk, plan_chunks
+from core.data.criteo import SPARSE_COLUMNS
 from core.data.sources import InputFile, child_uri, is_local, open_filesystem, resolve_inputs, split_uri
 from core.errors import ConfigError, InsufficientData
 from core.store import Mapping, StoreManifest, Vocabulary, read_manifest, store_key, write_manifest
 from core.store.build import part_name, remap_part, stitch_tails, write_chunk
 from core.store.vocab import VOCAB_FILE
 
-__all__ = ["DataInputs", "StoreInfo", "build_stores", "one_task_each", "prepare_data", "resolve_data",
-           "with_table_rows"]
+__all__ = ["DataInputs", "StoreInfo", "build_stores", "local_inputs", "one_task_each", "prepare_data",
+           "resolve_data", "with_table_rows"]
 
 logger = logging.getLogger(__name__)
 
@@ -62,7 +63,8 @@ def resolve_data(cfg: RunConfig) -> DataInputs:
     resolved to its files: a URI that does not exist, cannot be read, or a glob that matches
     nothing, stops the run here, before Ray or any actor starts."""
     d = cfg.data
-    missing = [p for p in d.train + d.eval if is_local(p) and not any(c in p for c in "*?[") and not Path(p).exists()]
+    missing = [p for p in d.train + d.eval
+               if is_local(p) and not any(c in p for c in "*?[") and not Path(split_uri(p)[1]).exists()]
     if missing and d.generate is not None:
         out_dir = Path(d.train[0]).parent
         gen = d.generate
@@ -82,6 +84,13 @@ def resolve_data(cfg: RunConfig) -> DataInputs:
     return DataInputs(resolve_inputs(d.train, "data.train"), resolve_inputs(d.eval, "data.eval"), ceiling)
 
 
+def local_inputs(inputs: DataInputs) -> tuple[tuple[str, str, int], ...]:
+    """(field, path, size) of every input file named by a local path: what every host of a
+    cluster must see (``core.storage.expected_files``)."""
+    return tuple((field, f.uri, f.size) for field, files in (("data.train", inputs.train), ("data.eval", inputs.eval))
+                 for f in files if is_local(f.uri))
+
+
 def one_task_each(cfg: RunConfig, inputs: DataInputs) -> bool:
     """Whether the training and the evaluation data are one chunk each: one task, which the
     driver runs itself (``build_stores``), so it can do so before Ray starts."""
@@ -99,10 +108,12 @@ def build_stores(cfg: RunConfig, inputs: DataInputs, engine=None) -> dict:
     d, rows = cfg.data, cfg.training.microbatch_rows
     if d.mapping == "hash":
         mapping = Mapping("hash", tuple(cfg.model.rows_per_table))
-        options = {"rows": rows, "skip": d.skip_bad_lines, "mapping": "hash", "table_rows": mapping.table_rows}
+        options = {"mapping": "hash", "table_rows": mapping.table_rows}
     else:
         mapping = Mapping("vocab", (), d.min_count)
-        options = {"rows": rows, "skip": d.skip_bad_lines, "mapping": "vocab", "min_count": d.min_count}
+        options = {"mapping": "vocab", "min_count": d.min_count}
+    # chunk_mb too: a chunk's leftover rows go to the last part, so the chunks shape the microbatches
+    options.update(rows=rows, skip=d.skip_bad_lines, chunk_mb=d.chunk_mb)
     train_key = store_key(inputs.train, {**options, "name": "train"})
     train = _build(engine, cfg, "train", inputs.train, train_key, mapping, keep_tail=False, vocab_uri=None)
     mapping = Mapping(**{**train.mapping, "table_rows": tuple(train.mapping["table_rows"])})
@@ -137,6 +148,13 @@ def with_table_rows(cfg: RunConfig, table_rows: list[int]) -> RunConfig:
         return cfg
     raw = cfg.model_dump()
     raw["model"].update(table_rows=list(table_rows), max_ind_range=None)
+    small = min(table_rows)
+    if cfg.embeddings.sharding == "row_wise" and small < cfg.embeddings.num_shards:
+        column = SPARSE_COLUMNS[list(table_rows).index(small)]
+        raise ConfigError(
+            f"data.mapping: vocab gave table {column} {small} rows (values seen >= data.min_count={cfg.data.min_count} "
+            f"times, plus the shared row), fewer than embeddings.num_shards={cfg.embeddings.num_shards} that row_wise "
+            "sharding needs; lower data.min_count or embeddings.num_shards, or use embeddings.sharding: table_wise")
     return config_from_dict(raw)
 
 

@@ -24,7 +24,7 @@ from actors.shm import remove_run_files_everywhere
 from actors.supervisor.actor import Supervisor, supervisor_name
 from app.chaos import FaultSchedule, run_schedule, write_run_info
 from app.console import progress_loop
-from app.dataprep import build_stores, one_task_each, resolve_data, with_table_rows
+from app.dataprep import build_stores, local_inputs, one_task_each, resolve_data, with_table_rows
 from app.emulation import Emulation
 from app.lighthouse import start_lighthouse
 from app.logs import LOG_DIR, configure_driver_logging, link_ray_session_logs, point_latest
@@ -97,10 +97,8 @@ class TrainingJob:
         self.emulation = None  # app.emulation.Emulation of an emulated run, set by start()
 
     def _lighthouse_kwargs(self) -> dict:
-        return {
-            "bind": f"{ray.util.get_node_ip_address()}:0", "min_replicas": 1, "join_timeout_ms": 10_000,
-            "heartbeat_timeout_ms": int(self.cfg.training.heartbeat_timeout_s * 1000),
-        }
+        return {"bind": f"{ray.util.get_node_ip_address()}:0", "min_replicas": 1, "join_timeout_ms": 10_000,
+                "heartbeat_timeout_ms": int(self.cfg.training.heartbeat_timeout_s * 1000)}
 
     def start(self, wait: bool = True):
         """Data, Ray, the supervisor and its shards. ``wait=False`` returns while the shards
@@ -125,7 +123,8 @@ class TrainingJob:
         check_cluster_fits(cfg)
         link_ray_session_logs(self.run_dir)
         if not self._started_ray:  # a cluster: every host must see the local paths the run shares
-            check_every_node(expected_files(cfg.cache_dir, cfg.checkpoint_uri, self.run_id), cfg.embeddings.call_timeout_s)
+            check_every_node(expected_files(cfg.cache_dir, cfg.checkpoint_uri, self.run_id, local_inputs(inputs)),
+                             cfg.embeddings.call_timeout_s)
         self.data = self.data if early else build_stores(cfg, inputs)
         self._t["data"] = time.perf_counter()
         self.cfg = cfg = with_table_rows(cfg, self.data["table_rows"])

@@ -1,6 +1,7 @@
 """What every host of a cluster must share with the driver when the run keeps it on a local
-path: the microbatch store (preprocessing tasks write it and trainers read it on every host)
-and the checkpoint directory (each shard writes and reads its own files there).
+path: the input files (preprocessing tasks read them on any host), the microbatch store
+(preprocessing tasks write it and trainers read it on every host) and the checkpoint
+directory (each shard writes and reads its own files there).
 ``expected_files`` writes a fresh probe into each such directory; ``problems`` says what this
 host does not see. Object-store URIs (``s3://``, ``gs://``...) are shared by nature and not
 probed. ``app.storage`` runs the check on every node before preprocessing.
@@ -19,11 +20,13 @@ __all__ = ["expected_files", "problems", "PROBE"]
 PROBE = ".cpr-storage-probe-{run_id}"
 
 
-def expected_files(cache_uri: str, checkpoint_uri: str, run_id: str) -> dict[str, dict]:
-    """What every node must see: a fresh probe file (with its content) in the store's and the
-    checkpoints' directories where they are local paths. Returns ``{path: {"field", "size",
-    "content"}}``; the probes are removed by ``check_every_node``."""
-    out = {}
+def expected_files(cache_uri: str, checkpoint_uri: str, run_id: str,
+                   inputs: tuple[tuple[str, str, int], ...] = ()) -> dict[str, dict]:
+    """What every node must see: the input files given by local path (``(field, path, size)``:
+    preprocessing tasks read them anywhere), and a fresh probe file (with its content) in the
+    store's and the checkpoints' directories where they are local paths. Returns ``{path:
+    {"field", "size", "content"}}``; the probes are removed by ``check_every_node``."""
+    out = {path: {"field": field, "size": size, "content": None} for field, path, size in inputs}
     for field, uri in (("data.cache_dir", cache_uri), ("checkpoint.storage", checkpoint_uri)):
         directory = local_path(uri)
         if directory is None:

@@ -1,6 +1,6 @@
 """Input files cut into chunks that workers read independently: an uncompressed TSV file into
 byte ranges of about ``chunk_bytes`` (a chunk holds the lines that start inside its range), a
-gzip TSV or a Parquet file whole. A chunk knows its line numbers only relative to its start;
+compressed TSV (gzip, bz2, zstd, lz4) or a Parquet file whole. A chunk knows its line numbers only relative to its start;
 the lines before it are counted only when a message needs the absolute line.
 """
 
@@ -42,7 +42,7 @@ def plan_chunks(files: list[InputFile], chunk_bytes: int) -> list[Chunk]:
     ranges of about that size, every other file whole."""
     out: list[Chunk] = []
     for f in files:
-        if f.gzip or f.parquet or f.size <= chunk_bytes:
+        if f.compressed or f.parquet or f.size <= chunk_bytes:
             out.append(Chunk(f))
             continue
         n = -(-f.size // chunk_bytes)
@@ -67,12 +67,12 @@ def _line_start_at_or_after(raw: pa.NativeFile, offset: int, size: int) -> int:
 
 @contextlib.contextmanager
 def open_chunk(chunk: Chunk) -> Iterator[pa.NativeFile]:
-    """A stream of the chunk's bytes: its whole lines, decompressed if gzip."""
+    """A stream of the chunk's bytes: its whole lines, decompressed if its name says so."""
     fs, path = open_filesystem(chunk.file.uri)
     if chunk.whole:
         with fs.open_input_stream(path, compression=None) as raw:
-            if chunk.file.gzip:
-                with pa.CompressedInputStream(raw, "gzip") as stream:
+            if chunk.file.compressed:
+                with pa.CompressedInputStream(raw, chunk.file.compression) as stream:
                     yield stream
             else:
                 yield raw

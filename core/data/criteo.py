@@ -110,6 +110,15 @@ def _as_strings(col: pa.Array) -> pa.Array | None:
     return None
 
 
+def _one_byte_each(strings: pa.Array) -> np.ndarray | None:
+    """uint8 [n, 1] of a string column whose every value is one byte long, else None."""
+    offset_type = np.int64 if pa.types.is_large_string(strings.type) else np.int32
+    offsets = np.frombuffer(strings.buffers()[1], dtype=offset_type)[strings.offset : strings.offset + len(strings) + 1]
+    if len(strings) == 0 or not (np.diff(offsets) == 1).all():
+        return None
+    return _fixed_width_bytes(strings, 1)
+
+
 def _mask(values: pa.Array, fill: bool) -> np.ndarray:
     """A boolean Arrow array as numpy, nulls replaced by ``fill``."""
     return pc.fill_null(values, fill).to_numpy(zero_copy_only=False)
@@ -119,7 +128,7 @@ def _parse_labels(col: pa.Array) -> tuple[np.ndarray, np.ndarray]:
     """-> (float32 labels, bad mask). Only 0 and 1 are labels; missing is bad."""
     strings = _as_strings(col)
     if strings is not None:
-        chars = _fixed_width_bytes(strings, 1) if strings.null_count == 0 else None
+        chars = _one_byte_each(strings) if strings.null_count == 0 else None
         if chars is not None:  # every label one character: compared as bytes, without Arrow kernels
             ones, zeros = chars[:, 0] == ord("1"), chars[:, 0] == ord("0")
             return ones.astype(np.float32), ~(ones | zeros)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import fnmatch
 import os
 from dataclasses import dataclass
-from urllib.parse import urlsplit
+from urllib.parse import quote
 
 import pyarrow as pa
 import pyarrow.fs as pafs
@@ -22,6 +22,10 @@ from core.errors import ConfigError
 __all__ = ["InputFile", "child_uri", "is_local", "open_filesystem", "parent_uri", "resolve_inputs", "split_uri"]
 
 _GLOB = ("*", "?", "[")
+_CODECS = {".gz": "gzip", ".bz2": "bz2", ".zst": "zstd", ".lz4": "lz4"}
+# Characters of an object's key that a URI would read otherwise: escaped when a URI is opened,
+# so that a key is taken literally (as the AWS CLI takes it).
+_SAFE_IN_PATH = "/:@!$&'()*+,;=-._~"
 
 
 @dataclass(frozen=True)
@@ -34,8 +38,13 @@ class InputFile:
     mtime_ns: int
 
     @property
-    def gzip(self) -> bool:
-        return self.name.lower().endswith(".gz")
+    def compression(self) -> str | None:
+        """The codec its name says (``.gz``, ``.bz2``, ``.zst``, ``.lz4``), None for plain text."""
+        return next((codec for ext, codec in _CODECS.items() if self.name.lower().endswith(ext)), None)
+
+    @property
+    def compressed(self) -> bool:
+        return self.compression is not None
 
     @property
     def parquet(self) -> bool:
@@ -47,13 +56,16 @@ def is_local(uri: str) -> bool:
 
 
 def split_uri(uri: str) -> tuple[str, str, str]:
-    """(prefix such as ``s3://`` or "", path, ``?options`` or "") of ``uri``."""
+    """(prefix such as ``s3://`` or "", path, ``?options`` or "") of ``uri``. Options are what
+    follows the last ``?`` when that holds ``key=value`` pairs: a ``?`` of a glob stays in the path."""
     if is_local(uri):
         path = uri[len("file://"):] if uri.startswith("file://") else uri
         return "", os.path.abspath(os.path.expanduser(path)), ""
-    parts = urlsplit(uri)
-    options = f"?{parts.query}" if parts.query else ""
-    return f"{parts.scheme}://", f"{parts.netloc}{parts.path}", options
+    scheme, _, rest = uri.partition("://")
+    path, sep, query = rest.rpartition("?")
+    if not sep or "=" not in query or "/" in query:
+        path, query = rest, ""
+    return f"{scheme}://", path, f"?{query}" if query else ""
 
 
 def child_uri(uri: str, name: str) -> str:
@@ -73,15 +85,18 @@ def open_filesystem(uri: str, field: str = "data") -> tuple[pafs.FileSystem, str
     prefix, path, _ = split_uri(uri)
     if not prefix:
         return pafs.LocalFileSystem(), path
+    _, path, options = split_uri(uri)
     try:
-        fs, fs_path = pafs.FileSystem.from_uri(uri)
+        fs, fs_path = pafs.FileSystem.from_uri(f"{prefix}{quote(path, safe=_SAFE_IN_PATH)}{options}")
     except (pa.ArrowInvalid, pa.ArrowNotImplementedError, OSError, ValueError) as exc:
         raise ConfigError(f"{field}: cannot open {_strip(uri)}: {exc}") from None
     return fs, fs_path.rstrip("/")
 
 
 def _strip(uri: str) -> str:
-    return uri.split("?", 1)[0]
+    """``uri`` without its options (what messages show)."""
+    prefix, path, _ = split_uri(uri)
+    return f"{prefix}{path}" if prefix else uri
 
 
 def resolve_inputs(uris: list[str], field: str) -> list[InputFile]:

@@ -84,6 +84,8 @@ class MicrobatchStore:
     def _remember(self, i: int, mb: Microbatch) -> None:
         size = sum(a.nbytes for a in mb)
         with self._cache_lock:
+            if i in self._cache:  # read by two threads at once: kept once
+                return
             self._cache[i] = mb
             self._cached += size
             while self._cached > self._cache_bytes and len(self._cache) > 1:

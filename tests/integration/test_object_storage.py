@@ -55,6 +55,9 @@ def test_s3_uris_and_globs_resolve_and_bad_ones_are_refused_by_name(s3, days):
     assert [f.name for f in files] == [f"s3://cpr/criteo/day_{d}" + (".gz" if d == 2 else "") for d in range(3)]
     assert [f.size for f in files] == [p.stat().st_size for p in days["local"]]
     assert all("endpoint_override=" in f.uri for f in files)  # any process can open them again
+    for glob, days_matched in (("day_?", [0, 1]), ("day_[12]*", [1, 2])):  # '?' is a glob here, not options
+        matched = resolve_inputs([s3.uri(f"cpr/criteo/{glob}")], "data.train")
+        assert [f.name.split("day_")[1][:1] for f in matched] == [str(d) for d in days_matched], glob
     for uri, said in ((s3.uri("cpr/criteo/day_9"), "s3://cpr/criteo/day_9 does not exist"),
                       (s3.uri("cpr/criteo/week_*"), "s3://cpr/criteo/week_* matches no file"),
                       (s3.uri("nobucket/x"), "s3://nobucket/x")):
@@ -62,6 +65,13 @@ def test_s3_uris_and_globs_resolve_and_bad_ones_are_refused_by_name(s3, days):
             resolve_inputs([uri], "data.train")
         assert str(info.value).startswith("data.train: ") and said in str(info.value), str(info.value)
         assert "endpoint_override" not in str(info.value)
+
+
+def test_keys_that_a_uri_would_misread_are_taken_literally(s3, days):
+    s3.upload(days["local"][0], "cpr/odd/a%41 b#1.tsv")
+    (found,) = resolve_inputs([s3.uri("cpr/odd/*")], "data.train")
+    assert found.name == "s3://cpr/odd/a%41 b#1.tsv"
+    assert sum(b.num_rows for b in CriteoReader([found])) == 6_000
 
 
 def test_a_malformed_line_in_an_object_names_its_uri_and_line(s3, days, tmp_path):

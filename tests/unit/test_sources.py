@@ -8,6 +8,7 @@ import gzip
 from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
 import pyarrow.fs as pafs
 import pytest
 
@@ -91,7 +92,7 @@ def test_gzip_and_parquet_files_are_one_chunk_each(tmp_path, tsv):
     gz = tmp_path / "a.tsv.gz"
     gz.write_bytes(gzip.compress(tsv.read_bytes()))
     chunks = plan_chunks(resolve_inputs([str(gz), str(tsv)], "data.train"), 50_000)
-    assert chunks[0].whole and chunks[0].file.gzip and len(chunks) > 2
+    assert chunks[0].whole and chunks[0].file.compression == "gzip" and len(chunks) > 2
 
 
 def test_the_vocabulary_keeps_values_seen_min_count_times_and_shares_row_zero(tmp_path):
@@ -143,3 +144,43 @@ def test_the_store_goes_beside_object_store_checkpoints_unless_named():
     assert config_from_dict(named).cache_dir == "gs://c/store"
     local_ckpt = {**base, "checkpoint": {"storage": "/mnt/nfs/ckpt"}}
     assert config_from_dict(local_ckpt).cache_dir == "/tmp/r/cache"
+
+
+def test_a_label_column_of_strings_of_other_lengths_is_not_taken_for_labels():
+    """Parquet labels as strings: '' and '10' are malformed even when the bytes add up."""
+    from core.data.criteo import _parse_labels
+
+    labels, bad = _parse_labels(pa.array(["", "10", "1", "0"]))
+    assert list(bad) == [True, True, False, False] and list(labels[2:]) == [1.0, 0.0]
+
+
+def test_compressed_and_file_uri_inputs_read_as_plain_ones(tmp_path, tsv):
+    import bz2
+
+    packed = tmp_path / "day_0.bz2"
+    packed.write_bytes(bz2.compress(tsv.read_bytes()))
+    (file,) = resolve_inputs([f"file://{packed}"], "data.train")
+    assert file.compression == "bz2" and plan_chunks([file], 1000) == plan_chunks([file], 10**9)
+    assert sum(b.num_rows for b in CriteoReader([file])) == 3_000
+    cfg = config_from_dict({"run_dir": str(tmp_path / "run"),
+                            "data": {"train": [f"file://{packed}"], "eval": [f"file://{tsv}"]}})
+    assert [f.name for f in resolve_data(cfg).train] == [str(packed)]
+
+
+def test_another_chunk_size_makes_another_store(tmp_path, tsv):
+    raw = {"run_dir": str(tmp_path / "run"), "data": {"train": [str(tsv)], "eval": [str(tsv)], "chunk_mb": 1,
+                                                      "cache_dir": str(tmp_path / "cache")},
+           "model": {"table_rows": 500}, "training": {"microbatch_rows": 100}}
+    first = build_stores(config_from_dict(raw), resolve_data(config_from_dict(raw)), LocalEngine())
+    raw["data"]["chunk_mb"] = 2
+    second = build_stores(config_from_dict(raw), resolve_data(config_from_dict(raw)), LocalEngine())
+    assert first["train"].uri != second["train"].uri and not second["train"].reused
+
+
+def test_a_vocabulary_too_small_for_row_wise_shards_says_what_to_change(tmp_path):
+    cfg = config_from_dict({"run_dir": str(tmp_path / "run"), "data": {"train": ["t"], "eval": ["e"], "mapping": "vocab"},
+                            "embeddings": {"num_shards": 4, "sharding": "row_wise"}})
+    rows = [100] * 26
+    rows[8] = 3
+    with pytest.raises(ConfigError, match=r"table C9 3 rows .* fewer than embeddings.num_shards=4 .* table_wise"):
+        with_table_rows(cfg, rows)

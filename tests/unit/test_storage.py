@@ -33,3 +33,13 @@ def test_object_store_uris_are_not_probed(tmp_path):
     assert expected_files("s3://bucket/cache", "s3://bucket/run", "r") == {}
     only_local = expected_files(str(tmp_path / "cache"), "gs://bucket/run", "r")
     assert [w["field"] for w in only_local.values()] == ["data.cache_dir"]
+
+
+def test_local_input_files_must_be_the_same_on_every_host(tmp_path):
+    day = tmp_path / "day_0"
+    day.write_text("x" * 10)
+    want = expected_files("s3://b/cache", "s3://b/ckpt", "r", (("data.train", str(day), 10),))
+    assert problems(want) == []
+    day.write_text("another host's day_0")
+    (found,) = problems(want)
+    assert found.startswith("data.train: ") and "the driver's has 10" in found
