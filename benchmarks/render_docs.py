@@ -57,6 +57,7 @@ RENDERERS: dict[str, str] = {
     "trainer_failures_scale": "benchmarks.trainer_failures_scale:render",
     "cuda_shard_check": "benchmarks.cuda_shard_check:render",
     "suite": "benchmarks.suite:render",
+    "data": "benchmarks.data_render:render",
 }
 
 CONFIG_PAGE = ROOT / "docs" / "CONFIG.md"
