@@ -118,15 +118,15 @@ class TrainingJob:
         threading.Thread(target=_import_ray_train, name="import-ray-train", daemon=True).start()
         inputs = resolve_data(cfg)
         if early := one_task_each(cfg, inputs) and not cluster_address(cfg):
-            self.data = build_stores(cfg, inputs)
+            self.data, self._t["data"] = build_stores(cfg, inputs), time.perf_counter()
         self._started_ray = connect_ray(cfg, self.verbose)
         check_cluster_fits(cfg)
         link_ray_session_logs(self.run_dir)
         if not self._started_ray:  # a cluster: every host must see the local paths the run shares
             check_every_node(expected_files(cfg.cache_dir, cfg.checkpoint_uri, self.run_id, local_inputs(inputs)),
                              cfg.embeddings.call_timeout_s)
-        self.data = self.data if early else build_stores(cfg, inputs)
-        self._t["data"] = time.perf_counter()
+        if not early:  # on Ray Data: the data time includes Ray's start
+            self.data, self._t["data"] = build_stores(cfg, inputs), time.perf_counter()
         self.cfg = cfg = with_table_rows(cfg, self.data["table_rows"])
         if cfg.emulation is not None and not self.resume:
             self.emulation = Emulation.of(cfg, self._total_steps())
