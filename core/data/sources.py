@@ -19,7 +19,7 @@ import pyarrow.fs as pafs
 
 from core.errors import ConfigError
 
-__all__ = ["InputFile", "child_uri", "is_local", "open_filesystem", "parent_uri", "resolve_inputs", "split_uri"]
+__all__ = ["InputFile", "child_uri", "is_local", "open_filesystem", "resolve_inputs", "split_uri"]
 
 _GLOB = ("*", "?", "[")
 _CODECS = {".gz": "gzip", ".bz2": "bz2", ".zst": "zstd", ".lz4": "lz4"}
@@ -72,12 +72,6 @@ def child_uri(uri: str, name: str) -> str:
     """``name`` inside the directory ``uri``, the URI's options kept."""
     prefix, path, options = split_uri(uri)
     return f"{prefix}{path.rstrip('/')}/{name}{options}"
-
-
-def parent_uri(uri: str) -> str:
-    """The directory above ``uri``, the URI's options kept."""
-    prefix, path, options = split_uri(uri)
-    return f"{prefix}{path.rstrip('/').rsplit('/', 1)[0]}{options}"
 
 
 def open_filesystem(uri: str, field: str = "data") -> tuple[pafs.FileSystem, str]:

@@ -11,10 +11,10 @@ import time
 import pyarrow as pa
 
 from core.data.chunks import Chunk
-from core.data.criteo import NUM_DENSE, NUM_SPARSE, RawBatch
+from core.data.criteo import RawBatch
 from core.data.reader import CriteoReader
 from core.data.sources import open_filesystem
-from core.store.format import Mapping, PartWriter, join
+from core.store.format import Mapping, PartWriter, join, unpack
 from core.store.vocab import IdCounter, Vocabulary
 
 __all__ = ["part_name", "remap_part", "stitch_tails", "write_chunk"]
@@ -71,13 +71,10 @@ def write_chunk(chunk: Chunk, store_uri: str, index: int, microbatch_rows: int, 
     }
 
 
-def _read_rows(fs, path: str) -> RawBatch:
+def _read_rows(fs, path: str) -> list[RawBatch]:
     with fs.open_input_file(path) as f:
-        table = pa.ipc.open_file(f).read_all()
-    labels = table.column("label").to_numpy()
-    dense = table.column("dense").combine_chunks().values.to_numpy().reshape(-1, NUM_DENSE)
-    sparse = table.column("sparse").combine_chunks().values.to_numpy().reshape(-1, NUM_SPARSE)
-    return RawBatch(labels, dense, sparse)
+        reader = pa.ipc.open_file(f)
+        return [RawBatch(*unpack(reader.get_batch(b))) for b in range(reader.num_record_batches)]
 
 
 def stitch_tails(store_uri: str, tails: list[int], index: int, microbatch_rows: int, keep_tail: bool,
@@ -89,7 +86,8 @@ def stitch_tails(store_uri: str, tails: list[int], index: int, microbatch_rows: 
     fs, base = open_filesystem(store_uri, "data.cache_dir")
     part = PartWriter(fs, join(base, part_name(index, kind)), microbatch_rows)
     for i in tails:
-        part.add(_read_rows(fs, join(base, part_name(i, "tail"))))
+        for rows in _read_rows(fs, join(base, part_name(i, "tail"))):
+            part.add(rows)
     rest = part.close(keep_short=keep_tail)
     for i in tails:
         fs.delete_file(join(base, part_name(i, "tail")))
@@ -107,10 +105,8 @@ def remap_part(store_uri: str, index: int, vocabulary: Vocabulary) -> dict:
         reader = pa.ipc.open_file(f)
         part = PartWriter(fs, join(base, part_name(index)), 1)
         for b in range(reader.num_record_batches):
-            rb = reader.get_batch(b)
-            sparse = rb.column(2).values.to_numpy().reshape(-1, NUM_SPARSE)
-            dense = rb.column(1).values.to_numpy().reshape(-1, NUM_DENSE)
-            part.write_short(RawBatch(rb.column(0).to_numpy(), dense, vocabulary.map_ids(sparse)))
+            labels, dense, sparse = unpack(reader.get_batch(b))
+            part.write_short(RawBatch(labels, dense, vocabulary.map_ids(sparse)))
         part.close()
     fs.delete_file(source)
     return {"index": index, "microbatches": part.microbatches, "seconds": time.perf_counter() - t0,

@@ -20,7 +20,7 @@ from core.errors import ConfigError
 
 __all__ = [
     "MANIFEST_FILE", "SCHEMA", "Mapping", "PartWriter", "StoreManifest", "join", "read_manifest",
-    "record_batch", "store_key", "write_manifest",
+    "record_batch", "store_key", "unpack", "write_manifest",
 ]
 
 FORMAT_VERSION = 2
@@ -46,12 +46,6 @@ class Mapping:
     kind: str
     table_rows: tuple[int, ...] = ()
     min_count: int = 0
-
-    def describe(self) -> str:
-        rows = sum(self.table_rows)
-        if self.kind == "hash":
-            return f"hash (id mod table rows), {rows:,} rows in 26 tables"
-        return f"vocabulary (values seen >= {self.min_count} times), {rows:,} rows in 26 tables"
 
     def map_ids(self, sparse: np.ndarray) -> np.ndarray:
         """Raw ids -> rows (hash only; a vocabulary maps through core.store.vocab)."""
@@ -120,6 +114,12 @@ def _write_bytes(fs: pafs.FileSystem, path: str, payload: bytes) -> None:
         return
     with fs.open_output_stream(path, compression=None) as f:
         f.write(payload)
+
+
+def unpack(rb: pa.RecordBatch) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A microbatch's arrays: labels float32 [B], dense float32 [B, 13], sparse uint32 [B, 26]."""
+    return (rb.column(0).to_numpy(), rb.column(1).values.to_numpy().reshape(-1, NUM_DENSE),
+            rb.column(2).values.to_numpy().reshape(-1, NUM_SPARSE))
 
 
 def record_batch(labels: np.ndarray, dense: np.ndarray, sparse: np.ndarray) -> pa.RecordBatch:

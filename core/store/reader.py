@@ -13,10 +13,9 @@ from collections import OrderedDict
 import numpy as np
 import pyarrow as pa
 
-from core.data.criteo import NUM_DENSE, NUM_SPARSE
 from core.data.sources import is_local, open_filesystem, split_uri
 from core.errors import ConfigError
-from core.store.format import StoreManifest, join, read_manifest
+from core.store.format import StoreManifest, join, read_manifest, unpack
 
 __all__ = ["MicrobatchStore"]
 
@@ -71,12 +70,7 @@ class MicrobatchStore:
                     return hit
         part = bisect.bisect_right(self._ends, i)
         first = self._ends[part - 1] if part else 0
-        b = self._file(part).get_batch(i - first)
-        out = (
-            b.column(0).to_numpy(),
-            b.column(1).values.to_numpy().reshape(-1, NUM_DENSE),
-            b.column(2).values.to_numpy().reshape(-1, NUM_SPARSE),
-        )
+        out = unpack(self._file(part).get_batch(i - first))
         if not self._local:
             self._remember(i, out)
         return out
