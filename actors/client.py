@@ -26,13 +26,19 @@ class SupervisorClient:
         self.handle = handle
         self.deadlines = deadlines
         self._get = get
+        # A trainer's lease (actors.lease.Lease.hold): it calls only while it holds its place.
+        self.guard: Callable[[], object] | None = None
 
     def _call(self, method: str, *args: object) -> Any:
+        if self.guard is not None:
+            self.guard()
         ref = getattr(self.handle, method).remote(*args)
         return self._get(ref, timeout=self.deadlines.caller_s(method))
 
     def _tell(self, method: str, *args: object) -> None:
         """A report the caller does not wait for."""
+        if self.guard is not None:
+            self.guard()
         getattr(self.handle, method).remote(*args)
 
     def wait(self, method: str, ref) -> Any:

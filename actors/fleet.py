@@ -19,6 +19,7 @@ from typing import Any
 
 import ray
 
+from actors.lease import Fences, shard_place
 from actors.nodes import placement
 from actors.shard import EmbeddingShard
 from core.errors import ShardUnavailable
@@ -28,6 +29,28 @@ from core.records import ShardInfo
 __all__ = ["ShardFleet", "shard_name", "spare_name", "spare_target", "kill_run_shards"]
 
 logger = logging.getLogger(__name__)
+
+
+# Ray's ActorDiedError for an actor whose process exited (not one whose node was lost or that
+# was killed by ``ray.kill``, which may still run somewhere cut off).
+_WORKER_EXITED = "because its worker process has died"
+
+
+def _exited(err: Exception, handle) -> bool:
+    """Ray's word that the actor's process is gone (its raylet saw it exit), not only that it
+    cannot be reached: only then may a successor act without waiting (actors.lease). The
+    failed call's error may come before the cause is known; a new call's error carries it."""
+    if not isinstance(err, ray.exceptions.ActorDiedError):
+        return False
+    if _WORKER_EXITED in str(err):
+        return True
+    try:
+        ray.get(handle.__ray_ready__.remote(), timeout=1.0)
+    except ray.exceptions.ActorDiedError as again:
+        return _WORKER_EXITED in str(again)
+    except ray.exceptions.RayError:
+        pass
+    return False
 
 
 def shard_name(run_id: str, shard: int, generation: int) -> str:
@@ -68,8 +91,10 @@ def _plain_thread(name: str, fn: Callable, *args) -> threading.Thread:
 
 
 class ShardFleet:
-    """Creates, finds and watches the shards of one run. ``on_death(k, gen, cause, t)`` is
-    called from the watcher thread when a watched shard's process is gone. The watcher runs
+    """Creates, finds and watches the shards of one run. ``on_death(k, gen, cause, t, exited)``
+    is called from the watcher thread when a watched shard's process is gone. With ``fences``
+    (actors.lease) every new shard actor is granted its place before it starts, and holds a
+    lease on it. The watcher runs
     under ``start_thread`` (the supervisor's guard) and calls ``tick()`` on every pass."""
 
     def __init__(
@@ -78,13 +103,15 @@ class ShardFleet:
         plan,
         run_id: str,
         audit_dir: str | None,
-        on_death: Callable[[int, int, str, float], None],
+        on_death: Callable[[int, int, str, float, bool], None],
         on_spare_death: Callable[[str, str, float], None] | None = None,
         occupied: Callable[[set], list] | None = None,
         avoid: Callable[[], set] | None = None,
         start_thread: Callable[..., threading.Thread] | None = None,
         tick: Callable[[], None] = lambda: None,
+        fences: Fences | None = None,
     ):
+        self.fences = fences
         self.start_thread = start_thread or (lambda name, fn, *a: _plain_thread(name, fn, *a))
         self.tick = tick
         self.cfg = cfg
@@ -99,7 +126,7 @@ class ShardFleet:
         self.avoid = avoid or set  # nodes not to place on (actors.nodes.HostWatch.suspects)
         self.timeout_s = cfg.embeddings.call_timeout_s
         self.start_timeout_s = max(cfg.embeddings.start_timeout_s, self.timeout_s)
-        self._watch: dict[Any, tuple[int | str, int | None]] = {}  # ref -> (shard or spare name, generation)
+        self._watch: dict[Any, tuple[int | str, int | None, Any]] = {}  # ref -> (shard or spare name, generation, handle)
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -125,6 +152,7 @@ class ShardFleet:
             priority={"policy": ck.policy, "r": ck.r, "sample_rate": ck.sample_rate, "full_every": ck.full_every},
             audit_dir=self.audit_dir,
             log_dir=self.log_dir,
+            lease=self.fences.spec if self.fences is not None else None,
         )
 
     @staticmethod
@@ -144,6 +172,7 @@ class ShardFleet:
         shards and spares) it goes, softly, to the node holding the fewest of them, and its
         node is appended to ``taken``."""
         extra = self._place(taken) if taken is not None else {}
+        self._grant({k: generation}, wait=False)
         return self._actor_class().options(**self._options(shard_name(self.run_id, k, generation), **extra)).remote(
             shard_id=k, slices=list(self.plan.shards[k]), generation=generation, **self._args()
         )
@@ -165,15 +194,26 @@ class ShardFleet:
     def find(self, k: int, generation: int):
         return self.find_name(shard_name(self.run_id, k, generation))
 
-    def adopt_or_spawn(self, targets: dict[int, int], spares: dict[int, str] | None = None) -> tuple[dict, list[int]]:
+    def _grant(self, targets: dict[int, int], wait: bool) -> float:
+        if self.fences is None:
+            return 0.0
+        return self.fences.grant([shard_place(k, g) for k, g in targets.items()], wait)
+
+    def adopt_or_spawn(self, targets: dict[int, int], spares: dict[int, str] | None = None,
+                       predecessors_exited: bool = False) -> tuple[dict, list[int]]:
         """The live actor of each shard ``k`` under generation ``targets[k]``: the warm spare
         ``spares[k]`` made shard ``k`` (``adopt``, which allocates its tables), or the actor a
         half-finished recovery already created if it answers, else a new one (all at once,
         so several respawns cost one). Returns ``({k: (handle, ready info)}, lost)``: a shard
         in ``lost`` has an actor that does not answer (or a spare gone or taken); it is
         killed, and the caller must reserve a new generation (without the spare). New
-        processes are placed (``spawn``) among the nodes of the shards that are not replaced."""
+        processes are placed (``spawn``) among the nodes of the shards that are not replaced.
+        The places are granted first (``actors.lease``): unless every predecessor's process is
+        known to have exited, this waits out their leases."""
         spares = spares or {}
+        waited = self._grant(targets, wait=not predecessors_exited)
+        if waited:
+            logger.info("waited %.2fs for the leases of shards %s' predecessors", waited, sorted(targets))
         taken = self.occupied(targets)
         handles, refs = {}, {}
         for k, g in targets.items():
@@ -221,7 +261,7 @@ class ShardFleet:
         ``k``: it fails the moment the process dies."""
         ref = handle.watch.options(concurrency_group="watch").remote()
         with self._lock:
-            self._watch[ref] = (k, generation)
+            self._watch[ref] = (k, generation, handle)
             if self._thread is None:
                 self._thread = self.start_thread("shard-watch", self._loop)
 
@@ -239,12 +279,14 @@ class ShardFleet:
             ready, _ = ray.wait(refs, num_returns=1, timeout=0.2)
             for ref in ready:
                 with self._lock:
-                    k, gen = self._watch.pop(ref)
+                    k, gen, handle = self._watch.pop(ref)
+                exited = False
                 try:
                     ray.get(ref)
                     cause = "watch returned"
                 except ray.exceptions.RayActorError as err:
                     cause = type(err).__name__
+                    exited = _exited(err, handle)
                 except ray.exceptions.RayError as err:  # any other failure of the call: the shard is gone too
                     cause = repr(err)
                 if self._stop.is_set():
@@ -253,4 +295,4 @@ class ShardFleet:
                     if self.on_spare_death is not None:
                         self.on_spare_death(k, cause, time.time())
                 else:
-                    self.on_death(k, gen, cause, time.time())
+                    self.on_death(k, gen, cause, time.time(), exited)

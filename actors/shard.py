@@ -19,6 +19,7 @@ from core.checkpoint import CheckpointStore, warm_up
 from core.logs import configure_process_logging
 from core.plan import TableSlice
 from core.records import CheckpointFallback, LoadResult, PushResult, ShardInfo, ShardState, Snapshot, WrittenPart
+from actors.lease import LeaseSpec, shard_place
 from actors.shard_chunks import PendingSteps, merge_chunks, offsets, writable
 from actors.shard_save import ShardCheckpoints
 from actors.shm import ShmArray, ShmReader
@@ -52,6 +53,7 @@ class EmbeddingShard:
         audit_dir: str | None = None,
         log_dir: str | None = None,
         spare: str | None = None,
+        lease: LeaseSpec | None = None,
     ):
         """``shard_id`` None: a warm spare (``spare`` names it). It imports torch and fbgemm
         and then waits, holding no table memory, until ``adopt`` makes it a shard."""
@@ -80,6 +82,7 @@ class EmbeddingShard:
         self.microbatches_per_step = microbatches_per_step
         self._priority_args = {"policy": "full", "r": 1.0, "sample_rate": 1.0, "full_every": 1, **(priority or {})}
         self._audit_dir = audit_dir
+        self._lease_spec, self._lease = lease, None
         self.spare = spare
         self.shard_id: int | None = None
         self.generation = generation
@@ -100,6 +103,8 @@ class EmbeddingShard:
         self.shard_id = shard_id
         self.slices = list(slices)
         self.generation = generation
+        if self._lease_spec is not None:  # applies only while it holds shard_id's place (actors.lease)
+            self._lease = self._lease_spec.lease(shard_place(shard_id, generation)).start()
         self.tbe = self._tbe_cls(
             embedding_specs=[(s.num_rows, self.dim, self._location, self._compute) for s in self.slices],
             optimizer=self._optim,
@@ -269,6 +274,8 @@ class EmbeddingShard:
         # This chunk completes the step, which applies now: a gradient in shared memory is
         # read in place (the trainer does not touch its slab before this call returns).
         chunk.grad = self._shm.view(grad)
+        if self._lease is not None:
+            self._lease.hold()  # a process replaced meanwhile exits here instead
         self._apply(step)
         return PushResult(applied=True)
 

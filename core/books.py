@@ -44,6 +44,7 @@ class DeathCause:
     killed_at: float | None
     detection_s: float | None
     first_step: int | None  # the first step the dead actor applied
+    exited: bool = False  # Ray saw its process exit: it cannot act any more (actors.lease)
 
 
 @dataclass(frozen=True)

@@ -247,6 +247,11 @@ class RayConfig(_Section):
     """Ray namespace of the named supervisor actor."""
     metrics_export_port: int | None = Field(None, ge=1024, le=65535)
     """Port of the embedded Ray's Prometheus endpoint (``/metrics``); default: Ray picks a free one, written to run.json."""
+    lease_s: float = Field(1.0, ge=0.05, le=600.0)
+    """How long a shard or trainer may act (apply a step, join a quorum) without hearing from the cluster that it still
+    holds its place (``actors.lease``); must be below the time Ray takes to declare a silent host dead
+    (``health_check_period_ms`` x ``health_check_failure_threshold``). A replaced process that may still be alive is
+    waited out this long before its successor loads."""
 
 
 class RunConfig(_Section):

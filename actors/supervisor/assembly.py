@@ -11,12 +11,14 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import ray
 
 from actors.faults import FaultInjector, Killer
 from actors.fleet import ShardFleet, shard_name
+from actors.lease import Fences, LeaseSpec, trainer_place
 from actors.metrics import MetricsHook, RunMetrics
 from actors.nodes import HostWatch, pids_alive
 from actors.shm import remove_process_files_on
@@ -105,9 +107,7 @@ def assemble(inputs: RunInputs, on_crash: Callable[[str, BaseException], None], 
     persist, hooks, run_log = books.persist, HookList(), RunLog(inputs.run_dir, fresh=fresh_files)
     events = EventLog(lock, hooks, persist)
 
-    def start_thread(name: str, fn: Callable, *args) -> threading.Thread:
-        return start_guarded(name, fn, on_crash, *args)
-
+    start_thread = partial(_start_thread, on_crash)
     ck = cfg.checkpoint
     costs = SharedCosts(OnlineCostModel(mtbf_s=ck.mtbf_s, save_cost_s=ck.save_cost_s, load_cost_s=ck.load_cost_s,
                                         reschedule_cost_s=ck.reschedule_cost_s, start_s=time.time()))
@@ -120,14 +120,15 @@ def assemble(inputs: RunInputs, on_crash: Callable[[str, BaseException], None], 
         return count_lost_samples(cfg, inputs.plan, inputs.schedule, inputs.train_cache, span, rows)
 
     ledger = FailureLedger(lock, events, persist, count_lost, start_thread, hooks)
+    fences = Fences(LeaseSpec(run_id, cfg.ray.lease_s))
     trainers = TrainerBook(
         lock, events, persist, hooks, policy, fail=lambda reason: controller.fail(reason),
-        kills=_TrainerKills(ledger, events),
+        kills=_TrainerKills(ledger, events), alive=pids_alive, num_trainers=cfg.training.num_trainers,
         on_commit=lambda step, generation: controller.settle(-1, step, upto_generation=generation),
-        alive=pids_alive, book=AppendLog(inputs.run_dir / BOOK_FILE, fresh=fresh_files),
-        num_trainers=cfg.training.num_trainers,
+        book=AppendLog(inputs.run_dir / BOOK_FILE, fresh=fresh_files),
         samples_per_step=cfg.training.microbatches_per_step * cfg.training.microbatch_rows,
         on_replaced=lambda pid, node: remove_process_files_on(node, run_id, pid),
+        place=lambda rank, pid, node: fences.grant([trainer_place(rank, pid, node)], wait=False),
     )
     hooks.add(RunLogHook(run_log))
     hooks.add(MetricsHook(RunMetrics(run_id, trainers.samples_per_step), trainers.failure_of))
@@ -138,13 +139,13 @@ def assemble(inputs: RunInputs, on_crash: Callable[[str, BaseException], None], 
         c = controller
         return c.shard_nodes(exclude) + spares.nodes(spares.ready() + c.assigned_spares())
 
-    hosts = HostWatch(lambda: _actor_nodes(controller, spares, trainers), lambda info: reporter.on_host_lost(info),
+    hosts = HostWatch(lambda: _actor_nodes(controller, spares, trainers), lambda info: _host_lost(info, reporter, trainers),
                       start_thread=start_thread, tick=lambda: hooks.at_point("thread.host-watch"))
     audit = str(inputs.run_dir / "audit") if cfg.audit_log else None
     fleet = ShardFleet(
         cfg, inputs.plan, run_id, audit, on_death=lambda *a: controller.on_shard_death(*a),
         on_spare_death=lambda *a: spares.on_death(*a), occupied=occupied, avoid=hosts.suspects,
-        start_thread=start_thread, tick=lambda: hooks.at_point("thread.shard-watch"),
+        start_thread=start_thread, tick=lambda: hooks.at_point("thread.shard-watch"), fences=fences,
     )
     spares = SparePool(
         lock, events, persist, fleet, hosts.usable, occupied, lambda: set(controller.shard_nodes()),
@@ -161,7 +162,7 @@ def assemble(inputs: RunInputs, on_crash: Callable[[str, BaseException], None], 
     reporter = HostLossReporter(events, controller.shards_on, trainers.ranks_on, spares.on_node)
     setup = TrainerSetup(
         finished=False, plan=inputs.plan, schedule=inputs.schedule, train_cache=inputs.train_cache,
-        eval_cache=inputs.eval_cache, audit_dir=audit,
+        eval_cache=inputs.eval_cache, audit_dir=audit, lease_run=run_id,
     )
     desk = TrainerDesk(lock, controller, checkpoints, trainers, events, policy, deadlines, setup,
                        lambda step: _position(cfg, inputs.schedule, step), ck.final, run_id)
@@ -175,6 +176,15 @@ def assemble(inputs: RunInputs, on_crash: Callable[[str, BaseException], None], 
                   hosts, costs, policy, deadlines, run_log, faults, killer, _Value())
     _register_books(parts)
     return parts
+
+
+def _start_thread(on_crash: Callable[[str, BaseException], None], name: str, fn: Callable, *args) -> threading.Thread:
+    return start_guarded(name, fn, on_crash, *args)
+
+
+def _host_lost(info: dict, reporter: HostLossReporter, trainers: TrainerBook) -> None:
+    trainers.lose_node(info["node_id"])
+    reporter.on_host_lost(info)
 
 
 def _controller(inputs: RunInputs, lock, events: EventLog, persist, parts: Collaborators) -> RecoveryController:

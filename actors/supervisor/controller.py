@@ -96,7 +96,7 @@ class RecoveryController:
 
     # ------------------------------------------------------------------ deaths
 
-    def on_shard_death(self, k: int, generation: int, cause: str, detected: float) -> None:
+    def on_shard_death(self, k: int, generation: int, cause: str, detected: float, exited: bool = False) -> None:
         """A watched shard actor is gone: decide its recovery and transition. The chain is
         read (and, for a rollback, verified once) outside the lock; a second report of the same
         death meanwhile (the watch, and a recovery that lost the shard) is dropped at once."""
@@ -114,7 +114,7 @@ class RecoveryController:
             death = DeathCause(
                 actor=f"shard:{k}", shard=k, generation=generation, cause=cause, detected_at=round(detected, 3),
                 killed_at=killed_at, detection_s=round(detected - killed_at, 3) if killed_at is not None else None,
-                first_step=self.live_since[k],
+                first_step=self.live_since[k], exited=exited,
             )
         try:
             chain = self._p.partial_chain() if partial else ()

@@ -39,9 +39,14 @@ class RecoveryExecutor:
             return self.rollback(state, committed)
         raise TypeError(f"nothing to execute in state {state!r}")
 
-    def _respawn(self, targets: dict[int, int], spares: dict[int, str]) -> tuple[dict, float]:
+    def _respawn(self, targets: dict[int, int], spares: dict[int, str], causes: tuple) -> tuple[dict, float]:
+        """The new actors of ``targets``; their predecessors' leases are waited out unless Ray
+        saw every one of their processes exit (``causes``)."""
         t0 = time.time()
-        handles, lost = self.fleet.adopt_or_spawn(targets, spares) if targets else ({}, [])
+        exited = {c.shard for c in causes if c.exited}
+        handles, lost = ({}, [])
+        if targets:
+            handles, lost = self.fleet.adopt_or_spawn(targets, spares, predecessors_exited=set(targets) <= exited)
         if lost:
             raise ShardsLost(lost)
         return handles, time.time() - t0
@@ -72,7 +77,7 @@ class RecoveryExecutor:
         """Partial recovery: only the dead shards are replaced (by warm spares where the state
         names one) and loaded, each from its own files of the chain (a shard may fall back
         past a corrupt file of its own: its failure record says which chain it used)."""
-        handles, reschedule_s = self._respawn(state.targets, state.spares)
+        handles, reschedule_s = self._respawn(state.targets, state.spares, state.causes)
         self.hooks.at_point("recovery.spawned")
         loaded, load_s = self._load({k: h for k, (h, _) in handles.items()}, state.chain, "recovery")
         self.hooks.at_point("recovery.loaded")
@@ -87,7 +92,7 @@ class RecoveryExecutor:
                 f"rollback to step {state.step} ({state.why}) has chain {list(state.chain)}, which ends at step "
                 f"{ends_at}: the shards and the dense model would be at different steps"
             )
-        handles, reschedule_s = self._respawn(state.targets, state.spares)
+        handles, reschedule_s = self._respawn(state.targets, state.spares, state.causes)
         missing = [k for k, h in enumerate(committed) if h is None and k not in handles]
         if missing:
             raise ShardsLost(missing)

@@ -63,8 +63,10 @@ class TrainerBook:
         num_trainers: int,
         samples_per_step: int,
         on_replaced: Callable[[int, str], None] = lambda pid, node: None,
+        place: Callable[[int, int | None, str | None], None] = lambda rank, pid, node: None,
     ):
         self._on_replaced = on_replaced
+        self._place = place  # grants rank's place (actors.lease) to a process; pid None: to none
         self._lock = lock
         self._events = events
         self._persist = persist
@@ -102,6 +104,7 @@ class TrainerBook:
                 if known is not None and known.pid is not None:
                     self._on_replaced(known.pid, known.node_id)  # what the dead process left (its slabs)
                 starts = (known.starts if known else 0) + 1
+                self._place(start.rank, start.pid, start.node_id)  # the process it replaces is fenced
                 self._trainers[start.rank] = _Trainer(start.pid, start.node_id, time.time(), starts)
                 self._events.append("trainer_started", rank=start.rank, pid=start.pid, starts=starts,
                                     marks=encode(start.marks))
@@ -275,6 +278,14 @@ class TrainerBook:
     def nodes(self) -> set:
         with self._lock:
             return {t.node_id for t in self._trainers.values()}
+
+    def lose_node(self, node_id: str) -> None:
+        """Ray declared ``node_id`` dead: its trainers lose their places (one cut off there and
+        back exits instead of stepping on)."""
+        with self._lock:
+            for rank, t in self._trainers.items():
+                if t.node_id == node_id:
+                    self._place(rank, None, node_id)
 
     def ranks_on(self, node_id: str) -> list[str]:
         with self._lock:

@@ -18,6 +18,7 @@ import ray.train
 import torch
 
 from actors.client import SupervisorClient
+from actors.lease import Lease, LeaseSpec, trainer_place
 from actors.trainer.collective import sum_over_trainers, use_node_interface
 from actors.trainer.evaluate import evaluate
 from actors.trainer.pipeline import Prefetcher, microbatch_loader
@@ -90,13 +91,13 @@ def _make_trainer(rank: int, cfg: RunConfig, supervisor: SupervisorClient, setup
     marks["model"] = time.time()
     manager, pg = _make_manager(rank, cfg, model, optimizer, loop_config)
     marks["manager"] = time.time()
-    _register(rank, cfg, supervisor, StartMarks(**marks))
+    lease = _register(rank, cfg, supervisor, StartMarks(**marks), setup.lease_run)
     trainer = Trainer(
         rank=rank, cfg=cfg, supervisor=supervisor, shards=shards, schedule=setup.schedule, model=model,
         optimizer=optimizer, manager=manager, pg=pg,
         prefetch=Prefetcher(microbatch_loader(train_file, setup.schedule, setup.plan)),
         generation=setup.generation, next_checkpoint=setup.next_checkpoint_step, resume=setup.resume,
-        replacement=setup.training_started, initial_state=initial_state, audit=_audit_file(setup, rank),
+        replacement=setup.training_started, initial_state=initial_state, audit=_audit_file(setup, rank), lease=lease,
     )
     # A resumed run, or a trainer Ray Train started to replace a dead one: begin at the last
     # checkpoint. A live peer further ahead heals this trainer in its first quorum.
@@ -144,20 +145,28 @@ def _make_manager(rank: int, cfg: RunConfig, model, optimizer, loop_config: dict
     return manager, pg
 
 
-def _register(rank: int, cfg: RunConfig, supervisor: SupervisorClient, marks: StartMarks) -> None:
+def _register(rank: int, cfg: RunConfig, supervisor: SupervisorClient, marks: StartMarks,
+              lease_run: str | None) -> Lease | None:
     """Start together: a quorum formed before the last trainer has its Manager would leave it
     healing instead of training. A replacement for a dead trainer does not wait. Then the
-    torch threads: the cores this trainer may use, divided among the trainers on its node
-    (the shards there are idle while trainers run the dense model)."""
+    lease on its rank (the supervisor granted it at the registration): from now on it joins
+    quorums and calls the supervisor only while it holds it. Then the torch threads: the
+    cores this trainer may use, divided among the trainers on its node (the shards there are
+    idle while trainers run the dense model)."""
     node_id = ray.get_runtime_context().get_node_id()
     deadline = time.monotonic() + cfg.training.collective_timeout_s
     while not supervisor.register_trainer(TrainerStart(rank, os.getpid(), node_id, marks)):
         if time.monotonic() > deadline:
             break
         time.sleep(0.05)
+    lease = None
+    if lease_run is not None:
+        lease = LeaseSpec(lease_run, cfg.ray.lease_s).lease(trainer_place(rank, os.getpid(), node_id)).start()
+        supervisor.guard = lease.hold
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     threads = cfg.training.threads_per_worker or max(1, cores // max(1, supervisor.trainers_on_node(node_id)))
     torch.set_num_threads(threads)
+    return lease
 
 
 def _audit_file(setup: TrainerSetup, rank: int):

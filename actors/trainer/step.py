@@ -79,6 +79,7 @@ class Trainer:
     replacement: bool
     initial_state: dict
     audit: object | None = None  # the audit log file, when the run keeps one
+    lease: object | None = None  # its place in the run (actors.lease.Lease), when the run keeps leases
     phases: PhaseTimer = field(default_factory=PhaseTimer)
     started_s: float = field(default_factory=time.perf_counter)
     first_quorum: bool = True
@@ -98,6 +99,8 @@ class Trainer:
     def quorum(self) -> Attempt:
         """Joins this step's quorum; a replacement's first formed quorum decides what it does."""
         self.phases.start()
+        if self.lease is not None:
+            self.lease.hold()  # a trainer replaced meanwhile (its host cut off and back) exits here
         self.manager.start_quorum()
         self.manager.wait_quorum()
         self.phases.lap("quorum")
