@@ -115,7 +115,8 @@ class TrainingJob:
         # Ray Train's modules (and torch: 3.0 s) load for fit() while Ray starts and the data is
         # preprocessed. Inputs that do not exist or cannot be read fail before Ray starts, and so
         # does data of one chunk per store (one task: the driver's) where the run starts its Ray.
-        threading.Thread(target=_import_ray_train, name="import-ray-train", daemon=True).start()
+        # Not a daemon: a run failing meanwhile must not exit with torch half-imported (tracebacks).
+        threading.Thread(target=_import_ray_train, name="import-ray-train", daemon=False).start()
         inputs = resolve_data(cfg)
         if early := one_task_each(cfg, inputs) and not cluster_address(cfg):
             self.data, self._t["data"] = build_stores(cfg, inputs), time.perf_counter()

@@ -122,7 +122,7 @@ def _on_host(run_dir: Path, kind: str, ip: str, after: float) -> list[dict]:
 
 def test_training_across_hosts_survives_the_loss_of_a_host_and_a_partition(local_cluster, tmp_path):
     cluster = local_cluster
-    cfg = _config(cluster, "hostloss", **{"training.epochs": 6})
+    cfg = _config(cluster, "hostloss", **{"training.epochs": 5})
     run_dir = cluster.shared / "hostloss"
     run_dir.mkdir()
     # The hosts' processes write their pids in their own PID namespaces: cpr verify checks

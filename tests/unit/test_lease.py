@@ -8,7 +8,6 @@ import pytest
 
 from actors.lease import Fences, Lease, LeaseSpec, lease_key, shard_place, trainer_place
 
-pytestmark = pytest.mark.unit
 
 
 class Clock:
