@@ -30,12 +30,18 @@ from collections.abc import Callable
 
 from ray.experimental.internal_kv import internal_kv_get_gcs_client
 
-__all__ = ["Lease", "Fences", "LeaseSpec", "FENCED_EXIT", "lease_key", "gcs_kv", "shard_place", "trainer_place"]
+__all__ = ["Lease", "Fences", "Fenced", "LeaseSpec", "FENCED_EXIT", "lease_key", "gcs_kv", "shard_place",
+           "trainer_place"]
 
 logger = logging.getLogger(__name__)
 
 NAMESPACE = b"cpr-lease"
 FENCED_EXIT = 75  # the exit code of a fenced process
+_WRITE_TIMEOUT_S = 10.0
+
+
+class Fenced(RuntimeError):
+    """This process's place belongs to another: it must not act (it is exiting)."""
 
 Read = Callable[[bytes, float], "bytes | None"]
 Write = Callable[[bytes, bytes], None]
@@ -67,7 +73,7 @@ def gcs_kv() -> tuple[Read, Write]:
         return client.internal_kv_get(key, NAMESPACE, timeout=timeout_s)
 
     def write(key: bytes, value: bytes) -> None:
-        client.internal_kv_put(key, value, True, NAMESPACE)
+        client.internal_kv_put(key, value, True, NAMESPACE, timeout=_WRITE_TIMEOUT_S)
 
     return read, write
 
@@ -92,8 +98,9 @@ class LeaseSpec:
 
 class Lease:
     """Held by ``holder`` while the key names it (or is unset) as of a read less than
-    ``term_s`` ago. ``hold()`` blocks until it is; a read of another holder calls
-    ``on_fenced`` (which exits the process)."""
+    ``term_s`` ago. ``hold()`` returns once a quarter term of it is left at least (the act
+    that follows must end within it); a read of another holder calls ``on_fenced`` (which
+    exits the process) and every ``hold()`` raises ``Fenced`` from then on."""
 
     def __init__(self, key: bytes, holder: str, term_s: float, read: Read | None = None,
                  on_fenced: Callable[[str, str], None] = _exit_fenced, clock: Callable[[], float] = time.monotonic):
@@ -127,10 +134,11 @@ class Lease:
             logger.warning("lease %s not renewed: %s", self.key.decode(), err)
             return
         if value is not None and value.decode() != self.holder:
-            with self._changed:
+            with self._changed:  # from now on no hold() returns; then the process exits
                 self.fenced_by = value.decode()
-                self._changed.notify_all()
             self._on_fenced(self.holder, self.fenced_by)
+            with self._changed:
+                self._changed.notify_all()
             return
         with self._changed:
             self._until = max(self._until, sent + self.term_s)
@@ -141,20 +149,21 @@ class Lease:
         while not self._stop.wait(self.term_s / 4):
             self.renew()
 
-    def valid(self) -> bool:
-        return self.fenced_by is None and self._clock() < self._until
+    def valid(self, margin_s: float = 0.0) -> bool:
+        return self.fenced_by is None and self._clock() + margin_s < self._until
 
     def hold(self, timeout_s: float | None = None) -> bool:
-        """Waits until the lease is held; False if ``timeout_s`` passed first or it was fenced."""
+        """Waits until at least a quarter term of the lease is left; False if ``timeout_s``
+        passed first. Raises ``Fenced`` once another holder was read."""
         deadline = None if timeout_s is None else self._clock() + timeout_s
         with self._changed:
-            while not self.valid():
+            while not self.valid(self.term_s / 4):
                 if self.fenced_by is not None:
-                    return False
+                    raise Fenced(f"{self.key.decode()}: {self.holder} was replaced by {self.fenced_by}")
                 left = None if deadline is None else deadline - self._clock()
                 if left is not None and left <= 0:
                     return False
-                self._changed.wait(min(self.term_s / 4, left) if left is not None else self.term_s / 4)
+                self._changed.wait(min(self.term_s / 8, left) if left is not None else self.term_s / 8)
             return True
 
 

@@ -271,11 +271,13 @@ class EmbeddingShard:
         if not self._pending.completes(step, chunk):
             chunk.grad = self._shm.get(grad)  # kept until the step's other chunks arrive: a copy
             return PushResult(applied=False)
+        if self._lease is not None and not self._lease.hold(timeout_s=2 * self._lease.term_s):
+            # The cluster did not confirm this shard's place in time: not applied, the step is
+            # redone (a process replaced meanwhile raises Fenced here and exits).
+            return PushResult(applied=False, stale=True)
         # This chunk completes the step, which applies now: a gradient in shared memory is
         # read in place (the trainer does not touch its slab before this call returns).
         chunk.grad = self._shm.view(grad)
-        if self._lease is not None:
-            self._lease.hold()  # a process replaced meanwhile exits here instead
         self._apply(step)
         return PushResult(applied=True)
 

@@ -147,7 +147,7 @@ def check_cluster_fits(cfg: RunConfig) -> None:
     if max(emb.num_cpus, TRAINER_CPUS) > biggest + 1e-9:
         short.append(f"one process needs {max(emb.num_cpus, TRAINER_CPUS):g} CPUs and the largest node has {biggest:g}")
     if not short:
-        return
+        return _check_lease(cfg)
     raise ConfigError(
         f"the cluster is too small for this config: it needs {'; '.join(short)} "
         f"({emb.num_shards} shards + {emb.spares} spares at embeddings.num_cpus={emb.num_cpus:g}"
@@ -155,6 +155,26 @@ def check_cluster_fits(cfg: RunConfig) -> None:
         + f", {cfg.training.num_trainers} trainers at 1 CPU). Lower training.num_trainers, embeddings.spares, "
         "embeddings.num_shards or embeddings.num_cpus, or give Ray more (ray start --num-cpus, more nodes)"
     )
+
+
+def node_death_s() -> float:
+    """How long Ray's GCS waits for a silent node before it declares it dead:
+    ``health_check_period_ms`` x ``health_check_failure_threshold`` as this process's Ray reads
+    them (its ``RAY_`` environment, else Ray's defaults: 15 s)."""
+    cfg = ray._raylet.Config
+    return cfg.health_check_period_ms() * cfg.health_check_failure_threshold() / 1000.0
+
+
+def _check_lease(cfg: RunConfig) -> None:
+    """A cut-off process must stop acting (``actors.lease``) before Ray declares its host dead
+    and the run replaces it."""
+    death_s = node_death_s()
+    if cfg.ray.lease_s >= death_s:
+        raise ConfigError(
+            f"ray.lease_s={cfg.ray.lease_s:g} must be below the {death_s:g} s this cluster takes to declare a silent "
+            f"host dead (health_check_period_ms x health_check_failure_threshold): a process cut off from the "
+            f"cluster could act after its replacement started. Allowed: 0.05 <= ray.lease_s < {death_s:g}"
+        )
 
 
 def metrics_url() -> str | None:

@@ -100,16 +100,22 @@ class TrainerBook:
         group registered, or training is under way (a replacement joins the running quorum)."""
         with self._lock:
             known = self._trainers.get(start.rank)
-            if known is None or known.pid != start.pid:  # a new process (the call repeats until all are in)
+            # A new process (the call repeats until all are in); pids repeat across hosts.
+            new = known is None or (known.pid, known.node_id) != (start.pid, start.node_id)
+            if new:
                 if known is not None and known.pid is not None:
                     self._on_replaced(known.pid, known.node_id)  # what the dead process left (its slabs)
                 starts = (known.starts if known else 0) + 1
-                self._place(start.rank, start.pid, start.node_id)  # the process it replaces is fenced
                 self._trainers[start.rank] = _Trainer(start.pid, start.node_id, time.time(), starts)
                 self._events.append("trainer_started", rank=start.rank, pid=start.pid, starts=starts,
                                     marks=encode(start.marks))
                 self._persist()
-            return self._started or len(self._trainers) >= self.num_trainers
+            ready = self._started or len(self._trainers) >= self.num_trainers
+        if new:
+            # Its place (actors.lease): the process it replaces is fenced. Outside the lock (a GCS
+            # write); a failure fails this call, and the trainer's next process registers again.
+            self._place(start.rank, start.pid, start.node_id)
+        return ready
 
     def on_node(self, node_id: str) -> int:
         with self._lock:
@@ -283,9 +289,12 @@ class TrainerBook:
         """Ray declared ``node_id`` dead: its trainers lose their places (one cut off there and
         back exits instead of stepping on)."""
         with self._lock:
-            for rank, t in self._trainers.items():
-                if t.node_id == node_id:
-                    self._place(rank, None, node_id)
+            ranks = [rank for rank, t in self._trainers.items() if t.node_id == node_id]
+        for rank in ranks:
+            try:
+                self._place(rank, None, node_id)
+            except Exception as err:  # noqa: BLE001 - its lease runs out by itself (ray.lease_s)
+                logger.warning("could not take trainer %d's place on lost node %s: %s", rank, node_id, err)
 
     def ranks_on(self, node_id: str) -> list[str]:
         with self._lock:

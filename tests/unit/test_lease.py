@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from actors.lease import Fences, Lease, LeaseSpec, lease_key, shard_place, trainer_place
+from actors.lease import Fenced, Fences, Lease, LeaseSpec, lease_key, shard_place, trainer_place
 
 
 
@@ -81,7 +81,9 @@ def test_a_successor_named_in_the_key_fences_the_predecessor_even_inside_its_ter
     fences.grant([shard_place(3, 2)], wait=False)
     old.renew()
     assert fenced == [("g1", "g2")]
-    assert not old.valid() and not old.hold(timeout_s=5.0)
+    assert not old.valid()
+    with pytest.raises(Fenced):  # however it is called: no caller can go on
+        old.hold(timeout_s=5.0)
     new, fenced_new = _lease(kv, clock, shard_place(3, 2))
     new.renew()
     assert new.valid() and fenced_new == []
@@ -124,6 +126,29 @@ def test_a_grant_waits_out_the_term_unless_the_predecessor_exited():
     kv.data[lease_key("run", "shard-1")] = b"g5"
     clock.now += 0.75
     assert not pred.valid()
+
+
+def test_hold_returns_only_with_a_quarter_term_left_for_the_act_that_follows():
+    kv, clock = KV(), Clock()
+    lease, _ = _lease(kv, clock, term=1.0)
+    lease.renew()  # held until 101.0
+    kv.reachable = False
+    clock.now = 100.7
+    assert lease.valid() and lease.hold(timeout_s=0)
+    clock.now = 100.8  # 0.2 s left: still valid, but too little to begin an act
+    assert lease.valid() and not lease.hold(timeout_s=0)
+
+
+def test_a_fence_read_while_a_caller_waits_raises_in_that_caller():
+    kv, clock = KV(), Clock()
+    lease, fenced = _lease(kv, clock)
+    lease.renew()
+    clock.now += 2.0  # expired: a caller would wait for the next read
+    kv.write(lease_key("run", "shard-0"), b"g2")
+    lease.renew()
+    with pytest.raises(Fenced):
+        lease.hold(timeout_s=1.0)
+    assert fenced == [("g1", "g2")]
 
 
 def test_keys_are_per_run():
