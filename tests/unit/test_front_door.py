@@ -5,13 +5,15 @@ newest), a summary never shows a negative zero, and what a run asks of a cluster
 from __future__ import annotations
 
 import click
+import pytest
 from click.testing import CliRunner
 
 from app.cli import main
 from app.logs import point_latest
-from app.rayenv import resources_needed
+from app.rayenv import _check_lease, node_death_s, resources_needed
 from app.summary import _fmt
 from core.config import config_from_dict, load_config
+from core.errors import ConfigError
 
 
 def _commands(group: click.Group, prefix: str = "") -> dict[str, click.Command]:
@@ -73,6 +75,15 @@ def test_resources_a_run_holds_at_once():
         "training": {"num_trainers": 4},
     })
     assert resources_needed(cfg) == {"CPU": 5 * 0.5 + 4, "GPU": 5 * 0.25}
+
+
+def test_a_lease_as_long_as_rays_node_death_timeout_is_refused_naming_the_field():
+    death = node_death_s()  # Ray's defaults here: 3 s x 5
+    data = {"train": ["t.tsv"], "eval": ["e.tsv"]}
+    _check_lease(config_from_dict({"data": data, "ray": {"lease_s": death / 2}}))
+    with pytest.raises(ConfigError) as refused:
+        _check_lease(config_from_dict({"data": data, "ray": {"lease_s": death}}))
+    assert "ray.lease_s" in str(refused.value) and f"< {death:g}" in str(refused.value)
 
 
 def test_the_lost_samples_line_names_the_step_the_shard_failed_at():
