@@ -196,7 +196,7 @@ class Progress:
     samples_per_s: float
     trainers: int
     phase_s: PhaseTimes = PhaseTimes()
-    time: float = 0.0  # set by the supervisor when it records it
+    time: float = 0.0  # when the trainer sent it (else when the supervisor recorded it)
 
 
 @dataclass(frozen=True)

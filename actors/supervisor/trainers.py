@@ -5,6 +5,7 @@ rewritten with the journal; the rest is journaled with the other parts."""
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import logging
 import threading
@@ -204,9 +205,12 @@ class TrainerBook:
     # ------------------------------------------------------------------ progress
 
     def progress(self, p: Progress) -> Progress:
-        record = dataclasses.replace(p, time=round(time.time(), 3))
+        """Kept in the order the trainers sent them: the supervisor runs calls on several
+        threads, so two reports a step apart may be recorded the other way round (a clock
+        counting steps from the last one, as the emulation's, would count a step twice)."""
+        record = p if p.time else dataclasses.replace(p, time=round(time.time(), 3))
         with self._lock:
-            self._progress.append(record)
+            bisect.insort(self._progress, record, key=lambda r: r.time)
         self._hooks.on_progress(record)
         return record
 

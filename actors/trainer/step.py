@@ -312,6 +312,6 @@ class Trainer:
             self.supervisor.record_progress(Progress(
                 step=done, total_steps=total, loss=self.loss_sum / max(self.loss_rows, 1),
                 samples_per_s=self.steps_since * samples_per_step / max(now - self.t_last, 1e-9),
-                trainers=self.manager.num_participants(), phase_s=self.phases.take(),
+                trainers=self.manager.num_participants(), phase_s=self.phases.take(), time=round(time.time(), 3),
             ))
             self.loss_sum, self.loss_rows, self.steps_since, self.t_last = 0.0, 0, 0, now

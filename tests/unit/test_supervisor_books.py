@@ -391,3 +391,4 @@ def test_a_withdrawn_kill_leaves_the_books_and_only_that_one():
     assert ledger.withdraw_kill(second) and not ledger.withdraw_kill(second)
     assert ledger.kills() == (first,)
     assert ledger.kill_of("shard:0", before=13.0) == first
+
