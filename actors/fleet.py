@@ -171,8 +171,12 @@ class ShardFleet:
         """Starts shard ``k`` under ``generation``; with ``taken`` (node ids of the run's other
         shards and spares) it goes, softly, to the node holding the fewest of them, and its
         node is appended to ``taken``."""
-        extra = self._place(taken) if taken is not None else {}
         self._grant({k: generation}, wait=False)
+        return self._spawn(k, generation, taken)
+
+    def _spawn(self, k: int, generation: int, taken: list | None):
+        """``spawn`` of a place already granted."""
+        extra = self._place(taken) if taken is not None else {}
         return self._actor_class().options(**self._options(shard_name(self.run_id, k, generation), **extra)).remote(
             shard_id=k, slices=list(self.plan.shards[k]), generation=generation, **self._args()
         )
@@ -222,7 +226,7 @@ class ShardFleet:
                 if handles[k] is not None:
                     refs[k] = handles[k].adopt.remote(k, list(self.plan.shards[k]), g)
             else:
-                handles[k] = self.find(k, g) or self.spawn(k, g, taken)
+                handles[k] = self.find(k, g) or self._spawn(k, g, taken)
                 refs[k] = handles[k].ready.remote()
         # A new process needs its start time; an adopted spare is a call to a started process.
         wait_s = self.start_timeout_s if set(targets) - set(spares) else self.timeout_s

@@ -43,6 +43,7 @@ _WRITE_TIMEOUT_S = 10.0
 class Fenced(RuntimeError):
     """This process's place belongs to another: it must not act (it is exiting)."""
 
+
 Read = Callable[[bytes, float], "bytes | None"]
 Write = Callable[[bytes, bytes], None]
 
@@ -110,9 +111,7 @@ class Lease:
         self._clock = clock
         self._until = float("-inf")
         self._changed = threading.Condition()
-        self._stop = threading.Event()
         self.fenced_by: str | None = None
-        self.renewals = 0
 
     def start(self) -> Lease:
         """One renewal now (the caller holds the lease when this returns, unless fenced), then
@@ -122,9 +121,6 @@ class Lease:
         self.renew()
         threading.Thread(target=self._loop, name="lease", daemon=True).start()
         return self
-
-    def stop(self) -> None:
-        self._stop.set()
 
     def renew(self) -> None:
         sent = self._clock()
@@ -142,11 +138,11 @@ class Lease:
             return
         with self._changed:
             self._until = max(self._until, sent + self.term_s)
-            self.renewals += 1
             self._changed.notify_all()
 
-    def _loop(self) -> None:
-        while not self._stop.wait(self.term_s / 4):
+    def _loop(self) -> None:  # for the process's lifetime (a shard or trainer holds one place)
+        while True:
+            time.sleep(self.term_s / 4)
             self.renew()
 
     def valid(self, margin_s: float = 0.0) -> bool:

@@ -136,7 +136,9 @@ def resources_needed(cfg: RunConfig) -> dict[str, float]:
 def check_cluster_fits(cfg: RunConfig) -> None:
     """Raises ConfigError, before anything is placed, when the connected cluster cannot hold
     the run: its shards, spares and trainers would otherwise wait for resources that never come
-    (Ray Train retries a worker group it cannot place)."""
+    (Ray Train retries a worker group it cannot place), or its leases would outlast Ray's
+    verdict on a silent host (``_check_lease``)."""
+    _check_lease(cfg)
     need = resources_needed(cfg)
     nodes = [n["Resources"] for n in ray.nodes() if n.get("Alive")]
     have = {r: sum(n.get(r, 0.0) for n in nodes) for r in need}
@@ -147,7 +149,7 @@ def check_cluster_fits(cfg: RunConfig) -> None:
     if max(emb.num_cpus, TRAINER_CPUS) > biggest + 1e-9:
         short.append(f"one process needs {max(emb.num_cpus, TRAINER_CPUS):g} CPUs and the largest node has {biggest:g}")
     if not short:
-        return _check_lease(cfg)
+        return
     raise ConfigError(
         f"the cluster is too small for this config: it needs {'; '.join(short)} "
         f"({emb.num_shards} shards + {emb.spares} spares at embeddings.num_cpus={emb.num_cpus:g}"

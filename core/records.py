@@ -260,7 +260,6 @@ class TrainerSetup:
     training_started: bool = False
     next_checkpoint_step: int | None = None
     audit_dir: str | None = None
-    lease_run: str | None = None  # the run id the trainer's lease is kept under (actors.lease); None: no lease
 
 
 @dataclass(frozen=True)

@@ -162,7 +162,7 @@ def assemble(inputs: RunInputs, on_crash: Callable[[str, BaseException], None], 
     reporter = HostLossReporter(events, controller.shards_on, trainers.ranks_on, spares.on_node)
     setup = TrainerSetup(
         finished=False, plan=inputs.plan, schedule=inputs.schedule, train_cache=inputs.train_cache,
-        eval_cache=inputs.eval_cache, audit_dir=audit, lease_run=run_id,
+        eval_cache=inputs.eval_cache, audit_dir=audit,
     )
     desk = TrainerDesk(lock, controller, checkpoints, trainers, events, policy, deadlines, setup,
                        lambda step: _position(cfg, inputs.schedule, step), ck.final, run_id)

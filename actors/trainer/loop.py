@@ -91,7 +91,7 @@ def _make_trainer(rank: int, cfg: RunConfig, supervisor: SupervisorClient, setup
     marks["model"] = time.time()
     manager, pg = _make_manager(rank, cfg, model, optimizer, loop_config)
     marks["manager"] = time.time()
-    lease = _register(rank, cfg, supervisor, StartMarks(**marks), setup.lease_run)
+    lease = _register(rank, cfg, supervisor, StartMarks(**marks), loop_config.get("run_id"))
     trainer = Trainer(
         rank=rank, cfg=cfg, supervisor=supervisor, shards=shards, schedule=setup.schedule, model=model,
         optimizer=optimizer, manager=manager, pg=pg,
@@ -146,7 +146,7 @@ def _make_manager(rank: int, cfg: RunConfig, model, optimizer, loop_config: dict
 
 
 def _register(rank: int, cfg: RunConfig, supervisor: SupervisorClient, marks: StartMarks,
-              lease_run: str | None) -> Lease | None:
+              run_id: str | None) -> Lease | None:
     """Start together: a quorum formed before the last trainer has its Manager would leave it
     healing instead of training. A replacement for a dead trainer does not wait. Then the
     lease on its rank (the supervisor granted it at the registration): from now on it joins
@@ -160,8 +160,8 @@ def _register(rank: int, cfg: RunConfig, supervisor: SupervisorClient, marks: St
             break
         time.sleep(0.05)
     lease = None
-    if lease_run is not None:
-        lease = LeaseSpec(lease_run, cfg.ray.lease_s).lease(trainer_place(rank, os.getpid(), node_id)).start()
+    if run_id:
+        lease = LeaseSpec(run_id, cfg.ray.lease_s).lease(trainer_place(rank, os.getpid(), node_id)).start()
         supervisor.guard = lease.hold
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     threads = cfg.training.threads_per_worker or max(1, cores // max(1, supervisor.trainers_on_node(node_id)))
