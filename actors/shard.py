@@ -20,7 +20,8 @@ from core.logs import configure_process_logging
 from core.plan import TableSlice
 from core.records import CheckpointFallback, LoadResult, PushResult, ShardInfo, ShardState, Snapshot, WrittenPart
 from actors.lease import LeaseSpec, shard_place
-from actors.shard_chunks import PendingSteps, merge_chunks, offsets, writable
+from actors.shard_chunks import PendingSteps, at_idle_priority, init_weights, load_kernel, merge_chunks, offsets, writable
+from actors.shard_link import LinkServer, exclusive, link_supported
 from actors.shard_save import ShardCheckpoints
 from actors.shm import ShmArray, ShmReader
 
@@ -58,24 +59,14 @@ class EmbeddingShard:
         """``shard_id`` None: a warm spare (``spare`` names it). It imports torch and fbgemm
         and then waits, holding no table memory, until ``adopt`` makes it a shard."""
         role = spare.rsplit("-", 1)[-1] if spare else f"shard-{shard_id}"
+        # Held by every method of the default concurrency group and by the link's requests
+        # (actors.shard_link), which run on their own threads.
+        self._lock = threading.RLock()
         configure_process_logging(log_dir, role, ray.util.get_node_ip_address())
-        # The supervisor imports this module to create shard actors and must not load these:
-        # they load here, in the shard's own process.
-        import torch  # import cost: 1.4 s (measured, 2-core, cold)
-        from fbgemm_gpu.split_embedding_configs import EmbOptimType  # import cost: fbgemm_gpu 1.9 s (2-core, cold)
-        from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocation  # import cost: as above
-        from fbgemm_gpu.split_table_batched_embeddings_ops_training import (  # import cost: as above
-            ComputeDevice,
-            SplitTableBatchedEmbeddingBagsCodegen,
-        )
-
-        torch.set_num_threads(threads)
-        self._torch = torch
-        self._tbe_cls, self._optim = SplitTableBatchedEmbeddingBagsCodegen, EmbOptimType.EXACT_ROWWISE_ADAGRAD
-        on_gpu = torch.cuda.is_available()
-        self.device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
-        self._location = EmbeddingLocation.DEVICE if on_gpu else EmbeddingLocation.HOST
-        self._compute = ComputeDevice.CUDA if on_gpu else ComputeDevice.CPU
+        # A spare warms up (imports torch and fbgemm: seconds of CPU) only on CPU time nobody
+        # else wants: beside a training run on a small node it would slow the steps down.
+        kernel = at_idle_priority(load_kernel, threads) if spare else load_kernel(threads)
+        self._torch, self._tbe_cls, self._optim, self.device, self._location, self._compute = kernel
         self.dim = dim
         self.learning_rate, self.eps = learning_rate, eps
         self.seed = seed
@@ -94,7 +85,11 @@ class EmbeddingShard:
         else:
             # A spare does now what a recovery would otherwise wait for: the lazy imports of
             # load and save (its tables are not allocated until adopt).
-            warm_up()
+            at_idle_priority(warm_up)
+        # Trainers on this node call lookup and push_grads over a socket, not Ray.
+        self._link = LinkServer(
+            {"lookup": self.lookup, "lookup_eval": self.lookup_eval, "push_grads": self.push_grads}, role
+        ) if link_supported() else None
 
     def _become(self, shard_id: int, slices: list[TableSlice], generation: int, init: bool) -> None:
         """Allocates the tables of ``slices`` and every per-shard structure. ``init`` False
@@ -139,6 +134,7 @@ class EmbeddingShard:
         if init:
             self._ckpt.prepare_snapshot_buffer()
 
+    @exclusive
     def adopt(self, shard_id: int, slices: list[TableSlice], generation: int) -> ShardInfo:
         """A warm spare becomes shard ``shard_id`` of ``generation``: its tables are allocated
         now (a spare holds no table memory). Idempotent for the same shard and generation (a
@@ -159,16 +155,7 @@ class EmbeddingShard:
         return dataclasses.replace(self.ready(), adopt_s=time.perf_counter() - t0)
 
     def _init_weights(self, seed: int) -> None:
-        # DLRM's init, uniform(+-sqrt(1/rows)), seeded per (table, row_start) so a slice
-        # gets the same rows whichever shard holds it.
-        torch = self._torch
-        with torch.no_grad():
-            for s, w in zip(self.slices, self.tbe.split_embedding_weights()):
-                table_rows = max(s.row_end, 1)
-                gen = torch.Generator().manual_seed(seed * 1_000_003 + s.table * 7919 + s.row_start)
-                bound = float(np.sqrt(1.0 / table_rows))
-                init = torch.empty(w.shape).uniform_(-bound, bound, generator=gen)
-                w.copy_(init.to(w.device))
+        init_weights(self._torch, self.tbe, self.slices, seed)
         self._initialized = True
 
     def watch(self) -> None:
@@ -177,6 +164,7 @@ class EmbeddingShard:
         own signal, no polling."""
         self._released.wait()
 
+    @exclusive
     def reset_to_init(self, why: str = "recovery") -> LoadResult:
         """Back to the initial rows and empty Adagrad state: the state of step 0 (an empty
         chain). ``why`` (recovery or rollback) goes to the audit log."""
@@ -203,14 +191,12 @@ class EmbeddingShard:
     def ready(self) -> ShardInfo:
         """Identifies the process (used to kill it in chaos tests) and its size."""
         return ShardInfo(
-            shard_id=self.shard_id,
-            spare=self.spare,
-            generation=self.generation,
-            pid=os.getpid(),
+            shard_id=self.shard_id, spare=self.spare, generation=self.generation, pid=os.getpid(),
             node_id=ray.get_runtime_context().get_node_id(),
             node_ip=ray.util.get_node_ip_address(),
             rows=sum(s.num_rows for s in self.slices) if self.shard_id is not None else 0,
             device=str(self.device),
+            link=self._link.address if self._link is not None else None,
         )
 
     def _forward(self, lengths: np.ndarray, indices: np.ndarray, grad: bool):
@@ -222,6 +208,7 @@ class EmbeddingShard:
         with torch.no_grad():
             return self.tbe(idx, off)
 
+    @exclusive
     def lookup(
         self,
         step: int,
@@ -230,24 +217,29 @@ class EmbeddingShard:
         indices: np.ndarray | ShmArray,
         out: ShmArray | None = None,
     ) -> np.ndarray | ShmArray:
-        """Pooled embeddings float32 [B, S*D] of a trainer's microbatches of ``step``
-        (written to ``out`` when given: a trainer on this node, see actors.shm).
-
-        The ids are kept until the step's gradients arrive, so the trainer does not send
-        them twice.
-        """
+        """Pooled embeddings float32 [B, S*D] of a trainer's microbatches of ``step`` (written
+        to ``out`` when given: a trainer on this node, see actors.shm). The ids are kept until
+        the step's gradients arrive, so the trainer does not send them twice."""
         t0 = time.perf_counter()
         lengths, indices = self._shm.get(lengths), self._shm.get(indices)
+        graph = None
         if step > self.applied_step:
-            self._pending.add(step, microbatches, lengths, indices)
+            # A chunk that is the whole step keeps the kernel's autograd record of this
+            # lookup: the step's update is then its backward, with no second forward.
+            whole = len(microbatches) >= self.microbatches_per_step
+            pooled = graph = self._forward(lengths, indices, grad=whole)
+            self._pending.add(step, microbatches, lengths, indices, graph if whole else None)
             if self._ckpt.tracking:
                 t_track = time.perf_counter()
                 self._ckpt.observe(lengths, indices)
                 self.tracking_s += time.perf_counter() - t_track
-        pooled = self._shm.put(out, self._forward(lengths, indices, grad=False).cpu().numpy())
+        else:
+            pooled = self._forward(lengths, indices, grad=False)
+        out = self._shm.put(out, pooled.detach().cpu().numpy())
         self.compute_s += time.perf_counter() - t0
-        return pooled
+        return out
 
+    @exclusive
     def lookup_eval(
         self, lengths: np.ndarray | ShmArray, indices: np.ndarray | ShmArray, out: ShmArray | None = None
     ) -> np.ndarray | ShmArray:
@@ -255,6 +247,7 @@ class EmbeddingShard:
         lengths, indices = self._shm.get(lengths), self._shm.get(indices)
         return self._shm.put(out, self._forward(lengths, indices, grad=False).cpu().numpy())
 
+    @exclusive
     def push_grads(self, step: int, microbatches: tuple[int, ...], grad: np.ndarray | ShmArray) -> PushResult:
         """Stores the pooled-embedding gradient of a chunk; applies the step when complete.
 
@@ -287,7 +280,9 @@ class EmbeddingShard:
         ordered = self._pending.ordered(step)
         self.applied_microbatches.append((step, tuple(m for c in ordered for m in c.microbatches)))
         lengths, indices, grad = merge_chunks(ordered)
-        pooled = self._forward(lengths, indices, grad=True)
+        pooled = ordered[0].graph if len(ordered) == 1 and ordered[0].graph is not None else None
+        if pooled is None:
+            pooled = self._forward(lengths, indices, grad=True)
         pooled.backward(torch.from_numpy(writable(grad)).to(self.device))
         self.rows_updated_total += int(indices.size)
         if self.first_step_after_load is None:
@@ -299,6 +294,7 @@ class EmbeddingShard:
         self.steps_dropped += self._pending.drop_through(step)
         self.compute_s += time.perf_counter() - t0
 
+    @exclusive
     def state(self) -> ShardState:
         """Counters for the report."""
         return ShardState(
@@ -317,6 +313,7 @@ class EmbeddingShard:
         if self._audit is not None:
             self._audit.write(json.dumps({"t": round(time.time(), 6), "gen": self.generation, **record}) + "\n")
 
+    @exclusive
     def save_checkpoint(
         self, uri: str, step: int, save_index: int = 0, confirmed_step: int | None = None, full: bool = False
     ) -> Snapshot:
@@ -346,12 +343,14 @@ class EmbeddingShard:
         save of ``step`` is in flight (this process did not take its snapshot)."""
         return self._ckpt.written(step)
 
+    @exclusive
     def confirm_save(self, step: int | None) -> None:
         """Phase two of a save: the manifest of ``step`` committed, so the rows this shard wrote
         for it are saved (``ShardCheckpoints.confirm``). A save that is never confirmed (its
         manifest did not commit) leaves every MFU/SSU count as it was."""
         self._ckpt.confirm(step)
 
+    @exclusive
     def load_checkpoint(self, uri: str, steps: list[int], why: str = "recovery") -> LoadResult:
         """Restores this shard from the chain ``steps`` (a full checkpoint, then incrementals,
         each applied over the last) and forgets any step in flight.
@@ -384,15 +383,12 @@ class EmbeddingShard:
             duration_s=time.perf_counter() - t0,
         )
 
+    @exclusive
     def applied_log(self) -> list[tuple[int, tuple[int, ...]]]:
-        """(step, microbatch ids) of every embedding update this shard applied, in order."""
-        return list(self.applied_microbatches)
+        return list(self.applied_microbatches)  # (step, microbatch ids) of every update applied, in order
 
+    @exclusive
     def get_rows(self) -> list[tuple[np.ndarray, np.ndarray]]:
         """(weights float32 [rows, D], momentum float32 [rows]) per slice, as copies."""
-        weights = self.tbe.split_embedding_weights()
-        states = self.tbe.split_optimizer_states()
-        return [
-            (w.detach().cpu().numpy().copy(), st[0].detach().cpu().numpy().copy())
-            for w, st in zip(weights, states)
-        ]
+        return [(w.detach().cpu().numpy().copy(), st[0].detach().cpu().numpy().copy())
+                for w, st in zip(self.tbe.split_embedding_weights(), self.tbe.split_optimizer_states())]

@@ -1,14 +1,19 @@
 """The steps an embedding shard has looked up but not applied yet, as chunks (a trainer's
-microbatches each), and the arrays fbgemm's table-batched kernel takes: CSR offsets, a batch
-merged from chunks."""
+microbatches each), the arrays fbgemm's table-batched kernel takes (CSR offsets, a batch
+merged from chunks), and the initial rows."""
 
 from __future__ import annotations
 
+import logging
+import os
+import threading
 from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["Chunk", "PendingSteps", "merge_chunks", "offsets", "writable"]
+logger = logging.getLogger(__name__)
+
+__all__ = ["Chunk", "PendingSteps", "at_idle_priority", "init_weights", "load_kernel", "merge_chunks", "offsets", "writable"]
 
 
 @dataclass
@@ -19,6 +24,7 @@ class Chunk:
     lengths: np.ndarray  # int64 [S, B]
     indices: np.ndarray  # int64 [nnz]
     grad: np.ndarray | None = None  # float32 [B, S*D]
+    graph: object = None  # the lookup's output with its autograd record, when the chunk is the whole step
 
 
 class PendingSteps:
@@ -29,13 +35,14 @@ class PendingSteps:
         self.microbatches_per_step = microbatches_per_step
         self._steps: dict[int, dict[tuple[int, ...], Chunk]] = {}
 
-    def add(self, step: int, microbatches: tuple[int, ...], lengths: np.ndarray, indices: np.ndarray) -> None:
+    def add(self, step: int, microbatches: tuple[int, ...], lengths: np.ndarray, indices: np.ndarray,
+            graph: object = None) -> None:
         chunks = self._steps.setdefault(step, {})
         # A redo may split the step differently (fewer trainers): the new chunk replaces
         # every older one it overlaps, so no microbatch is ever counted twice.
         for key in [k for k in chunks if set(k) & set(microbatches)]:
             del chunks[key]
-        chunks[tuple(microbatches)] = Chunk(tuple(microbatches), lengths, indices)
+        chunks[tuple(microbatches)] = Chunk(tuple(microbatches), lengths, indices, graph=graph)
 
     def chunk(self, step: int, microbatches: tuple[int, ...]) -> Chunk | None:
         """The pending chunk of exactly these microbatches of ``step``, if any."""
@@ -94,3 +101,64 @@ def merge_chunks(chunks: list[Chunk]) -> tuple[np.ndarray, np.ndarray, np.ndarra
     indices = np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.int64)
     grad = np.concatenate([c.grad for c in chunks], axis=0)
     return lengths, indices, grad
+
+
+def init_weights(torch, tbe, slices, seed: int) -> None:
+    """DLRM's init, uniform(+-sqrt(1/rows)), seeded per (table, row_start) so that a slice
+    gets the same rows whichever shard holds it."""
+    with torch.no_grad():
+        for s, w in zip(slices, tbe.split_embedding_weights()):
+            table_rows = max(s.row_end, 1)
+            gen = torch.Generator().manual_seed(seed * 1_000_003 + s.table * 7919 + s.row_start)
+            bound = float(np.sqrt(1.0 / table_rows))
+            init = torch.empty(w.shape).uniform_(-bound, bound, generator=gen)
+            w.copy_(init.to(w.device))
+
+
+def load_kernel(threads: int):
+    """torch and fbgemm's table-batched embedding kernel, for the GPU when there is one:
+    (torch, the kernel class, its optimizer, device, embedding location, compute device).
+    The supervisor imports the shard's module to create shard actors and must not load
+    these: they load here, in the shard's own process."""
+    import torch  # import cost: 1.4 s (measured, 2-core, cold)
+    from fbgemm_gpu.split_embedding_configs import EmbOptimType  # import cost: fbgemm_gpu 1.9 s (2-core, cold)
+    from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocation  # import cost: as above
+    from fbgemm_gpu.split_table_batched_embeddings_ops_training import (  # import cost: as above
+        ComputeDevice,
+        SplitTableBatchedEmbeddingBagsCodegen,
+    )
+
+    torch.set_num_threads(threads)
+    on_gpu = torch.cuda.is_available()
+    return (
+        torch, SplitTableBatchedEmbeddingBagsCodegen, EmbOptimType.EXACT_ROWWISE_ADAGRAD,
+        torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu"),
+        EmbeddingLocation.DEVICE if on_gpu else EmbeddingLocation.HOST,
+        ComputeDevice.CUDA if on_gpu else ComputeDevice.CPU,
+    )
+
+
+def at_idle_priority(fn, *args):
+    """``fn(*args)`` on a thread under Linux's SCHED_IDLE (it runs only on CPU time no other
+    thread wants), waited for here; its result, or its exception raised here. The calling
+    thread keeps its policy: a process cannot always go back from SCHED_IDLE (an unprivileged
+    one at nice 15, as Ray's workers run, may not). Elsewhere ``fn`` runs at normal priority."""
+    out: dict = {}
+
+    def run() -> None:
+        try:
+            if hasattr(os, "sched_setscheduler") and hasattr(os, "SCHED_IDLE"):
+                try:
+                    os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+                except OSError as err:
+                    logger.warning("could not run at idle priority: %r", err)
+            out["value"] = fn(*args)
+        except BaseException as err:  # noqa: BLE001 - re-raised in the caller's thread
+            out["error"] = err
+
+    thread = threading.Thread(target=run, name="cpr-idle", daemon=True)
+    thread.start()
+    thread.join()
+    if "error" in out:
+        raise out["error"]
+    return out["value"]

@@ -47,6 +47,7 @@ class ShardInfo:
     rows: int
     device: str
     adopt_s: float | None = None  # how long ``adopt`` took, when this answers it
+    link: str | None = None  # its socket for trainers on its node (actors.shard_link)
 
 
 @dataclass(frozen=True)

@@ -106,6 +106,9 @@ class Supervisor:
             for k, h in enumerate(handles):
                 p.fleet.watch(k, 0, h)
             p.hosts.start()
+            # Warm spares start now, beside the trainers' start (they warm up at idle priority):
+            # started once training ran, one took CPU from the first seconds of steps.
+            p.spares.keep()
             p.events.record("shards_ready", shards=len(handles), sharding=p.inputs.plan.kind,
                             rows=[p.inputs.plan.shard_rows(k) for k in range(len(handles))],
                             nodes=[i.node_ip for i in infos], startup_s=round(time.perf_counter() - t0, 3))
@@ -150,7 +153,7 @@ class Supervisor:
 
     def record_training_started(self, step: int, trainers: int, wall_time: float) -> None:
         if self._p.trainers.start_training(step, trainers, wall_time):
-            self._p.spares.keep()  # warm spares start once training runs, not during the startup
+            self._p.spares.keep()  # (started with the shards; again after a supervisor restart)
 
     def record_trainer_healed(self, rank: int, step: int, heal_s: float, wall_time: float) -> None:
         self._p.trainers.healed(rank, step, heal_s, wall_time)

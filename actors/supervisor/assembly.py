@@ -150,6 +150,7 @@ def assemble(inputs: RunInputs, on_crash: Callable[[str, BaseException], None], 
     spares = SparePool(
         lock, events, persist, fleet, hosts.usable, occupied, lambda: set(controller.shard_nodes()),
         lambda: not isinstance(controller.state_now(), TERMINAL), cfg.embeddings.spares, run_id, deadlines.shard_call_s, start_thread, hooks,
+        start_timeout_s=deadlines.shard_start_s,
     )
     executor = RecoveryExecutor(fleet, checkpoints.restart_timeline, cfg.checkpoint_uri, deadlines.shard_call_s, hooks)
     controller = _controller(inputs, lock, events, persist, Collaborators(

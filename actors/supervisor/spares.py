@@ -39,6 +39,7 @@ class SparePool:
         timeout_s: float,
         start_thread: Callable[..., threading.Thread],
         hooks: RunHooks,
+        start_timeout_s: float = 0.0,
     ):
         self._lock = lock
         self._events = events
@@ -51,6 +52,8 @@ class SparePool:
         self._wanted = wanted
         self._run_id = run_id
         self._timeout_s = timeout_s
+        # A spare warms up at idle priority (EmbeddingShard): on a busy node that takes longer.
+        self._start_timeout_s = max(timeout_s, start_timeout_s)
         self._start_thread = start_thread
         self._hooks = hooks
         self._ready: list[str] = []  # ready to adopt, oldest first
@@ -163,7 +166,7 @@ class SparePool:
         """Adds the spare ``name`` to the pool once it answers; ``retire``: a ready spare that
         it replaces if it landed on another node (``_misplaced``)."""
         try:
-            info: ShardInfo = ray.get(handle.ready.remote(), timeout=self._timeout_s)
+            info: ShardInfo = ray.get(handle.ready.remote(), timeout=self._start_timeout_s)
         except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError) as err:
             self._fleet.kill(handle)
             with self._lock:

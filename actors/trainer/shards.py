@@ -2,15 +2,19 @@
 them, gathers the pooled rows and pushes the gradients back, with a timeout on every call.
 
 With shared memory, the arrays for a shard on this trainer's node go through a slab
-(``actors.shm``) and the Ray call carries only where they lie; a shard on another node (or
-without /dev/shm) gets them in the call, as Ray objects.
+(``actors.shm``) and the call itself goes over the shard's link (``actors.shard_link``), not
+Ray, carrying only where the arrays lie; a shard on another node (or without /dev/shm) gets
+them in a Ray call, as Ray objects.
 """
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import ray
 
+from actors.shard_link import LinkClient, LinkClosed
 from actors.shm import ShmSlab, shm_available
 from core.plan import ShardingPlan
 from core.records import PushResult, ShardInfo
@@ -45,6 +49,7 @@ class ShardClient:
         self.node_id = node_id
         self.shared_memory = shared_memory and node_id is not None and shm_available()
         self._slabs: dict[int, ShmSlab | None] = {}
+        self._links: dict[int, LinkClient | None] = {}
         self._shards = list(shards)
         self._pooled: np.ndarray | None = None
 
@@ -59,52 +64,99 @@ class ShardClient:
         self._shards = list(handles)
 
     def close(self) -> None:
-        for slab in self._slabs.values():
-            if slab is not None:
-                slab.close()
-        self._slabs = {}
+        for k in list(self._slabs):
+            self._drop_slab(k)
+        self._slabs, self._links = {}, {}
 
     def _slab(self, k: int) -> ShmSlab | None:
-        """Shard ``k``'s slab, or None when its arrays travel in the call."""
+        """Shard ``k``'s slab, or None when its arrays travel in the call. A shard on this
+        node also gets its link, when it offers one and it connects."""
         if not self.shared_memory:
             return None
         if k not in self._slabs:
-            info: ShardInfo = self._gather([self._shards[k].ready.remote()], first=k)[0]
-            self._slabs[k] = ShmSlab(self.run_id, f"s{k}") if info.node_id == self.node_id else None
+            ref = self._shards[k].ready.remote()
+            info: ShardInfo = self._gather([ref], first=k)[0]
+            local = info.node_id == self.node_id
+            self._slabs[k] = ShmSlab(self.run_id, f"s{k}") if local else None
+            self._links[k] = None
+            if local and info.link:
+                try:
+                    self._links[k] = LinkClient(info.link)
+                except OSError:
+                    pass  # the shard's calls go through Ray
         return self._slabs[k]
 
     def _drop_slab(self, k: int) -> None:
-        slab = self._slabs.pop(k, None)
+        slab, link = self._slabs.pop(k, None), self._links.pop(k, None)
         if slab is not None:
             slab.close()
+        if link is not None:
+            link.close()
 
-    def _gather(self, refs: list, first: int = 0) -> list:
-        """Results of one call per shard (shard ``first + i`` for ref i). Every shard whose
-        call failed or did not answer loses its slab (a call still running may write there
-        later); then ShardCallFailed names the first of them."""
-        _, not_ready = ray.wait(refs, num_returns=len(refs), timeout=self.timeout_s)
-        out, failed = [], []
-        for i, ref in enumerate(refs):
+    def _send(self, sent: list, method: str, *args, **kwargs) -> None:
+        """Starts ``method`` on the next shard (``len(sent)``): over its link ("link" is
+        appended), else as a Ray call (its ref). A link that breaks here fails the call, and
+        the links of the shards already sent to are dropped with their replies unread."""
+        k = len(sent)
+        link = self._links.get(k)
+        if link is None:
+            sent.append(getattr(self._shards[k], method).remote(*args, **kwargs))
+            return
+        try:
+            link.send(method, *args, **kwargs)
+            sent.append("link")
+        except LinkClosed as err:
+            for j in [k] + [j for j, r in enumerate(sent) if r == "link"]:
+                self._drop_slab(j)
+            raise ShardCallFailed(k, f"link: {err}") from None
+
+    def _gather(self, sent: list, first: int = 0) -> list:
+        """Results of one call per shard (shard ``first + i`` for call i: "link" or a Ray ref).
+        Every shard whose call failed or did not answer loses its slab and link (a call still
+        running may write there later); then ShardCallFailed names the first of them."""
+        deadline = time.monotonic() + self.timeout_s
+        pending = [r for r in sent if r != "link"]
+        _, not_ready = ray.wait(pending, num_returns=len(pending), timeout=self.timeout_s) if pending else ([], [])
+        out, failed, raised = [], [], None
+        for i, ref in enumerate(sent):
+            k = first + i
+            if ref == "link":
+                try:
+                    out.append(self._links[k].receive(deadline))
+                except LinkClosed as err:
+                    failed.append(ShardCallFailed(k, f"link: {err}"))
+                except Exception as err:  # noqa: BLE001 - the shard's own error, raised once every reply is read
+                    raised = raised or err
+                    out.append(None)
+                continue
             if ref in not_ready:
-                failed.append(ShardCallFailed(first + i, f"no answer within {self.timeout_s}s"))
+                failed.append(ShardCallFailed(k, f"no answer within {self.timeout_s}s"))
                 continue
             try:
                 out.append(ray.get(ref))
             except (ray.exceptions.RayActorError, ray.exceptions.ObjectLostError) as err:
                 # ObjectLostError: the answer lay in the object store of a host that is gone.
-                failed.append(ShardCallFailed(first + i, type(err).__name__))
+                failed.append(ShardCallFailed(k, type(err).__name__))
         for err in failed:
             self._drop_slab(err.shard)
         if failed:
             raise failed[0]
+        if raised is not None:
+            raise raised
         return out
+
+    def _connect(self) -> None:
+        """Every shard's slab and link, before any request of a call is sent."""
+        for k in range(len(self._shards)):
+            self._slab(k)
 
     def lookup(self, rows: np.ndarray, step: int | None = None, chunk: tuple[int, ...] = (), routed=None) -> np.ndarray:
         """Pooled embeddings float32 [B, F, D] of ``rows`` (int64 [B, F]); ``routed``: the
         rows already split per shard (ShardingPlan.route), when a prefetch did it."""
         batch = rows.shape[0]
         refs = []
-        for k, shard in enumerate(self._shards):
+        self._connect()
+        for k in range(len(self._shards)):
             sb = routed[k] if routed is not None else self.plan.route(rows, k)
             slab = self._slab(k)
             out = None
@@ -118,9 +170,9 @@ class ShardClient:
                 slab.view(d_idx)[...] = sb.indices
                 args = (d_len, d_idx)
             if step is None:
-                refs.append(shard.lookup_eval.remote(*args, out=out))
+                self._send(refs, "lookup_eval", *args, out=out)
             else:
-                refs.append(shard.lookup.remote(step, chunk, *args, out=out))
+                self._send(refs, "lookup", step, chunk, *args, out=out)
         parts = [p if isinstance(p, np.ndarray) else self._slabs[k].view(p) for k, p in enumerate(self._gather(refs))]
         if step is None:
             return self.plan.assemble_pooled(parts)
@@ -134,14 +186,15 @@ class ShardClient:
 
     def push_grads(self, step: int, chunk: tuple[int, ...], grad: np.ndarray) -> list[PushResult]:
         refs = []
-        for k, shard in enumerate(self._shards):
+        self._connect()
+        for k in range(len(self._shards)):
             slab = self._slab(k)
             if slab is None:
-                refs.append(shard.push_grads.remote(step, chunk, self.plan.gather_grad(grad, k)))
+                self._send(refs, "push_grads", step, chunk, self.plan.gather_grad(grad, k))
                 continue
             (d_grad,) = slab.layout([((grad.shape[0], len(self.plan.shards[k]) * self.dim), np.float32)])
             self.plan.gather_grad(grad, k, out=slab.view(d_grad))
-            refs.append(shard.push_grads.remote(step, chunk, d_grad))
+            self._send(refs, "push_grads", step, chunk, d_grad)
         results = self._gather(refs)
         if any(r.stale for r in results):
             raise StaleStep(f"step {step} microbatches {chunk}: replaced by a newer attempt")

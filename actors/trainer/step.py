@@ -167,9 +167,6 @@ class Trainer:
         try:
             pooled = torch.from_numpy(self.shards.lookup(rows, step, attempt.chunk, routed)).requires_grad_(True)
             self.phases.lap("lookup")
-            if step + 1 < self.schedule.total_steps:
-                # The next step's data while this one computes (same quorum expected).
-                self.prefetch.ahead(step + 1, self.schedule.assignment(step + 1, attempt.participant, participants))
             logits = self.model(torch.from_numpy(dense), pooled)
             # Scaled so that the SUM all-reduce gives the gradient of the step's mean loss over
             # all M microbatches, whoever computed them.
@@ -178,6 +175,11 @@ class Trainer:
             )
             (loss_total / (m * self.cfg.training.microbatch_rows)).backward()
             self.phases.lap("dense")
+            if step + 1 < self.schedule.total_steps:
+                # The next step's data while this one's gradients apply and its trainers vote
+                # (the same quorum expected): there this process mostly waits. Beside the dense
+                # compute it slowed every step down by the data loading's share of the GIL.
+                self.prefetch.ahead(step + 1, self.schedule.assignment(step + 1, attempt.participant, participants))
             self.shards.push_grads(step, attempt.chunk, pooled.grad.numpy())
             self.phases.lap("push")
             self.loss_sum += loss_total.item()
