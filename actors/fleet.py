@@ -181,12 +181,13 @@ class ShardFleet:
             shard_id=k, slices=list(self.plan.shards[k]), generation=generation, **self._args()
         )
 
-    def spawn_spare(self, name: str, taken: list):
+    def spawn_spare(self, name: str, taken: list, idle: bool = False):
         """Starts the warm spare ``name`` (``spare_name``): a shard process with its imports
         done and no tables, placed like a shard (``spawn``), so that a host's loss does not
-        take a shard and the spare that would replace it."""
+        take a shard and the spare that would replace it. ``idle``: it imports at idle
+        priority (``EmbeddingShard``)."""
         return self._actor_class().options(**self._options(name, **self._place(taken))).remote(
-            shard_id=None, slices=None, spare=name, **self._args()
+            shard_id=None, slices=None, spare=name, idle_warmup=idle, **self._args()
         )
 
     def find_name(self, name: str):

@@ -55,17 +55,19 @@ class EmbeddingShard:
         log_dir: str | None = None,
         spare: str | None = None,
         lease: LeaseSpec | None = None,
+        idle_warmup: bool = False,
     ):
         """``shard_id`` None: a warm spare (``spare`` names it). It imports torch and fbgemm
-        and then waits, holding no table memory, until ``adopt`` makes it a shard."""
+        (with ``idle_warmup``, only on CPU time nobody else wants: beside a run's first steps
+        on a small node it would slow them down) and then waits, holding no table memory,
+        until ``adopt`` makes it a shard."""
         role = spare.rsplit("-", 1)[-1] if spare else f"shard-{shard_id}"
         # Held by every method of the default concurrency group and by the link's requests
         # (actors.shard_link), which run on their own threads.
         self._lock = threading.RLock()
         configure_process_logging(log_dir, role, ray.util.get_node_ip_address())
-        # A spare warms up (imports torch and fbgemm: seconds of CPU) only on CPU time nobody
-        # else wants: beside a training run on a small node it would slow the steps down.
-        kernel = at_idle_priority(load_kernel, threads) if spare else load_kernel(threads)
+        warm = at_idle_priority if idle_warmup else lambda fn, *args: fn(*args)
+        kernel = warm(load_kernel, threads)
         self._torch, self._tbe_cls, self._optim, self.device, self._location, self._compute = kernel
         self.dim = dim
         self.learning_rate, self.eps = learning_rate, eps
@@ -85,7 +87,7 @@ class EmbeddingShard:
         else:
             # A spare does now what a recovery would otherwise wait for: the lazy imports of
             # load and save (its tables are not allocated until adopt).
-            at_idle_priority(warm_up)
+            warm(warm_up)
         # Trainers on this node call lookup and push_grads over a socket, not Ray.
         self._link = LinkServer(
             {"lookup": self.lookup, "lookup_eval": self.lookup_eval, "push_grads": self.push_grads}, role
@@ -305,6 +307,7 @@ class EmbeddingShard:
             steps_dropped=self.steps_dropped,
             first_step_after_load=self.first_step_after_load,
             tracking_s=self.tracking_s,
+            tracking_thread_s=self._ckpt.tracking_thread_s,
             tracking_bytes=self._ckpt.priority.tracking_bytes,
             shm_reads=self._shm.reads,
         )

@@ -14,6 +14,7 @@ import numpy as np
 from core.checkpoint import ShardRows, write_shard_file
 from core.plan import TableSlice, shard_row_ids, slice_offsets
 from core.records import Snapshot, WrittenPart
+from actors.tracking import AccessTracker
 from policies import make_policy
 
 __all__ = ["ShardCheckpoints"]
@@ -59,6 +60,7 @@ class ShardCheckpoints:
         self._priority_args, self._seed = priority, seed
         self.priority = self._new_policy()
         self.tracking = priority["policy"] != "full"  # a full-only policy needs no access counts
+        self._tracker = AccessTracker(self._track, f"shard-{shard_id}")
         # The rows written for a save whose manifest is not known to be committed yet:
         # (step, rows). They count as saved only once it is (two-phase save).
         self._unconfirmed: tuple[int, np.ndarray] | None = None
@@ -70,10 +72,28 @@ class ShardCheckpoints:
 
     def _new_policy(self):
         p = self._priority_args
-        return make_policy(p["policy"], int(self.offsets[-1]), p["r"], p["sample_rate"], self._seed, p["full_every"])
+        return make_policy(p["policy"], int(self.offsets[-1]), p["r"], p["sample_rate"], self._seed, p["full_every"],
+                           add=self._add_ones)
+
+    def _add_ones(self, counts: np.ndarray, ids: np.ndarray) -> None:
+        """MFU's counting (``policies.priority.add_ones``) with torch's index_add: 0.06 ms for
+        a demo step's 27k ids, against 1.2 ms for the sort-based count and 1.7 for add.at."""
+        torch = self._torch
+        index = torch.from_numpy(np.ascontiguousarray(ids, dtype=np.int64))
+        torch.from_numpy(counts).index_add_(0, index, torch.ones(1, dtype=torch.int32).expand(ids.size))
 
     def observe(self, lengths: np.ndarray, indices: np.ndarray) -> None:
-        """Counts the rows a step looked up (``tracking`` policies only)."""
+        """Counts the rows a step looked up (``tracking`` policies only), on the tracker's
+        thread (``actors.tracking``): every method below that reads or changes the counts
+        drains it first."""
+        self._tracker.put(lengths, indices)
+
+    @property
+    def tracking_thread_s(self) -> float:
+        """Time the tracker's thread spent counting, beside the steps."""
+        return self._tracker.busy_s
+
+    def _track(self, lengths: np.ndarray, indices: np.ndarray) -> None:
         ids = shard_row_ids(lengths, indices, self.offsets)
         self.priority.observe(ids)
         if self._unconfirmed is not None:
@@ -82,6 +102,7 @@ class ShardCheckpoints:
     def restart(self) -> None:
         """Every row equals its saved copy (a load, or the initial rows): nothing is unsaved,
         so access counts restart and no save waits for confirmation."""
+        self._tracker.drain()
         self.priority = self._new_policy()
         self.confirm(None)
 
@@ -95,6 +116,7 @@ class ShardCheckpoints:
     def snapshot(self, uri: str, step: int, save_index: int, full: bool) -> Snapshot:
         """Copies the rows to save (all of them with ``full``, else the policy's selection
         for save ``save_index``) and starts writing them as ``step`` in the background."""
+        self._tracker.drain()
         t0 = time.perf_counter()
         if full:
             selection = self.priority.select_full(save_index, "the run's final checkpoint: every row")
@@ -132,6 +154,7 @@ class ShardCheckpoints:
         are cleared, and the accesses they got after the snapshot are counted again (those
         updates are not in the checkpoint). A save that is never confirmed (its manifest did
         not commit) leaves every count as it was."""
+        self._tracker.drain()
         if self._unconfirmed is not None and self._unconfirmed[0] == step:
             rows = self._unconfirmed[1]
             self.priority.mark_saved(rows)

@@ -110,9 +110,10 @@ class ShardState:
     rows_updated_total: int
     steps_dropped: int
     first_step_after_load: int | None
-    tracking_s: float
+    tracking_s: float  # MFU/SSU tracking on the lookup's path (handing the ids over)
     tracking_bytes: int
     shm_reads: int
+    tracking_thread_s: float = 0.0  # the tracker thread's counting, beside the steps (actors.tracking)
 
 
 @dataclass(frozen=True)

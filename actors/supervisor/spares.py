@@ -56,6 +56,7 @@ class SparePool:
         self._start_timeout_s = max(timeout_s, start_timeout_s)
         self._start_thread = start_thread
         self._hooks = hooks
+        self._filled = False  # the pool was full once (its first spares were ready)
         self._ready: list[str] = []  # ready to adopt, oldest first
         self._starting: list[str] = []  # reserved in the journal before they are spawned
         self._info: dict[str, Target] = {}
@@ -142,7 +143,11 @@ class SparePool:
                 nodes = self._occupied()
                 self._persist()
             t0 = time.perf_counter()
-            handles = {name: self._fleet.spawn_spare(name, nodes) for name in names}
+            # The first spares start beside the run's start and its first steps, and warm up
+            # on idle CPU only; a replacement (after a recovery or a spare's death) at normal
+            # priority, so that the next failure finds it ready.
+            idle = not self._filled
+            handles = {name: self._fleet.spawn_spare(name, nodes, idle=idle) for name in names}
             for name, handle in handles.items():
                 self._add_when_ready(name, handle, t0, retire=misplaced)
 
@@ -185,6 +190,7 @@ class SparePool:
                 self._fleet.kill(handle)
                 return
             self._ready.append(name)
+            self._filled = self._filled or len(self._ready) >= self._wanted
             self._info[name] = Target(info.pid, info.node_id, info.node_ip)
             self._fleet.watch(name, None, handle)
             self._events.append("spare_ready", spare=name, start_s=round(time.perf_counter() - t0, 3),
