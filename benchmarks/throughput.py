@@ -1,21 +1,27 @@
-"""Throughput: this product against a single-process torchrec DLRM, side by side.
+"""Throughput: this product against a single-process torchrec DLRM, side by side, each the
+way its users run it.
 
 (a) one process: torchrec FusedEmbeddingBagCollection (fbgemm TBE, fused row-wise Adagrad)
     plus the same dense arches, one step = M microbatches as one batch, torch using every
-    core of the machine (what a user running torchrec alone gets);
-(b) cpr with 1 trainer, and (c) cpr with 2 trainers: Ray Train + torchft trainers, 2
-    EmbeddingShard actors, checkpoints and fault injection off.
+    core of the machine, in a process of its own with no Ray running (what a user running
+    torchrec alone gets);
+(b) cpr with 1 trainer, and (c) cpr with 2 trainers: ``python -m app train`` in a process
+    of its own (its embedded Ray), 2 EmbeddingShard actors and the config's warm spare,
+    checkpoints and fault injection off.
 
+This driver only starts them and reads their results: it runs no Ray and no torch itself.
 Two workloads: ``demo`` (configs/local.yaml) and ``ref`` (configs/dlrm_ref.yaml, a
 DLRM-reference-sized dense part). Every pair runs (a), (b), (c) back to back, in reversed
 order on odd pairs, so that neither side always runs first; a pair's ratio is b/a (c/a)
 of that pair, and the table gives the median and the spread (min-max) over the pairs.
 samples/s is the training phase (first to last step; startup and evaluation excluded).
-cpr's per-phase breakdown (ms a step) comes from the trainers' own phase timers.
+Both sides print their per-phase breakdown (ms a step): cpr's from the trainers' own phase
+timers, the single process's from its own.
 
-Also measured: startup (from launching ``cpr train`` to the first committed step, the
-local config), and the checkpoint write rate against a raw sequential write of the same
-bytes, in alternating order. Writes benchmarks/results/throughput.md (and .json).
+Also measured: startup, from launching ``cpr train`` to its first step, with the embedded Ray
+and against a Ray already running on the machine (``ray start --head``, then ``cpr train``
+with RAY_ADDRESS, twice), and the checkpoint write rate against a raw sequential write of
+the same bytes, in alternating order. Writes benchmarks/results/throughput.md (and .json).
 
     .venv/bin/python benchmarks/throughput.py                      # the recorded run
     .venv/bin/python benchmarks/throughput.py --workloads demo --pairs 1 --startup-reps 0   # a quick look
@@ -27,13 +33,9 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
-
-import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -42,160 +44,13 @@ os.environ.setdefault("RAY_AUTH_MODE", "token")
 os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
 
 from benchmarks.meta import describe, run_metadata  # noqa: E402
-from core.store import MicrobatchStore  # noqa: E402
-from core.config import RunConfig, load_config  # noqa: E402
-from core.data import NUM_DENSE, NUM_SPARSE  # noqa: E402
+from benchmarks.throughput_runs import (  # noqa: E402
+    PHASES, SINGLE_PHASES, checkpoint_write_rate, product, running_ray, single_process, single_process_run,
+    startup_times,
+)
+from core.config import load_config  # noqa: E402
 
 WORKLOADS = {"demo": ("configs/local.yaml", 90), "ref": ("configs/dlrm_ref.yaml", 40)}
-PHASES = ("quorum", "data", "lookup", "dense", "push", "allreduce", "commit")
-
-
-def single_process(cfg: RunConfig, train_cache: str, steps: int) -> dict:
-    """Samples/s of a single-process torchrec DLRM on the same microbatches, torch on
-    every core."""
-    import torch
-    from torchrec.modules.embedding_configs import EmbeddingBagConfig
-    from torchrec.modules.fused_embedding_modules import FusedEmbeddingBagCollection
-    from torchrec.optim import RowWiseAdagrad
-    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
-
-    from core.schedule import StepSchedule
-    from core.model import torchrec_dense_model
-
-    torch.set_num_threads(os.cpu_count() or 1)
-    torch.manual_seed(cfg.seed)
-    rows_per_table = cfg.model.rows_per_table
-    dim = cfg.model.embedding_dim
-    tables = [
-        EmbeddingBagConfig(name=f"t{t}", embedding_dim=dim, num_embeddings=rows_per_table[t], feature_names=[f"f{t}"])
-        for t in range(NUM_SPARSE)
-    ]
-    ebc = FusedEmbeddingBagCollection(
-        tables=tables,
-        optimizer_type=RowWiseAdagrad,
-        optimizer_kwargs={"lr": cfg.embeddings.learning_rate, "eps": cfg.embeddings.eps},
-        device=torch.device("cpu"),
-    )
-    model = torchrec_dense_model(NUM_DENSE, NUM_SPARSE, cfg.model.dense_arch, cfg.model.over_arch)
-    opt = torch.optim.Adagrad(model.parameters(), lr=cfg.training.dense_learning_rate)
-    data = MicrobatchStore(train_cache)
-    tr = cfg.training
-    schedule = StepSchedule.from_config(len(data), tr.microbatches_per_step, tr.epochs, steps, cfg.seed)
-    keys = [f"f{t}" for t in range(NUM_SPARSE)]
-    t_data = t_compute = 0.0
-    t0 = time.perf_counter()
-    for step in range(schedule.total_steps):
-        t1 = time.perf_counter()
-        parts = [data.get(schedule.microbatch(step, m)) for m in range(tr.microbatches_per_step)]
-        labels = torch.from_numpy(np.concatenate([p[0] for p in parts]))
-        dense = torch.from_numpy(np.concatenate([p[1] for p in parts]))
-        rows = np.concatenate([p[2] for p in parts]).astype(np.int64)  # mapped when the store was built
-        batch = rows.shape[0]
-        kjt = KeyedJaggedTensor.from_lengths_sync(
-            keys=keys,
-            values=torch.from_numpy(np.ascontiguousarray(rows.T).reshape(-1)),
-            lengths=torch.ones(batch * NUM_SPARSE, dtype=torch.int64),
-        )
-        t2 = time.perf_counter()
-        pooled = ebc(kjt).values().view(batch, NUM_SPARSE, dim)
-        loss = torch.nn.functional.binary_cross_entropy_with_logits(model(dense, pooled), labels)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        t3 = time.perf_counter()
-        t_data += t2 - t1
-        t_compute += t3 - t2
-    elapsed = time.perf_counter() - t0
-    n = schedule.total_steps
-    return {
-        "samples_per_s": n * tr.microbatches_per_step * tr.microbatch_rows / elapsed,
-        "phase_ms": {"data": 1e3 * t_data / n, "compute": 1e3 * t_compute / n},
-    }
-
-
-def product(cfg: RunConfig, steps: int) -> dict:
-    """Samples/s of the training phase of a cpr run, and its per-phase ms a step."""
-    from app.job import run_training
-
-    report = run_training(cfg, show_progress=False)
-    if report["steps"] != steps:
-        raise RuntimeError(f"the cpr run trained {report['steps']} steps, expected {steps}")
-    totals = dict.fromkeys(PHASES, 0.0)
-    for p in report.get("progress") or []:
-        for k in PHASES:
-            totals[k] += (p.get("phase_s") or {}).get(k, 0.0)
-    # Phase times are the saving trainer's (participant 0's); every trainer runs every step.
-    return {
-        "samples_per_s": report["samples_per_s"],
-        "phase_ms": {k: 1e3 * v / steps for k, v in totals.items()},
-        "auc": report.get("auc"),
-    }
-
-
-def startup_times(config: str, reps: int, runs_root: Path) -> list[float]:
-    """Seconds from launching ``cpr train`` (a fresh process, embedded Ray) to the first
-    committed step, read from the run's training_started event."""
-    out = []
-    for rep in range(reps):
-        run_dir = runs_root / f"startup{rep}"
-        # This checkout's code, whatever the virtual environment's editable install points at.
-        env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", RAY_AUTH_MODE="token", PYTHONPATH=str(ROOT))
-        t0 = time.time()
-        subprocess.run(
-            [sys.executable, "-m", "app", "train", "--config", config, "--set", f"run_dir={run_dir}", "--set", "faults=null",
-             "--set", "training.max_steps=5", "--set", "checkpoint.every_steps=null", "--set", "checkpoint.final=false"],
-            cwd=ROOT, env=env, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        )
-        events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
-        started = next(e for e in events if e["kind"] == "training_started")
-        # Sent when step 0 begins, after the first quorum; its commit follows within ~0.1 s.
-        out.append(started["wall_time"] - t0)
-        print(f"startup {rep}: {out[-1]:.1f}s", flush=True)
-    return out
-
-
-def checkpoint_write_rate(shard_rows: int, dim: int, reps: int) -> dict:
-    """MB/s of write_shard_file for one shard of this config vs a raw sequential write of
-    the same bytes, both into the page cache of the same disk (no fsync, as in a run).
-    The order alternates, and dirty pages are flushed before each write, so neither pays
-    the other's writeback."""
-    from core.checkpoint import ShardRows, write_shard_file
-
-    rng = np.random.default_rng(0)
-    data = ShardRows(
-        tables=np.zeros(shard_rows, dtype=np.int32),
-        rows=np.arange(shard_rows, dtype=np.int64),
-        weights=rng.standard_normal((shard_rows, dim)).astype(np.float32),
-        momentum=rng.random(shard_rows).astype(np.float32),
-    )
-    ours, raw = [], []
-    with tempfile.TemporaryDirectory(dir=ROOT / "benchmarks") as tmp:
-        entry = write_shard_file(tmp, 10_000, 0, data)
-        payload = Path(tmp, f"ckpt-{10_000:012d}", "shard-0.arrow").read_bytes()
-
-        def write_ours(rep: int) -> None:
-            os.sync()
-            t0 = time.perf_counter()
-            write_shard_file(tmp, rep, 0, data)
-            ours.append(entry.size_bytes / (time.perf_counter() - t0) / 1e6)
-
-        def write_raw(rep: int) -> None:
-            os.sync()
-            t0 = time.perf_counter()
-            with open(Path(tmp, f"raw-{rep}.bin"), "wb") as f:
-                f.write(payload)
-            raw.append(len(payload) / (time.perf_counter() - t0) / 1e6)
-
-        for rep in range(reps):
-            first, second = (write_ours, write_raw) if rep % 2 == 0 else (write_raw, write_ours)
-            first(rep)
-            second(rep)
-    return {
-        "file_mb": entry.size_bytes / 1e6,
-        "checkpoint_mb_s": ours,
-        "raw_mb_s": raw,
-        "ratio": statistics.median(ours) / statistics.median(raw),
-    }
 
 
 def _spread(xs: list[float]) -> str:
@@ -224,15 +79,9 @@ def run_workload(name: str, args, runs_root: Path) -> dict:
         for key in order:
             n = variants[key]
             if n is None:
-                results[key].append(single_process(base, data["train"].uri, steps))
+                results[key].append(single_process_run(config, steps, data["train"].uri, args.set_raw))
             else:
-                cfg = base.model_copy(
-                    update={
-                        "run_dir": str(runs_root / f"{name}-{key}-{pair}"),
-                        "training": base.training.model_copy(update={"num_trainers": n}),
-                    }
-                )
-                results[key].append(product(cfg, steps))
+                results[key].append(product(config, steps, n, runs_root / f"{name}-{key}-{pair}", args.set_raw))
         line = ", ".join(f"{k} {results[k][-1]['samples_per_s']:,.0f}" for k in variants)
         print(f"{name} pair {pair}: {line} samples/s", flush=True)
     single = [r["samples_per_s"] for r in results["single"]]
@@ -253,8 +102,9 @@ def run_workload(name: str, args, runs_root: Path) -> dict:
             k: statistics.median(r["phase_ms"][k] for r in results[key]) for k in PHASES
         }
     out["single_phase_ms"] = {
-        k: statistics.median(r["phase_ms"][k] for r in results["single"]) for k in ("data", "compute")
+        k: statistics.median(r["phase_ms"][k] for r in results["single"]) for k in SINGLE_PHASES
     }
+    out["single_threads"] = results["single"][0].get("threads")
     return out
 
 
@@ -298,16 +148,23 @@ def render(result: dict) -> str:
             lines.append(f"| {ph} | " + " | ".join(f"{w[k][ph]:.1f}" for k in keys) + " |")
         lines.append("| **sum** | " + " | ".join(f"**{sum(w[k].values()):.1f}**" for k in keys) + " |")
         sp = w["single_phase_ms"]
-        lines += ["", f"Single process per step: data {sp['data']:.1f} ms, compute {sp['compute']:.1f} ms.", ""]
+        lines += ["", "Single process per step (ms, median over pairs): "
+                  + ", ".join(f"{k} {v:.1f}" for k, v in sp.items()) + f"; **sum {sum(sp.values()):.1f}**.", ""]
     if result.get("startup_s"):
         s = result["startup_s"]
         lines += [
             "## Startup",
             "",
-            f"`cpr train --config configs/local.yaml` (a fresh process, embedded Ray) to its first step: "
-            f"median **{statistics.median(s):.1f} s** (" + ", ".join(f"{x:.1f}" for x in s) + ").",
+            "`cpr train --config configs/local.yaml` (a fresh process) to its first step:",
             "",
+            f"- with its embedded Ray: median **{statistics.median(s):.1f} s** (" + ", ".join(f"{x:.1f}" for x in s) + ");",
         ]
+        r = result.get("startup_running_ray_s")
+        if r:
+            lines.append(f"- against a Ray already running on the machine (`ray start --head`, then `cpr train` with "
+                         f"RAY_ADDRESS): first run {r[0]:.1f} s, then median **{statistics.median(r[1:] or r):.1f} s** ("
+                         + ", ".join(f"{x:.1f}" for x in r) + ").")
+        lines.append("")
     ck = result.get("checkpoint_write")
     if ck:
         lines += [
@@ -335,19 +192,22 @@ def main() -> None:
     parser.add_argument("--pairs", type=int, default=5)
     parser.add_argument("--steps", type=int, default=None, help="steps per run (default: 90 demo, 40 ref)")
     parser.add_argument("--trainers", type=int, nargs="+", default=[1, 2])
-    parser.add_argument("--set", nargs="*", type=lambda kv: kv.split("=", 1), default=[],
-                        help="config overrides for every cpr run, KEY=VALUE (YAML value)")
+    parser.add_argument("--set", nargs="*", default=[],
+                        help="config overrides for every run, KEY=VALUE (YAML value), as `cpr train --set`")
     parser.add_argument("--startup-reps", type=int, default=3)
     parser.add_argument("--checkpoint-reps", type=int, default=6)
     parser.add_argument("--out", default=str(ROOT / "benchmarks/results/throughput.md"))
+    parser.add_argument("--single", metavar="CONFIG", help=argparse.SUPPRESS)  # (a) in its own process
+    parser.add_argument("--train-uri", help=argparse.SUPPRESS)
     args = parser.parse_args()
     import yaml
 
-    args.set = [(k, yaml.safe_load(v)) for k, v in args.set]
-
-    import ray
-
-    from app.rayenv import connect_ray
+    args.set_raw = list(args.set)
+    args.set = [(k, yaml.safe_load(v)) for k, v in (kv.split("=", 1) for kv in args.set)]
+    if args.single:
+        cfg = load_config(ROOT / args.single, dict(args.set))
+        print(json.dumps(single_process(cfg, args.train_uri, args.steps)))
+        return
 
     runs_root = Path(tempfile.mkdtemp(prefix="cpr-bench-"))
     result = {
@@ -365,14 +225,18 @@ def main() -> None:
         out.with_suffix(".json").write_text(json.dumps(result, indent=2))
         return text
 
-    if args.workloads:
-        connect_ray(load_config(ROOT / WORKLOADS["demo"][0]))
-        for name in args.workloads:
-            result["workloads"][name] = run_workload(name, args, runs_root)
-            write()
-        ray.shutdown()
+    for name in args.workloads:
+        result["workloads"][name] = run_workload(name, args, runs_root)
+        write()
     if args.startup_reps:
-        result["startup_s"] = startup_times(str(ROOT / WORKLOADS["demo"][0]), args.startup_reps, runs_root)
+        config = str(ROOT / WORKLOADS["demo"][0])
+        result["startup_s"] = startup_times(config, args.startup_reps, runs_root, "embedded")
+        write()
+        from app.rayenv import resources_needed
+
+        cfg = load_config(config)
+        with running_ray(max(os.cpu_count() or 1, int(resources_needed(cfg)["CPU"] + 0.999) + 1)) as address:
+            result["startup_running_ray_s"] = startup_times(config, args.startup_reps + 1, runs_root, "running", address)
         write()
     if args.checkpoint_reps:
         base = load_config(ROOT / WORKLOADS["demo"][0])
