@@ -187,8 +187,15 @@ class ShardFleet:
         take a shard and the spare that would replace it. ``idle``: it imports at idle
         priority (``EmbeddingShard``)."""
         return self._actor_class().options(**self._options(name, **self._place(taken))).remote(
-            shard_id=None, slices=None, spare=name, idle_warmup=idle, **self._args()
+            shard_id=None, slices=None, spare=name, idle_warmup=idle, ready_rows=self._common_shape(),
+            spare_tables=self.cfg.embeddings.spare_tables, **self._args()
         )
+
+    def _common_shape(self) -> list[int]:
+        """Rows per slice of the shape most shards have (the first such shard's): the tables a
+        spare allocates ahead (``embeddings.spare_tables``)."""
+        shapes = [tuple(s.num_rows for s in slices) for slices in self.plan.shards]
+        return list(max(shapes, key=lambda shape: (shapes.count(shape), -shapes.index(shape))))
 
     def find_name(self, name: str):
         try:

@@ -20,7 +20,9 @@ from core.logs import configure_process_logging
 from core.plan import TableSlice
 from core.records import CheckpointFallback, LoadResult, PushResult, ShardInfo, ShardState, Snapshot, WrittenPart
 from actors.lease import LeaseSpec, shard_place
-from actors.shard_chunks import PendingSteps, at_idle_priority, init_weights, load_kernel, merge_chunks, offsets, writable
+from actors.shard_chunks import (
+    PendingSteps, at_idle_priority, init_weights, load_kernel, merge_chunks, offsets, table_bytes, tables_wanted, writable,
+)
 from actors.shard_link import LinkServer, exclusive, link_supported
 from actors.shard_save import ShardCheckpoints
 from actors.shm import ShmArray, ShmReader
@@ -56,11 +58,13 @@ class EmbeddingShard:
         spare: str | None = None,
         lease: LeaseSpec | None = None,
         idle_warmup: bool = False,
+        ready_rows: list[int] | None = None,
+        spare_tables: str = "lazy",
     ):
         """``shard_id`` None: a warm spare (``spare`` names it). It imports torch and fbgemm
-        (with ``idle_warmup``, only on CPU time nobody else wants: beside a run's first steps
-        on a small node it would slow them down) and then waits, holding no table memory,
-        until ``adopt`` makes it a shard."""
+        (``idle_warmup``: only on CPU time nobody else wants, not to slow a run's first steps)
+        and waits, without table memory unless ``spare_tables`` wants tables of ``ready_rows``
+        rows per slice ahead (``tables_wanted``), until ``adopt`` makes it a shard."""
         role = spare.rsplit("-", 1)[-1] if spare else f"shard-{shard_id}"
         # Held by every method of the default concurrency group and by the link's requests
         # (actors.shard_link), which run on their own threads.
@@ -82,12 +86,15 @@ class EmbeddingShard:
         self._released = threading.Event()
         # Arrays of trainers on this node come through shared memory (actors.shm).
         self._shm = ShmReader()
+        self._ready_tables: tuple[tuple[int, ...], object] | None = None
         if shard_id is not None:
             self._become(shard_id, list(slices or []), generation, init=True)
         else:
             # A spare does now what a recovery would otherwise wait for: the lazy imports of
-            # load and save (its tables are not allocated until adopt).
+            # load and save, and where wanted and the node has room, the tables.
             warm(warm_up)
+            if ready_rows and tables_wanted(spare_tables, ready_rows, dim):
+                self._ready_tables = (tuple(ready_rows), warm(self._new_tables, ready_rows))
         # Trainers on this node call lookup and push_grads over a socket, not Ray.
         self._link = LinkServer(
             {"lookup": self.lookup, "lookup_eval": self.lookup_eval, "push_grads": self.push_grads}, role
@@ -102,13 +109,9 @@ class EmbeddingShard:
         self.generation = generation
         if self._lease_spec is not None:  # applies only while it holds shard_id's place (actors.lease)
             self._lease = self._lease_spec.lease(shard_place(shard_id, generation)).start()
-        self.tbe = self._tbe_cls(
-            embedding_specs=[(s.num_rows, self.dim, self._location, self._compute) for s in self.slices],
-            optimizer=self._optim,
-            learning_rate=self.learning_rate,
-            eps=self.eps,
-            device=self.device,
-        )
+        rows = tuple(s.num_rows for s in self.slices)
+        ready, self._ready_tables = self._ready_tables, None  # a spare's tables, if of this shape
+        self.tbe = ready[1] if ready is not None and ready[0] == rows else self._new_tables(rows)
         self._initialized = False
         if init:
             self._init_weights(self.seed)
@@ -156,20 +159,24 @@ class EmbeddingShard:
         )
         return dataclasses.replace(self.ready(), adopt_s=time.perf_counter() - t0)
 
+    def _new_tables(self, rows) -> object:
+        """fbgemm's kernel with tables of ``rows`` rows (zero, as is their Adagrad state)."""
+        return self._tbe_cls(embedding_specs=[(n, self.dim, self._location, self._compute) for n in rows],
+                             optimizer=self._optim, learning_rate=self.learning_rate, eps=self.eps, device=self.device)
+
     def _init_weights(self, seed: int) -> None:
         init_weights(self._torch, self.tbe, self.slices, seed)
         self._initialized = True
 
     def watch(self) -> None:
-        """Never returns while the shard lives. The supervisor keeps one call of it pending
-        (in its own concurrency group) so the shard's death fails that call at once: Ray's
-        own signal, no polling."""
+        """Never returns while the shard lives: the supervisor keeps one call pending (its own
+        concurrency group), which the shard's death fails at once (Ray's signal, no polling)."""
         self._released.wait()
 
     @exclusive
     def reset_to_init(self, why: str = "recovery") -> LoadResult:
-        """Back to the initial rows and empty Adagrad state: the state of step 0 (an empty
-        chain). ``why`` (recovery or rollback) goes to the audit log."""
+        """Back to the initial rows and empty Adagrad state: step 0's (an empty chain); ``why``
+        (recovery or rollback) goes to the audit log."""
         self._init_weights(self.seed)
         with self._torch.no_grad():
             for st in self.tbe.split_optimizer_states():
@@ -199,6 +206,7 @@ class EmbeddingShard:
             rows=sum(s.num_rows for s in self.slices) if self.shard_id is not None else 0,
             device=str(self.device),
             link=self._link.address if self._link is not None else None,
+            tables_ready_bytes=table_bytes(self._ready_tables[0], self.dim) if self._ready_tables else 0,
         )
 
     def _forward(self, lengths: np.ndarray, indices: np.ndarray, grad: bool):
@@ -300,15 +308,10 @@ class EmbeddingShard:
     def state(self) -> ShardState:
         """Counters for the report."""
         return ShardState(
-            shard_id=self.shard_id,
-            applied_step=self.applied_step,
-            compute_s=self.compute_s,
-            rows_updated_total=self.rows_updated_total,
-            steps_dropped=self.steps_dropped,
-            first_step_after_load=self.first_step_after_load,
-            tracking_s=self.tracking_s,
-            tracking_thread_s=self._ckpt.tracking_thread_s,
-            tracking_bytes=self._ckpt.priority.tracking_bytes,
+            shard_id=self.shard_id, applied_step=self.applied_step, compute_s=self.compute_s,
+            rows_updated_total=self.rows_updated_total, steps_dropped=self.steps_dropped,
+            first_step_after_load=self.first_step_after_load, tracking_s=self.tracking_s,
+            tracking_thread_s=self._ckpt.tracking_thread_s, tracking_bytes=self._ckpt.priority.tracking_bytes,
             shm_reads=self._shm.reads,
         )
 
@@ -349,8 +352,7 @@ class EmbeddingShard:
     @exclusive
     def confirm_save(self, step: int | None) -> None:
         """Phase two of a save: the manifest of ``step`` committed, so the rows this shard wrote
-        for it are saved (``ShardCheckpoints.confirm``). A save that is never confirmed (its
-        manifest did not commit) leaves every MFU/SSU count as it was."""
+        for it are saved (``ShardCheckpoints.confirm``; unconfirmed, MFU/SSU counts stay)."""
         self._ckpt.confirm(step)
 
     @exclusive

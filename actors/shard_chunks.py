@@ -13,7 +13,8 @@ import numpy as np
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Chunk", "PendingSteps", "at_idle_priority", "init_weights", "load_kernel", "merge_chunks", "offsets", "writable"]
+__all__ = ["Chunk", "PendingSteps", "at_idle_priority", "init_weights", "load_kernel", "merge_chunks", "offsets", "table_bytes",
+           "tables_wanted", "writable"]
 
 
 @dataclass
@@ -162,3 +163,23 @@ def at_idle_priority(fn, *args):
     if "error" in out:
         raise out["error"]
     return out["value"]
+
+
+def table_bytes(rows, dim: int) -> int:
+    """Bytes of tables of ``rows`` rows per slice: float32 weights and a row-wise Adagrad state."""
+    n = int(sum(rows))
+    return n * dim * 4 + n * 4
+
+
+def tables_wanted(mode: str, rows, dim: int) -> bool:
+    """Whether a warm spare allocates its tables ahead (``embeddings.spare_tables``): always
+    ("ready"), never ("lazy"), or ("auto") when the node's available memory is at least twice
+    what they take."""
+    if mode != "auto":
+        return mode == "ready"
+    try:
+        with open("/proc/meminfo") as f:
+            available = next(int(line.split()[1]) << 10 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError):
+        return False
+    return available >= 2 * table_bytes(rows, dim)

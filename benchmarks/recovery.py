@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import statistics
 import sys
@@ -117,20 +118,24 @@ def main() -> None:
     parser.add_argument("--config", default=str(ROOT / "configs/local.yaml"))
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--big-table-rows", type=int, default=1_250_000, help="rows per table of the ~1 GB shard case")
+    parser.add_argument("--sizes", nargs="+", default=["104 MB", "1 GB"], choices=["104 MB", "1 GB"])
+    parser.add_argument("--spares", type=int, nargs="+", default=[1, 0], choices=[0, 1])
+    parser.add_argument("--set", nargs="*", default=[], help="config overrides, KEY=VALUE (YAML value)")
     parser.add_argument("--out", default=str(ROOT / "benchmarks/results/recovery.md"))
     args = parser.parse_args()
+    import yaml
 
     import ray
 
     from app.rayenv import connect_ray
 
-    base = load_config(args.config)
+    base = load_config(args.config, {k: yaml.safe_load(v) for k, v in (kv.split("=", 1) for kv in args.set)})
     root = Path(tempfile.mkdtemp(prefix="cpr-bench-recovery-"))
-    sizes = {"104 MB": base.model.table_rows, "1 GB": args.big_table_rows}
+    sizes = {k: v for k, v in {"104 MB": base.model.table_rows, "1 GB": args.big_table_rows}.items() if k in args.sizes}
     connect_ray(base)
     results: dict[str, list[dict]] = {}
     for size, table_rows in sizes.items():
-        for spares in (1, 0):
+        for spares in args.spares:
             key = f"{size}, spares {spares}"
             results[key] = []
             for rep in range(args.reps):
@@ -148,7 +153,8 @@ def main() -> None:
                 )
                 r = _run(cfg, spares)
                 # A 1 GB run leaves about 5 GB of checkpoints: 12 of them filled this disk once.
-                shutil.rmtree(cfg.run_dir, ignore_errors=True)
+                if not os.environ.get("CPR_KEEP_RUNS"):
+                    shutil.rmtree(cfg.run_dir, ignore_errors=True)
                 results[key].append(r)
                 print(f"{key} rep {rep}: " + ", ".join(f"{k} {r[k]:.3f}" for k in PARTS)
                       + f", {r['bytes_reloaded'] / 1e6:,.0f} MB, spare {r['spare']}", flush=True)

@@ -48,6 +48,7 @@ class ShardInfo:
     device: str
     adopt_s: float | None = None  # how long ``adopt`` took, when this answers it
     link: str | None = None  # its socket for trainers on its node (actors.shard_link)
+    tables_ready_bytes: int = 0  # a warm spare's tables allocated ahead (embeddings.spare_tables)
 
 
 @dataclass(frozen=True)

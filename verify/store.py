@@ -15,6 +15,8 @@ __all__ = ["Store"]
 
 _STEP_DIR = re.compile(r"^ckpt-(\d{12})$")
 _CHUNK = 8 << 20
+# "<algo>" hashes the whole file; "<algo>c<MiB>" the digests of its MiB-sized chunks.
+_ALGO = re.compile(r"^(sha256|sha512|blake2b)(?:c([1-9][0-9]{0,3}))?$")
 
 
 class Store:
@@ -64,25 +66,41 @@ class Store:
         out = []
         for name, entry in sorted(files.items()):
             algo, _, digest = str(entry.get("checksum", "")).partition(":")
-            if "/" in name or name.startswith(".") or algo not in ("sha256", "sha512", "blake2b"):
+            m = _ALGO.match(algo)
+            if "/" in name or name.startswith(".") or m is None:
                 out.append(f"checkpoint {step}: file entry {name!r} with checksum {entry.get('checksum')!r} is not one "
                            "its writer makes")
                 continue
-            h, size = hashlib.new(algo), 0
             try:
-                with self.fs.open_input_stream(self._path(step, name)) as f:
-                    while chunk := f.read(_CHUNK):
-                        h.update(chunk)
-                        size += len(chunk)
+                size, hexdigest = self._hash(self._path(step, name), m.group(1), int(m.group(2) or 0) << 20)
             except (OSError, pa.ArrowException) as err:
                 out.append(f"checkpoint {step}: file {name} cannot be read ({err})")
                 continue
             if size != entry.get("size_bytes"):
                 out.append(f"checkpoint {step}: file {name} holds {size} bytes, its manifest says {entry.get('size_bytes')}")
-            elif h.hexdigest() != digest:
-                out.append(f"checkpoint {step}: file {name} hashes to {algo}:{h.hexdigest()[:16]}..., "
+            elif hexdigest != digest:
+                out.append(f"checkpoint {step}: file {name} hashes to {algo}:{hexdigest[:16]}..., "
                            f"its manifest says {digest[:16]}...")
         return out
+
+    def _hash(self, path: str, algo: str, chunk: int) -> tuple[int, str]:
+        """(size, hex digest) of a file: ``algo`` over its bytes, or with ``chunk`` over the
+        digests of its consecutive ``chunk``-byte pieces (an empty file is one empty piece)."""
+        whole, piece, filled, size, pieces = hashlib.new(algo), hashlib.new(algo), 0, 0, 0
+        with self.fs.open_input_stream(path) as f:
+            while data := f.read(chunk - filled if chunk else _CHUNK):
+                size += len(data)
+                if not chunk:
+                    whole.update(data)
+                    continue
+                piece.update(data)
+                filled += len(data)
+                if filled == chunk:
+                    whole.update(piece.digest())
+                    piece, filled, pieces = hashlib.new(algo), 0, pieces + 1
+        if chunk and (filled or not pieces):
+            whole.update(piece.digest())
+        return size, whole.hexdigest()
 
     def shard_rows(self, step: int, shard: int) -> tuple[np.ndarray, np.ndarray]:
         """(table, row) of every row shard ``shard`` saved in checkpoint ``step``."""

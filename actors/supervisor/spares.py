@@ -194,7 +194,8 @@ class SparePool:
             self._info[name] = Target(info.pid, info.node_id, info.node_ip)
             self._fleet.watch(name, None, handle)
             self._events.append("spare_ready", spare=name, start_s=round(time.perf_counter() - t0, 3),
-                                node_id=info.node_id, node_ip=info.node_ip, pool=len(self._ready))
+                                node_id=info.node_id, node_ip=info.node_ip, pool=len(self._ready),
+                                tables_ready_mb=round(info.tables_ready_bytes / 1e6, 1))
             old = self._node(retire or "")
             retired = retire in self._ready
             if retired:

@@ -9,16 +9,18 @@ import hashlib
 import json
 import re
 
+from core.checkpoint.checksum import BASE_ALGOS, parse_algo
 from core.checkpoint.files import FULL, INCREMENTAL, MANIFEST_FILE, CheckpointInfo, FileEntry, check_file_name
 from core.errors import CheckpointCorrupt
 
 __all__ = ["CHECKSUM_ALGOS", "checksum_algo", "manifest_from_json", "manifest_to_json"]
 
 _FORMAT_VERSION = 1
-# The algorithms a checksum may name: what the writer uses (CHECKSUM_ALGO) and two that a
-# later writer might. Anything else hashlib offers (shake_*, which need a digest length,
-# md5 ...) is no checksum of ours.
-CHECKSUM_ALGOS = frozenset({"sha256", "sha512", "blake2b"})
+# The algorithms a checksum may name: what writers used (sha256 over the whole file) and use
+# (CHECKSUM_ALGO, chunked: core.checkpoint.checksum), and two that a later writer might, each
+# whole or chunked. Anything else hashlib offers (shake_*, which need a digest length, md5 ...)
+# is no checksum of ours.
+CHECKSUM_ALGOS = frozenset(BASE_ALGOS)
 _HEX_CHARS = {algo: 2 * hashlib.new(algo).digest_size for algo in CHECKSUM_ALGOS}
 _LOWER_HEX = re.compile(r"[0-9a-f]+")
 
@@ -92,8 +94,10 @@ def _checksum_problem(checksum: str) -> str | None:
     algo, colon, digest = checksum.partition(":")
     if not colon:
         return "expected '<algorithm>:<hex digest>'"
-    if algo not in CHECKSUM_ALGOS:
-        return f"algorithm {algo!r} is not one of {sorted(CHECKSUM_ALGOS)}"
-    if len(digest) != _HEX_CHARS[algo] or not _LOWER_HEX.fullmatch(digest):
-        return f"expected {_HEX_CHARS[algo]} lowercase hex digits after '{algo}:', got {len(digest)} characters"
+    try:
+        base, _ = parse_algo(algo)
+    except ValueError as exc:
+        return str(exc)
+    if len(digest) != _HEX_CHARS[base] or not _LOWER_HEX.fullmatch(digest):
+        return f"expected {_HEX_CHARS[base]} lowercase hex digits after '{algo}:', got {len(digest)} characters"
     return None

@@ -5,7 +5,6 @@ back past corrupt checkpoints. Nothing here writes or deletes.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -24,6 +23,7 @@ from core.checkpoint.files import (
     shard_file_name,
     step_dir_name,
 )
+from core.checkpoint.checksum import checksum_of, new_hasher
 from core.checkpoint.manifest import checksum_algo, manifest_from_json
 from core.checkpoint.rows import ShardRows, merge_shard_rows, rows_from_batch
 from core.errors import CheckpointCorrupt, CheckpointNotFound
@@ -232,7 +232,7 @@ class CheckpointReader:
                 self._check_size(step, info.files[name], file_info)
             for name in names:
                 entry = info.files[name]
-                hasher = hashlib.new(checksum_algo(entry))
+                hasher = new_hasher(checksum_algo(entry))
                 try:
                     with self._fs.open_input_stream(self._path(step, name), compression=None) as f:
                         while chunk := f.read_buffer(_VERIFY_CHUNK_BYTES):
@@ -297,7 +297,11 @@ class CheckpointReader:
             raise CheckpointCorrupt(
                 f"checkpoint step {step}: file {name} is {buffer.size} bytes, expected {entry.size_bytes}"
             )
-        self._check_checksum(step, entry, hashlib.new(checksum_algo(entry), memoryview(buffer)))
+        actual = checksum_of(buffer, checksum_algo(entry))  # chunked: on every core
+        if actual != entry.checksum:
+            raise CheckpointCorrupt(
+                f"checkpoint step {step}: file {entry.name} has checksum {actual}, expected {entry.checksum}"
+            )
         return buffer
 
     @staticmethod

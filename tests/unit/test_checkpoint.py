@@ -109,7 +109,8 @@ def test_entry_matches_bytes_on_disk(tmp_path: Path) -> None:
     raw = file_path(tmp_path, 5, shard_file_name(3)).read_bytes()
     assert entry.name == "shard-3.arrow"
     assert entry.size_bytes == len(raw)
-    assert entry.checksum == "sha256:" + hashlib.sha256(raw).hexdigest()
+    # sha256 over the sha256 of each 16 MiB chunk (one here), as core.checkpoint.checksum says.
+    assert entry.checksum == "sha256c16:" + hashlib.sha256(hashlib.sha256(raw).digest()).hexdigest()
 
 
 def test_non_contiguous_and_empty_shards_round_trip(tmp_path: Path) -> None:
@@ -214,7 +215,7 @@ def test_corrupt_newest_falls_back_to_previous(tmp_path: Path, damage: str, capl
     with pytest.raises(CheckpointCorrupt, match=r"shard-1\.arrow") as excinfo:
         store.verify(20)
     if damage == "flip":
-        assert "checksum" in str(excinfo.value) and "expected sha256:" in str(excinfo.value)
+        assert "checksum" in str(excinfo.value) and "expected sha256c16:" in str(excinfo.value)
     elif damage == "truncate":
         entry = store.info(20).files["shard-1.arrow"]
         assert f"{entry.size_bytes - 10} bytes, expected {entry.size_bytes}" in str(excinfo.value)

@@ -92,9 +92,20 @@ def assert_step_2_refused_everywhere(root: Path, match: str) -> None:
 # ----------------------------------------------------------------------------- checksums
 
 
+def _digest(raw: bytes, algo: str) -> str:
+    """The checksum of ``raw`` as the manifest's docs define it, computed here on its own:
+    ``<algo>`` over the whole file, ``<algo>c<M>`` over the digests of its M MiB chunks."""
+    base, _, mib = algo.partition("c") if algo[-1].isdigit() and "c" in algo else (algo, "", "")
+    if not mib:
+        return hashlib.new(algo, raw).hexdigest()
+    size = int(mib) << 20
+    chunks = [raw[i: i + size] for i in range(0, max(len(raw), 1), size)]
+    return hashlib.new(base, b"".join(hashlib.new(base, c).digest() for c in chunks)).hexdigest()
+
+
 def _checksums(root: Path, step: int, algo: str) -> dict[str, str]:
     names = [shard_file_name(0), shard_file_name(1), DENSE_FILE, DATA_POSITION_FILE]
-    return {n: f"{algo}:{hashlib.new(algo, path_of(root, step, n).read_bytes()).hexdigest()}" for n in names}
+    return {n: f"{algo}:{_digest(path_of(root, step, n).read_bytes(), algo)}" for n in names}
 
 
 @pytest.mark.parametrize(
@@ -107,6 +118,10 @@ def _checksums(root: Path, step: int, algo: str) -> dict[str, str]:
         "sha256:{sha256_short}",
         "sha256:" + "g" * 64,
         ":" + "0" * 64,
+        "sha256c0:" + "0" * 64,  # chunks of no bytes
+        "sha256c2048:" + "0" * 64,  # chunks larger than any writer's
+        "sha256cx:" + "0" * 64,
+        "sha256c16:{sha256_short}",
     ],
 )
 def test_a_checksum_of_an_unknown_algorithm_or_malformed_makes_the_checkpoint_corrupt(two_steps, crafted: str) -> None:
@@ -141,8 +156,10 @@ def test_a_shake_checksum_falls_back_instead_of_raising_type_error(two_steps) ->
     assert store.gc() == []
 
 
-@pytest.mark.parametrize("algo", ["sha512", "blake2b"])
+@pytest.mark.parametrize("algo", ["sha256", "sha512", "blake2b", "sha256c1", "blake2bc4"])
 def test_checksums_of_the_other_allowed_algorithms_verify(two_steps, algo: str) -> None:
+    """Whole-file sha256 (what every checkpoint written before chunked sums has) and the other
+    algorithms, whole or chunked, verify; a changed byte is found."""
     _, root = two_steps
     checksums = _checksums(root, 2, algo)
 
@@ -267,3 +284,23 @@ def test_a_data_position_whose_bytes_changed_fails_its_checksum(tmp_path: Path) 
     position_path.write_bytes(position_path.read_bytes().replace(b'"seed": 7', b'"seed": 8'))
     with pytest.raises(CheckpointCorrupt, match=f"{DATA_POSITION_FILE} has checksum"):
         read_position(store, 3)
+
+
+def test_a_chunked_checksum_is_the_same_streamed_or_verified_in_parallel() -> None:
+    """Writers hash a file as it streams out in pieces of any size; readers hash its chunks
+    on several threads: both give the checksum the format defines (``_digest``)."""
+    from core.checkpoint.checksum import checksum_of, new_hasher
+
+    rng = np.random.default_rng(3)
+    for size in (0, 1, (1 << 20) - 1, 1 << 20, 3 * (1 << 20) + 17):
+        raw = rng.integers(0, 256, size, dtype=np.uint8).tobytes()
+        hasher = new_hasher("sha256c1")
+        pos = 0
+        while pos < size:
+            step = int(rng.integers(1, 700_000))
+            hasher.update(raw[pos: pos + step])
+            pos += step
+        expected = _digest(raw, "sha256c1")
+        assert hasher.hexdigest() == expected
+        assert checksum_of(raw, "sha256c1", workers=3) == f"sha256c1:{expected}"
+        assert checksum_of(raw, "sha256c1", workers=1) == f"sha256c1:{expected}"

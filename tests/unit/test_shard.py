@@ -273,3 +273,33 @@ def test_a_corrupt_file_of_its_own_falls_back_and_says_why(tmp_path):
     assert shard.reset_to_init("rollback") == LoadResult(rows=0, bytes=0, chain=())
     assert shard.applied_step == -1 and shard.applied_log() == []
     assert all(np.array_equal(a[0], b[0]) and not b[1].any() for a, b in zip(initial, shard.get_rows()))
+
+
+def test_a_spare_with_tables_ready_adopts_a_shard_of_that_shape_without_allocating(monkeypatch):
+    """``embeddings.spare_tables``: a spare allocates tables of the common shape ahead; a
+    recovery of a shard of that shape adopts them (zero rows, zero Adagrad state, as freshly
+    allocated ones); one of another shape allocates its own; "lazy" allocates nothing ahead."""
+    from actors.shard_chunks import table_bytes, tables_wanted
+
+    plan = make_plan("table_wise", [50] * 25 + [80], 2)
+    shapes = [[s.num_rows for s in plan.shards[k]] for k in range(2)]
+    assert shapes[0] != shapes[1]
+
+    def spare(mode):
+        return EmbeddingShard(None, None, DIM, 0.1, 1e-8, 3, microbatches_per_step=1, spare="x-spare0",
+                              ready_rows=shapes[1], spare_tables=mode)
+
+    monkeypatch.setattr("ray.get_runtime_context", lambda: type("C", (), {"get_node_id": lambda self: "n"})())
+    ready = spare("ready")
+    assert ready.ready().tables_ready_bytes == table_bytes(shapes[1], DIM) > 0
+    tables = ready._ready_tables[1]
+    ready.adopt(1, list(plan.shards[1]), 1)
+    assert ready.tbe is tables and ready.ready().tables_ready_bytes == 0
+    assert all((w == 0).all() for w, _ in ready.get_rows()) and all((m == 0).all() for _, m in ready.get_rows())
+    other = spare("ready")
+    held = other._ready_tables[1]
+    other.adopt(0, list(plan.shards[0]), 1)
+    assert other.tbe is not held and [w.shape[0] for w, _ in other.get_rows()] == shapes[0]
+    assert spare("lazy").ready().tables_ready_bytes == 0
+    assert not tables_wanted("auto", [1 << 40], DIM)  # no node has twice 70 TB available
+    assert tables_wanted("auto", [10], DIM) and not tables_wanted("lazy", [10], DIM)

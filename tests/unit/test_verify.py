@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import json
 import pytest
 
 from verify.files import AuditFile
@@ -223,3 +224,28 @@ def test_a_missing_share_of_a_replacement_killed_right_after_it_healed_is_explai
     assert any("step 7 (quorum 1) committed microbatches [14]" in x for x in walk_dense([a, early, healed], M, 8, set()))
     healed.records[-1]["step"] = 6
     assert any("committed microbatches [14]" in x for x in walk_dense([a, early, healed], M, 8, {12}))
+
+
+def test_the_checker_hashes_whole_and_chunked_checksums_with_its_own_code(tmp_path):
+    """``cpr verify`` reads checksums of both kinds (whole-file, as older checkpoints have,
+    and chunked, as files are written now) and finds a changed byte in either."""
+    import hashlib
+
+    from verify.store import Store
+
+    raw = bytes(range(256)) * ((3 << 20) // 256 + 7)  # a little over 3 MiB: four 1 MiB chunks
+    d = tmp_path / "ckpt-000000000004"
+    d.mkdir()
+    (d / "shard-0.arrow").write_bytes(raw)
+    pieces = [raw[i: i + (1 << 20)] for i in range(0, len(raw), 1 << 20)]
+    chunked = hashlib.sha256(b"".join(hashlib.sha256(p).digest() for p in pieces)).hexdigest()
+    for checksum in (f"sha256:{hashlib.sha256(raw).hexdigest()}", f"sha256c1:{chunked}"):
+        manifest = {"step": 4, "files": {"shard-0.arrow": {"size_bytes": len(raw), "checksum": checksum}}}
+        (d / "manifest.json").write_text(json.dumps(manifest))
+        assert Store(str(tmp_path)).problems(4) == []
+        changed = bytearray(raw)
+        changed[(2 << 20) + 5] ^= 1
+        (d / "shard-0.arrow").write_bytes(bytes(changed))
+        [problem] = Store(str(tmp_path)).problems(4)
+        assert "hashes to" in problem
+        (d / "shard-0.arrow").write_bytes(raw)
