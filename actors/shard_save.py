@@ -5,6 +5,8 @@ manifest commits) and the load of its own files of a chain into its tables.
 
 from __future__ import annotations
 
+import logging
+import os
 import threading
 import time
 from typing import Callable
@@ -16,6 +18,8 @@ from core.plan import TableSlice, shard_row_ids, slice_offsets
 from core.records import Snapshot, WrittenPart
 from actors.tracking import AccessTracker
 from policies import make_policy
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["ShardCheckpoints"]
 
@@ -211,6 +215,19 @@ class ShardCheckpoints:
     # ----------------------------------------------------------------- loading
 
     def restore(
+        self, steps: list[int], parts: list[ShardRows], initialized: bool, init_rows: Callable[[], None]
+    ) -> tuple[int, int, tuple[tuple[int, np.ndarray], ...]]:
+        """``_restore`` with torch on every core: nothing else runs in a shard that loads (a
+        1.3 GB copy took 0.23 s on the one thread a shard computes with)."""
+        threads, t0 = self._torch.get_num_threads(), time.perf_counter()
+        self._torch.set_num_threads(max(threads, os.cpu_count() or 1))
+        try:
+            return self._restore(steps, parts, initialized, init_rows)
+        finally:
+            self._torch.set_num_threads(threads)
+            logger.info("shard %s: rows of %s copied in %.3fs", self.shard_id, steps, time.perf_counter() - t0)
+
+    def _restore(
         self, steps: list[int], parts: list[ShardRows], initialized: bool, init_rows: Callable[[], None]
     ) -> tuple[int, int, tuple[tuple[int, np.ndarray], ...]]:
         """Writes ``parts`` (this shard's files of the chain ``steps``, a full then its

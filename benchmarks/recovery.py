@@ -159,7 +159,8 @@ def main() -> None:
                 print(f"{key} rep {rep}: " + ", ".join(f"{k} {r[k]:.3f}" for k in PARTS)
                       + f", {r['bytes_reloaded'] / 1e6:,.0f} MB, spare {r['spare']}", flush=True)
     ray.shutdown()
-    shutil.rmtree(root, ignore_errors=True)
+    if not os.environ.get("CPR_KEEP_RUNS"):
+        shutil.rmtree(root, ignore_errors=True)
 
     med = {key: {k: statistics.median(r[k] for r in rs) for k in PARTS} for key, rs in results.items()}
     out = {

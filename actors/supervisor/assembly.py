@@ -34,7 +34,7 @@ from actors.supervisor.guard import start_guarded
 from actors.supervisor.hooks import HookList, RunLogHook
 from actors.supervisor.hosts import HostLossReporter
 from actors.supervisor.ledger import FailureLedger
-from actors.supervisor.machine import TERMINAL
+from actors.supervisor.machine import RECOVERING, TERMINAL
 from actors.supervisor.spares import SparePool
 from actors.supervisor.trainers import TrainerBook
 from core.accounting import LostSpan, chain_rows, count_lost_samples
@@ -150,7 +150,7 @@ def assemble(inputs: RunInputs, on_crash: Callable[[str, BaseException], None], 
     spares = SparePool(
         lock, events, persist, fleet, hosts.usable, occupied, lambda: set(controller.shard_nodes()),
         lambda: not isinstance(controller.state_now(), TERMINAL), cfg.embeddings.spares, run_id, deadlines.shard_call_s, start_thread, hooks,
-        start_timeout_s=deadlines.shard_start_s,
+        start_timeout_s=deadlines.shard_start_s, recovering=lambda: isinstance(controller.state_now(), RECOVERING),
     )
     executor = RecoveryExecutor(fleet, checkpoints.restart_timeline, cfg.checkpoint_uri, deadlines.shard_call_s, hooks)
     controller = _controller(inputs, lock, events, persist, Collaborators(
