@@ -66,9 +66,7 @@ class EmbeddingShard:
         and waits, without table memory unless ``spare_tables`` wants tables of ``ready_rows``
         rows per slice ahead (``tables_wanted``), until ``adopt`` makes it a shard."""
         role = spare.rsplit("-", 1)[-1] if spare else f"shard-{shard_id}"
-        # Held by every method of the default concurrency group and by the link's requests
-        # (actors.shard_link), which run on their own threads.
-        self._lock = threading.RLock()
+        self._lock = threading.RLock()  # the default group's methods and the link's requests (exclusive)
         configure_process_logging(log_dir, role, ray.util.get_node_ip_address())
         warm = at_idle_priority if idle_warmup else lambda fn, *args: fn(*args)
         kernel = warm(load_kernel, threads)
@@ -93,7 +91,7 @@ class EmbeddingShard:
             # A spare does now what a recovery would otherwise wait for: the lazy imports of
             # load and save, and where wanted and the node has room, the tables.
             warm(warm_up)
-            if ready_rows and tables_wanted(spare_tables, ready_rows, dim):
+            if ready_rows and tables_wanted(spare_tables, ready_rows, dim, self.device):
                 self._ready_tables = (tuple(ready_rows), warm(self._new_tables, ready_rows))
         # Trainers on this node call lookup and push_grads over a socket, not Ray.
         self._link = LinkServer(
@@ -111,7 +109,9 @@ class EmbeddingShard:
             self._lease = self._lease_spec.lease(shard_place(shard_id, generation)).start()
         rows = tuple(s.num_rows for s in self.slices)
         ready, self._ready_tables = self._ready_tables, None  # a spare's tables, if of this shape
-        self.tbe = ready[1] if ready is not None and ready[0] == rows else self._new_tables(rows)
+        if ready is not None and ready[0] != rows:
+            ready = None  # freed before this shard's own are allocated
+        self.tbe = ready[1] if ready is not None else self._new_tables(rows)
         self._initialized = False
         if init:
             self._init_weights(self.seed)
@@ -177,6 +177,7 @@ class EmbeddingShard:
     def reset_to_init(self, why: str = "recovery") -> LoadResult:
         """Back to the initial rows and empty Adagrad state: step 0's (an empty chain); ``why``
         (recovery or rollback) goes to the audit log."""
+        self._pending.clear()
         self._init_weights(self.seed)
         with self._torch.no_grad():
             for st in self.tbe.split_optimizer_states():
@@ -250,9 +251,7 @@ class EmbeddingShard:
         return out
 
     @exclusive
-    def lookup_eval(
-        self, lengths: np.ndarray | ShmArray, indices: np.ndarray | ShmArray, out: ShmArray | None = None
-    ) -> np.ndarray | ShmArray:
+    def lookup_eval(self, lengths: np.ndarray | ShmArray, indices: np.ndarray | ShmArray, out: ShmArray | None = None):
         """Pooled embeddings for evaluation; nothing is kept."""
         lengths, indices = self._shm.get(lengths), self._shm.get(indices)
         return self._shm.put(out, self._forward(lengths, indices, grad=False).cpu().numpy())
@@ -368,6 +367,7 @@ class EmbeddingShard:
         lost-sample accounting.
         """
         t0 = time.perf_counter()
+        self._pending.clear()  # a restore that fails midway must leave no lookup to apply over it
         store = CheckpointStore(uri)
         used, parts = store.shard_chain(self.shard_id, steps[-1]) if steps else ([], [])
         fallbacks = tuple(CheckpointFallback(step=s, reason=r) for s, r in store.fallbacks)

@@ -171,15 +171,21 @@ def table_bytes(rows, dim: int) -> int:
     return n * dim * 4 + n * 4
 
 
-def tables_wanted(mode: str, rows, dim: int) -> bool:
+def tables_wanted(mode: str, rows, dim: int, device=None) -> bool:
     """Whether a warm spare allocates its tables ahead (``embeddings.spare_tables``): always
-    ("ready"), never ("lazy"), or ("auto") when the node's available memory is at least twice
-    what they take."""
+    ("ready"), never ("lazy"), or ("auto") when the memory they would take (the GPU's for a
+    CUDA ``device``, else the node's) has at least twice their size available. Spares decide
+    each for itself: several on one node each count what is free when they start."""
     if mode != "auto":
         return mode == "ready"
     try:
-        with open("/proc/meminfo") as f:
-            available = next(int(line.split()[1]) << 10 for line in f if line.startswith("MemAvailable:"))
-    except (OSError, StopIteration, ValueError):
+        if device is not None and getattr(device, "type", "cpu") == "cuda":
+            import torch  # import cost: none, the shard imported it already
+
+            available = torch.cuda.mem_get_info(device)[0]
+        else:
+            with open("/proc/meminfo") as f:
+                available = next(int(line.split()[1]) << 10 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError, RuntimeError):
         return False
     return available >= 2 * table_bytes(rows, dim)

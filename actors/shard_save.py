@@ -105,8 +105,9 @@ class ShardCheckpoints:
 
     def restart(self) -> None:
         """Every row equals its saved copy (a load, or the initial rows): nothing is unsaved,
-        so access counts restart and no save waits for confirmation."""
-        self._tracker.drain()
+        so access counts restart and no save waits for confirmation (and a tracking failure
+        is forgotten with the counts it spoiled)."""
+        self._tracker.reset()
         self.priority = self._new_policy()
         self.confirm(None)
 

@@ -48,6 +48,14 @@ class AccessTracker:
                 self._cv.wait()
             self._raise_if_failed()
 
+    def reset(self) -> None:
+        """Forgets the accesses not counted yet and a failure (the counts start again: a load)."""
+        with self._cv:
+            self._queue.clear()
+            while self._busy:
+                self._cv.wait()
+            self._error = None
+
     def _raise_if_failed(self) -> None:
         if self._error is not None:
             raise RuntimeError(f"access tracking failed: {self._error!r}") from self._error

@@ -49,6 +49,7 @@ RESULTS = ROOT / "benchmarks" / "results"
 RENDERERS: dict[str, str] = {
     "throughput": "benchmarks.throughput:render",
     "recovery": "benchmarks.recovery:render",
+    "scaling": "benchmarks.scaling:render",
     "soak": "benchmarks.soak:render",
     "soak-hosts": "benchmarks.soak:render",
     "cpr_tradeoff_real": "benchmarks.cpr_tradeoff_render:render_real",

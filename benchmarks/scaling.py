@@ -185,8 +185,7 @@ def plot(result: dict, path: Path) -> None:
 
 def render(result: dict) -> str:
     lines = ["# How each cost grows with the model", "",
-             f"Rendered from `scaling.json`: {describe(result['meta'])}.", "",
-             "![step time, saves and loads, tracking, as the model grows](../../docs/images/scaling.png)", "",
+             f"Rendered from `scaling.json`: {describe(result['meta'])}. The plot: `docs/images/scaling.png`.", "",
              f"**Step time** (ms a step of 2,048 samples, {result['step_count']} steps; cpr: `python -m app train`, "
              "1 trainer, 2 shards; single process: torchrec in its own process, no Ray, every core):", "",
              "| rows per table | D | single process | cpr | ratio (single/cpr) | cpr lookup | cpr push |",

@@ -16,7 +16,7 @@ __all__ = ["Store"]
 _STEP_DIR = re.compile(r"^ckpt-(\d{12})$")
 _CHUNK = 8 << 20
 # "<algo>" hashes the whole file; "<algo>c<MiB>" the digests of its MiB-sized chunks.
-_ALGO = re.compile(r"^(sha256|sha512|blake2b)(?:c([1-9][0-9]{0,3}))?$")
+_ALGO = re.compile(r"(sha256|sha512|blake2b)(?:c([1-9][0-9]{0,3}))?")  # fullmatch; chunks up to 1024 MiB
 
 
 class Store:
@@ -66,8 +66,8 @@ class Store:
         out = []
         for name, entry in sorted(files.items()):
             algo, _, digest = str(entry.get("checksum", "")).partition(":")
-            m = _ALGO.match(algo)
-            if "/" in name or name.startswith(".") or m is None:
+            m = _ALGO.fullmatch(algo)
+            if "/" in name or name.startswith(".") or m is None or int(m.group(2) or 0) > 1024:
                 out.append(f"checkpoint {step}: file entry {name!r} with checksum {entry.get('checksum')!r} is not one "
                            "its writer makes")
                 continue
@@ -88,7 +88,7 @@ class Store:
         digests of its consecutive ``chunk``-byte pieces (an empty file is one empty piece)."""
         whole, piece, filled, size, pieces = hashlib.new(algo), hashlib.new(algo), 0, 0, 0
         with self.fs.open_input_stream(path) as f:
-            while data := f.read(chunk - filled if chunk else _CHUNK):
+            while data := f.read(min(_CHUNK, chunk - filled) if chunk else _CHUNK):
                 size += len(data)
                 if not chunk:
                     whole.update(data)

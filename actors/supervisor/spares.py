@@ -184,6 +184,7 @@ class SparePool:
             if self._stop.is_set():
                 return  # the run ended while it was starting
             self._events.record("spare_failed", spare=name, error=str(err).splitlines()[0][:200])
+            self._filled = True  # its successor warms up at normal priority: idle may never come
             time.sleep(1.0)  # do not spin on a cluster that cannot place one
             self._wake.set()
             return

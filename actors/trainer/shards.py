@@ -106,7 +106,8 @@ class ShardClient:
             link.send(method, *args, **kwargs)
             sent.append("link")
         except LinkClosed as err:
-            for j in [k] + [j for j, r in enumerate(sent) if r == "link"]:
+            # Every shard already sent to may still write its slab: none is used again.
+            for j in range(k + 1):
                 self._drop_slab(j)
             raise ShardCallFailed(k, f"link: {err}") from None
 
@@ -137,6 +138,9 @@ class ShardClient:
             except (ray.exceptions.RayActorError, ray.exceptions.ObjectLostError) as err:
                 # ObjectLostError: the answer lay in the object store of a host that is gone.
                 failed.append(ShardCallFailed(k, type(err).__name__))
+            except Exception as err:  # noqa: BLE001 - the shard's own error: raised once every reply is read
+                raised = raised or err
+                out.append(None)
         for err in failed:
             self._drop_slab(err.shard)
         if failed:

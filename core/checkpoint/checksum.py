@@ -20,7 +20,7 @@ __all__ = ["BASE_ALGOS", "WRITE_ALGO", "checksum_of", "new_hasher", "parse_algo"
 BASE_ALGOS = ("sha256", "sha512", "blake2b")
 CHUNK_MIB = 16
 WRITE_ALGO = f"sha256c{CHUNK_MIB}"  # what writers use now
-_CHUNKED = re.compile(r"^(sha256|sha512|blake2b)c([1-9][0-9]{0,3})$")
+_CHUNKED = re.compile(r"(sha256|sha512|blake2b)c([1-9][0-9]{0,3})")  # fullmatch: no trailing newline
 
 
 def parse_algo(algo: str) -> tuple[str, int | None]:
@@ -28,7 +28,7 @@ def parse_algo(algo: str) -> tuple[str, int | None]:
     is none of ours."""
     if algo in BASE_ALGOS:
         return algo, None
-    m = _CHUNKED.match(algo)
+    m = _CHUNKED.fullmatch(algo)
     if m is None or int(m.group(2)) > 1024:
         raise ValueError(f"checksum algorithm {algo!r} is not one of {list(BASE_ALGOS)}, optionally chunked "
                          "as '<algo>c<MiB>' with 1-1024 MiB chunks")

@@ -107,3 +107,23 @@ def test_a_tracking_failure_is_raised_by_the_next_call_not_swallowed():
         tracker.drain()
     with pytest.raises(RuntimeError, match="access tracking failed"):
         tracker.put(3)
+
+
+def test_a_reset_forgets_a_tracking_failure_and_the_accesses_not_counted():
+    """A load restarts the counts: a failure of the tracking before it must not fail every
+    later lookup of the shard."""
+    seen = []
+
+    def track(x):
+        if x == 2:
+            raise ValueError("bad ids")
+        seen.append(x)
+
+    tracker = AccessTracker(track, "test")
+    tracker.put(2)
+    with pytest.raises(RuntimeError):
+        tracker.drain()
+    tracker.reset()
+    tracker.put(3)
+    tracker.drain()
+    assert seen == [3]

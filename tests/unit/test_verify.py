@@ -249,3 +249,9 @@ def test_the_checker_hashes_whole_and_chunked_checksums_with_its_own_code(tmp_pa
         [problem] = Store(str(tmp_path)).problems(4)
         assert "hashes to" in problem
         (d / "shard-0.arrow").write_bytes(raw)
+    # Chunks larger than any reader accepts (1024 MiB), or a name with a trailing newline: not ours.
+    for checksum in ("sha256c2048:" + "0" * 64, "sha256c16\n:" + "0" * 64):
+        manifest = {"step": 4, "files": {"shard-0.arrow": {"size_bytes": len(raw), "checksum": checksum}}}
+        (d / "manifest.json").write_text(json.dumps(manifest))
+        [problem] = Store(str(tmp_path)).problems(4)
+        assert "is not one its writer makes" in problem
