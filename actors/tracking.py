@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable
 
@@ -26,7 +27,9 @@ class AccessTracker:
     """Runs ``track(*args)`` for every ``put(*args)`` on one thread, in order."""
 
     def __init__(self, track: Callable[..., None], name: str):
-        self._track = track
+        # A bound method is held weakly: the thread must not keep its owner (and the shard's
+        # tables) alive once nothing else does.
+        self._track = weakref.WeakMethod(track) if hasattr(track, "__self__") else (lambda: track)
         self._queue: deque = deque()
         self._cv = threading.Condition()
         self._busy = False
@@ -69,13 +72,15 @@ class AccessTracker:
                 self._busy = True
             t0 = time.perf_counter()
             try:
-                if self._error is None:
-                    self._track(*args)
+                track = self._track()
+                if self._error is None and track is not None:
+                    track(*args)
             except BaseException as err:  # noqa: BLE001 - kept, and raised by the next put or drain
                 logger.exception("access tracking failed; the shard's next lookup or save raises it")
                 with self._cv:
                     self._error = err
             finally:
+                track = args = None  # no reference to the owner while waiting
                 with self._cv:
                     self._busy = False
                     self.busy_s += time.perf_counter() - t0

@@ -105,9 +105,13 @@ def render(result: dict) -> str:
         lines.append(f"| {size} | {spares} | {rs[0]['bytes_reloaded'] / 1e6:,.0f} MB | " + " | ".join(cells) + " |")
     lines += [
         "",
-        "Adoption with a spare allocates the shard's tables in a process that has already imported torch, "
-        "fbgemm and the load path; without one it is a new Ray actor process importing them. Load reads, "
-        "verifies (sha256) and copies only the dead shard's own files.",
+        "Adoption with a spare takes over a process that has already imported torch, fbgemm and the load "
+        "path, and that holds tables of the shard's shape when `embeddings.spare_tables` allows (the default, "
+        "`auto`, does when the node has twice their size free; results of older commits allocated them at "
+        "adoption); without a spare it is a new Ray actor process importing them. Load reads, verifies and "
+        "copies only the dead shard's own files (files written since chunked checksums are verified on "
+        "every core). An adoption near 1 s is the lease's wait: the successor of a process Ray did not "
+        "(yet) report as exited waits one `ray.lease_s`.",
         "",
     ]
     return "\n".join(lines)

@@ -127,3 +127,27 @@ def test_a_reset_forgets_a_tracking_failure_and_the_accesses_not_counted():
     tracker.put(3)
     tracker.drain()
     assert seen == [3]
+
+
+def test_the_tracker_thread_does_not_keep_its_shard_alive():
+    """The tracker's thread holds its owner weakly: a shard (and its tables) that nothing else
+    refers to is freed (a benchmark making shards of 4 GB one after another ran out of memory)."""
+    import gc
+    import weakref
+
+    class Owner:
+        def __init__(self):
+            self.seen = []
+            self.tracker = AccessTracker(self.track, "owner")
+
+        def track(self, x):
+            self.seen.append(x)
+
+    owner = Owner()
+    owner.tracker.put(1)
+    owner.tracker.drain()
+    assert owner.seen == [1]
+    ref = weakref.ref(owner)
+    del owner
+    gc.collect()
+    assert ref() is None
