@@ -116,7 +116,7 @@ class EmbeddingShard:
         if init:
             self._init_weights(self.seed)
         self._ckpt = ShardCheckpoints(
-            self._torch, self.tbe, shard_id, self.slices, self.dim, self._priority_args, self.seed + shard_id
+            self._torch, self.tbe, shard_id, self.slices, self.dim, self._priority_args, self.seed + shard_id, self._lock
         )
         self._audit = None
         if self._audit_dir is not None:

@@ -55,7 +55,8 @@ class ShardCheckpoints:
     says), ``torch`` the module the shard imported, ``priority`` the MFU/SSU policy's
     arguments and ``seed`` its sampling seed."""
 
-    def __init__(self, torch, tbe, shard_id: int, slices: list[TableSlice], dim: int, priority: dict, seed: int):
+    def __init__(self, torch, tbe, shard_id: int, slices: list[TableSlice], dim: int, priority: dict, seed: int,
+                 lock: threading.RLock | None = None):
         self._torch, self._tbe = torch, tbe
         self.shard_id = shard_id
         self.slices = list(slices)
@@ -64,7 +65,7 @@ class ShardCheckpoints:
         self._priority_args, self._seed = priority, seed
         self.priority = self._new_policy()
         self.tracking = priority["policy"] != "full"  # a full-only policy needs no access counts
-        self._tracker = AccessTracker(self._track, f"shard-{shard_id}")
+        self._tracker = AccessTracker(self._track, f"shard-{shard_id}", lock)  # counts between the shard's requests
         # The rows written for a save whose manifest is not known to be committed yet:
         # (step, rows). They count as saved only once it is (two-phase save).
         self._unconfirmed: tuple[int, np.ndarray] | None = None

@@ -1,12 +1,14 @@
 """MFU/SSU access tracking beside the step, not in it: a shard's lookups hand their ids to a
-thread of its own, which updates the policy's counts in the order the lookups came.
+thread of its own, which updates the policy's counts in the order the lookups came, between
+the shard's requests.
 
 Tracking in the lookup cost about 4 % of every step (``np.unique`` over the step's ids): more
-than the full saves it was meant to make cheaper. On its own thread it overlaps the trainers'
-dense compute, when the shard is idle. Whoever reads or changes the policy (a save's
-selection, a confirmation, a load) first ``drain``s the queue, holding the shard's lock so that
-no lookup adds to it meanwhile: the policy then sees exactly the accesses it would have seen
-inline, in the same order, and selects the same rows.
+than the full saves it was meant to make cheaper. The thread counts while holding the shard's
+lock, so it runs while the shard is idle (the trainers compute their dense part) and never
+competes with a request for the interpreter. Whoever reads or changes the policy (a save's
+selection, a confirmation, a load) holds that lock and first ``drain``s the queue on its own
+thread: the policy then sees exactly the accesses it would have seen inline, in the same
+order, and selects the same rows.
 """
 
 from __future__ import annotations
@@ -24,17 +26,18 @@ logger = logging.getLogger(__name__)
 
 
 class AccessTracker:
-    """Runs ``track(*args)`` for every ``put(*args)`` on one thread, in order."""
+    """Runs ``track(*args)`` for every ``put(*args)``, in order, on one thread while it holds
+    ``lock`` (the owner's; an own one without), or in ``drain``'s caller."""
 
-    def __init__(self, track: Callable[..., None], name: str):
+    def __init__(self, track: Callable[..., None], name: str, lock: threading.RLock | None = None):
         # A bound method is held weakly: the thread must not keep its owner (and the shard's
         # tables) alive once nothing else does.
         self._track = weakref.WeakMethod(track) if hasattr(track, "__self__") else (lambda: track)
+        self._lock = lock or threading.RLock()
         self._queue: deque = deque()
         self._cv = threading.Condition()
-        self._busy = False
         self._error: BaseException | None = None
-        self.busy_s = 0.0  # time the thread spent tracking (CPU beside the step)
+        self.busy_s = 0.0  # time spent counting (CPU beside the step)
         self._thread = threading.Thread(target=self._run, name=f"cpr-tracking-{name}", daemon=True)
         self._thread.start()
 
@@ -45,18 +48,16 @@ class AccessTracker:
             self._cv.notify_all()
 
     def drain(self) -> None:
-        """Returns once every access put so far is counted; raises if tracking failed."""
+        """Counts every access put so far, here; raises if tracking failed."""
+        with self._lock:
+            self._count_all()
         with self._cv:
-            while self._queue or self._busy:
-                self._cv.wait()
             self._raise_if_failed()
 
     def reset(self) -> None:
         """Forgets the accesses not counted yet and a failure (the counts start again: a load)."""
-        with self._cv:
+        with self._lock, self._cv:
             self._queue.clear()
-            while self._busy:
-                self._cv.wait()
             self._error = None
 
     def _raise_if_failed(self) -> None:
@@ -68,12 +69,20 @@ class AccessTracker:
             with self._cv:
                 while not self._queue:
                     self._cv.wait()
+            with self._lock:  # between the owner's requests, never during one
+                self._count_all()
+
+    def _count_all(self) -> None:
+        """Counts the queued accesses (the caller holds ``_lock``)."""
+        while True:
+            with self._cv:
+                if not self._queue or self._error is not None:
+                    return
                 args = self._queue.popleft()
-                self._busy = True
             t0 = time.perf_counter()
+            track = self._track()
             try:
-                track = self._track()
-                if self._error is None and track is not None:
+                if track is not None:
                     track(*args)
             except BaseException as err:  # noqa: BLE001 - kept, and raised by the next put or drain
                 logger.exception("access tracking failed; the shard's next lookup or save raises it")
@@ -81,7 +90,4 @@ class AccessTracker:
                     self._error = err
             finally:
                 track = args = None  # no reference to the owner while waiting
-                with self._cv:
-                    self._busy = False
-                    self.busy_s += time.perf_counter() - t0
-                    self._cv.notify_all()
+                self.busy_s += time.perf_counter() - t0
