@@ -29,6 +29,7 @@ import socket
 import struct
 import threading
 import time
+import weakref
 from collections.abc import Callable
 
 __all__ = ["LinkServer", "LinkClient", "LinkClosed", "exclusive", "link_supported"]
@@ -85,7 +86,9 @@ class LinkServer:
     connection. ``handlers`` maps a request's name to the method (an ``exclusive`` one)."""
 
     def __init__(self, handlers: dict[str, Callable], name: str):
-        self._handlers = handlers
+        # Bound methods held weakly: the server's threads must not keep the shard alive.
+        self._handlers = {k: weakref.WeakMethod(h) if hasattr(h, "__self__") else (lambda h=h: h)
+                          for k, h in handlers.items()}
         # The abstract namespace (a leading NUL): no file to remove, gone with the process.
         self.address = f"\0cpr-link-{name}-{os.getpid()}-{secrets.token_hex(6)}"
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -119,7 +122,11 @@ class LinkServer:
                     logger.error("shard link: unreadable request, closing the link: %r", err)
                     return
                 try:
-                    reply = (True, self._handlers[name](*args, **kwargs))
+                    handler = self._handlers[name]()
+                    if handler is None:
+                        return  # the shard is gone
+                    reply = (True, handler(*args, **kwargs))
+                    handler = None
                     self.requests += 1
                 except Exception as err:  # noqa: BLE001 - the caller gets it, as from a Ray call
                     reply = (False, err)

@@ -217,7 +217,7 @@ def main() -> None:
     parser.add_argument("--rows", type=int, nargs="+", default=[100_000, 1_000_000, 3_000_000])
     parser.add_argument("--dims", type=int, nargs="+", default=[16, 64, 128])
     parser.add_argument("--steps", type=int, default=60)
-    parser.add_argument("--shard-mb", type=int, nargs="+", default=[100, 1000, 4000])
+    parser.add_argument("--shard-mb", type=int, nargs="+", default=[100, 1000, 2500])
     parser.add_argument("--out", default=str(ROOT / "benchmarks/results/scaling.md"))
     parser.add_argument("--plot", default=str(ROOT / "docs/images/scaling.png"))
     args = parser.parse_args()

@@ -303,3 +303,20 @@ def test_a_spare_with_tables_ready_adopts_a_shard_of_that_shape_without_allocati
     assert spare("lazy").ready().tables_ready_bytes == 0
     assert not tables_wanted("auto", [1 << 40], DIM)  # no node has twice 70 TB available
     assert tables_wanted("auto", [10], DIM) and not tables_wanted("lazy", [10], DIM)
+
+
+def test_a_shard_nothing_refers_to_is_freed_with_its_tables():
+    """Its link's and its tracker's threads hold it weakly: shards made one after another in one
+    process (tests, benchmarks) do not keep every earlier shard's tables."""
+    import gc
+    import weakref
+
+    plan = make_plan("table_wise", TABLE_ROWS, 2)
+    shard = EmbeddingShard(0, list(plan.shards[0]), DIM, 0.1, 1e-8, 3, microbatches_per_step=1,
+                           priority={"policy": "mfu", "r": 0.1, "sample_rate": 1.0, "full_every": 4})
+    sb = plan.route(_batch(1), 0)
+    shard.lookup(0, (0,), sb.lengths, sb.indices)
+    ref = weakref.ref(shard)
+    del shard
+    gc.collect()
+    assert ref() is None
