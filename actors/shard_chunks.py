@@ -14,7 +14,7 @@ import numpy as np
 logger = logging.getLogger(__name__)
 
 __all__ = ["Chunk", "PendingSteps", "at_idle_priority", "init_weights", "load_kernel", "merge_chunks", "offsets", "table_bytes",
-           "tables_wanted", "writable"]
+           "tables_wanted", "this_thread_idle", "writable"]
 
 
 @dataclass
@@ -148,11 +148,7 @@ def at_idle_priority(fn, *args):
 
     def run() -> None:
         try:
-            if hasattr(os, "sched_setscheduler") and hasattr(os, "SCHED_IDLE"):
-                try:
-                    os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
-                except OSError as err:
-                    logger.warning("could not run at idle priority: %r", err)
+            this_thread_idle()
             out["value"] = fn(*args)
         except BaseException as err:  # noqa: BLE001 - re-raised in the caller's thread
             out["error"] = err
@@ -189,3 +185,13 @@ def tables_wanted(mode: str, rows, dim: int, device=None) -> bool:
     except (OSError, StopIteration, ValueError, RuntimeError):
         return False
     return available >= 2 * table_bytes(rows, dim)
+
+
+def this_thread_idle() -> None:
+    """Puts the calling thread (only it: Linux schedules threads) under SCHED_IDLE, for good;
+    best effort."""
+    if hasattr(os, "sched_setscheduler") and hasattr(os, "SCHED_IDLE"):
+        try:
+            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+        except OSError as err:
+            logger.warning("could not run at idle priority: %r", err)

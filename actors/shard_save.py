@@ -16,6 +16,7 @@ import numpy as np
 from core.checkpoint import ShardRows, write_shard_file
 from core.plan import TableSlice, shard_row_ids, slice_offsets
 from core.records import Snapshot, WrittenPart
+from actors.shard_chunks import this_thread_idle
 from actors.tracking import AccessTracker
 from policies import make_policy
 
@@ -184,8 +185,11 @@ class ShardCheckpoints:
         return buf
 
     def prepare_snapshot_buffer(self) -> None:
-        """Makes the full snapshot's buffer on a thread, once: at a shard's start, or after an
-        adopted spare's load (not during it: zeroing 1 GB beside the load slowed it 2x)."""
+        """Makes the full snapshot's buffer on a thread at idle priority, once: at a shard's
+        start, or after an adopted spare's load (not during it: zeroing 1 GB beside the load
+        slowed it 2x). At normal priority, faulting in 2.5 GB beside a run's first steps made
+        them three times slower; a save that comes first waits for it (and the trainers it
+        holds leave it the CPU)."""
         if self._buf_thread is None:
             self._buf_thread = threading.Thread(target=self._make_snapshot_buf, name="snapshot-buffer", daemon=True)
             self._buf_thread.start()
@@ -193,6 +197,7 @@ class ShardCheckpoints:
     def _make_snapshot_buf(self) -> ShardRows:
         """The full snapshot's buffer in this shard's layout, its pages touched (zeroed), so the
         first save does not pay for the page faults of a fresh allocation."""
+        this_thread_idle()
         n = int(self.offsets[-1])
         tables = np.concatenate([np.full(s.num_rows, s.table, dtype=np.int32) for s in self.slices])
         rows = np.concatenate([np.arange(s.row_start, s.row_end, dtype=np.int64) for s in self.slices])
