@@ -88,15 +88,14 @@ class EmbeddingShard:
         if shard_id is not None:
             self._become(shard_id, list(slices or []), generation, init=True)
         else:
-            # A spare does now what a recovery would otherwise wait for: the lazy imports of
-            # load and save, and where wanted and the node has room, the tables.
+            # A spare does now what a recovery would wait for: load's and save's imports, tables.
             warm(warm_up)
             if ready_rows and tables_wanted(spare_tables, ready_rows, dim, self.device):
                 self._ready_tables = (tuple(ready_rows), warm(self._new_tables, ready_rows))
         # Trainers on this node call lookup and push_grads over a socket, not Ray.
         self._link = LinkServer(
-            {"lookup": self.lookup, "lookup_eval": self.lookup_eval, "push_grads": self.push_grads}, role
-        ) if link_supported() else None
+            {"lookup": self.lookup, "lookup_eval": self.lookup_eval, "push_grads": self.push_grads}, role,
+            after_reply=self._after_reply) if link_supported() else None
 
     def _become(self, shard_id: int, slices: list[TableSlice], generation: int, init: bool) -> None:
         """Allocates the tables of ``slices`` and every per-shard structure. ``init`` False
@@ -159,6 +158,10 @@ class EmbeddingShard:
         )
         return dataclasses.replace(self.ready(), adopt_s=time.perf_counter() - t0)
 
+    def _after_reply(self) -> None:  # the tracker counts once the trainer has its answer
+        if getattr(self, "_ckpt", None) is not None:
+            self._ckpt.wake()
+
     def _new_tables(self, rows) -> object:
         """fbgemm's kernel with tables of ``rows`` rows (zero, as is their Adagrad state)."""
         return self._tbe_cls(embedding_specs=[(n, self.dim, self._location, self._compute) for n in rows],
@@ -169,8 +172,7 @@ class EmbeddingShard:
         self._initialized = True
 
     def watch(self) -> None:
-        """Never returns while the shard lives: the supervisor keeps one call pending (its own
-        concurrency group), which the shard's death fails at once (Ray's signal, no polling)."""
+        """Never returns while the shard lives: its death fails the supervisor's pending call."""
         self._released.wait()
 
     @exclusive
@@ -235,8 +237,7 @@ class EmbeddingShard:
         lengths, indices = self._shm.get(lengths), self._shm.get(indices)
         graph = None
         if step > self.applied_step:
-            # A chunk that is the whole step keeps the kernel's autograd record of this
-            # lookup: the step's update is then its backward, with no second forward.
+            # A whole-step chunk keeps the kernel's autograd record: its update needs no second forward.
             whole = len(microbatches) >= self.microbatches_per_step
             pooled = graph = self._forward(lengths, indices, grad=whole)
             self._pending.add(step, microbatches, lengths, indices, graph if whole else None)

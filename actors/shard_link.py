@@ -21,6 +21,7 @@ failure, as it would Ray's ``ActorDiedError``.
 from __future__ import annotations
 
 import functools
+import inspect
 import logging
 import os
 import pickle
@@ -32,7 +33,7 @@ import time
 import weakref
 from collections.abc import Callable
 
-__all__ = ["LinkServer", "LinkClient", "LinkClosed", "exclusive", "link_supported"]
+__all__ = ["LinkServer", "LinkClient", "LinkClosed", "exclusive", "link_supported", "on_link_thread"]
 
 logger = logging.getLogger(__name__)
 
@@ -85,11 +86,12 @@ class LinkServer:
     """The shard's side: accepts trainers' connections and runs their requests, one thread per
     connection. ``handlers`` maps a request's name to the method (an ``exclusive`` one)."""
 
-    def __init__(self, handlers: dict[str, Callable], name: str):
+    def __init__(self, handlers: dict[str, Callable], name: str, after_reply: Callable[[], None] | None = None):
         # Bound methods held weakly: the server's threads must not keep the shard alive.
-        self._handlers = {k: weakref.WeakMethod(h) if hasattr(h, "__self__") else (lambda h=h: h)
+        self._handlers = {k: weakref.WeakMethod(h) if inspect.ismethod(h) else (lambda h=h: h)
                           for k, h in handlers.items()}
         # The abstract namespace (a leading NUL): no file to remove, gone with the process.
+        self._after_reply = weakref.WeakMethod(after_reply) if inspect.ismethod(after_reply) else (lambda: after_reply)
         self.address = f"\0cpr-link-{name}-{os.getpid()}-{secrets.token_hex(6)}"
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._sock.bind(self.address)
@@ -138,6 +140,13 @@ class LinkServer:
                     _send(conn, payload)
                 except OSError:
                     return  # the trainer went away while the request ran
+                after = self._after_reply()
+                if after is not None:
+                    try:
+                        after()
+                    except Exception:  # noqa: BLE001 - logged; the link goes on
+                        logger.exception("shard link: after a reply")
+                after = None
 
 
 class LinkClient:
@@ -183,3 +192,8 @@ class LinkClient:
         if not self.closed:
             self.closed = True
             self._sock.close()
+
+
+def on_link_thread() -> bool:
+    """Whether the calling thread serves a link's request (its reply is sent after it)."""
+    return threading.current_thread().name == "cpr-link"

@@ -17,6 +17,7 @@ from core.checkpoint import ShardRows, write_shard_file
 from core.plan import TableSlice, shard_row_ids, slice_offsets
 from core.records import Snapshot, WrittenPart
 from actors.shard_chunks import this_thread_idle
+from actors.shard_link import on_link_thread
 from actors.tracking import AccessTracker
 from policies import make_policy
 
@@ -92,7 +93,10 @@ class ShardCheckpoints:
         """Counts the rows a step looked up (``tracking`` policies only), on the tracker's
         thread (``actors.tracking``): every method below that reads or changes the counts
         drains it first."""
-        self._tracker.put(lengths, indices)
+        self._tracker.put(lengths, indices, wake=not on_link_thread())  # a link wakes it after its reply
+
+    def wake(self) -> None:
+        self._tracker.wake()
 
     @property
     def tracking_thread_s(self) -> float:

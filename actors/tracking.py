@@ -8,11 +8,14 @@ lock, so it runs while the shard is idle (the trainers compute their dense part)
 competes with a request for the interpreter. Whoever reads or changes the policy (a save's
 selection, a confirmation, a load) holds that lock and first ``drain``s the queue on its own
 thread: the policy then sees exactly the accesses it would have seen inline, in the same
-order, and selects the same rows.
+order, and selects the same rows. A lookup served over the shard's link wakes the thread only
+once its reply is sent: woken during the request, it took the CPU from the thread serving it on a
+busy node (the emulation's MFU and SSU runs lost 1.4 % of their steps that way).
 """
 
 from __future__ import annotations
 
+import inspect
 import logging
 import threading
 import time
@@ -20,7 +23,9 @@ import weakref
 from collections import deque
 from collections.abc import Callable
 
-__all__ = ["AccessTracker"]
+__all__ = ["AccessTracker", "MAX_QUEUED"]
+
+MAX_QUEUED = 32  # steps' ids waiting for the thread before a lookup counts them itself
 
 logger = logging.getLogger(__name__)
 
@@ -32,7 +37,7 @@ class AccessTracker:
     def __init__(self, track: Callable[..., None], name: str, lock: threading.RLock | None = None):
         # A bound method is held weakly: the thread must not keep its owner (and the shard's
         # tables) alive once nothing else does.
-        self._track = weakref.WeakMethod(track) if hasattr(track, "__self__") else (lambda: track)
+        self._track = weakref.WeakMethod(track) if inspect.ismethod(track) else (lambda: track)
         self._lock = lock or threading.RLock()
         self._queue: deque = deque()
         self._cv = threading.Condition()
@@ -41,11 +46,23 @@ class AccessTracker:
         self._thread = threading.Thread(target=self._run, name=f"cpr-tracking-{name}", daemon=True)
         self._thread.start()
 
-    def put(self, *args) -> None:
+    def put(self, *args, wake: bool = True) -> None:
+        """Queues an access; ``wake`` False leaves the thread asleep until ``wake()`` (after the
+        reply: woken during a request, it took the CPU from the thread serving it)."""
         with self._cv:
             self._raise_if_failed()
             self._queue.append(args)
-            self._cv.notify_all()
+            if wake:
+                self._cv.notify_all()
+            backlog = len(self._queue) > MAX_QUEUED
+        if backlog:  # the thread got no CPU for a while: count here rather than hold the ids
+            with self._lock:
+                self._count_all()
+
+    def wake(self) -> None:
+        with self._cv:
+            if self._queue:
+                self._cv.notify_all()
 
     def drain(self) -> None:
         """Counts every access put so far, here; raises if tracking failed."""

@@ -151,3 +151,19 @@ def test_the_tracker_thread_does_not_keep_its_shard_alive():
     del owner
     gc.collect()
     assert ref() is None
+
+
+def test_a_tracker_that_gets_no_cpu_counts_in_the_caller_past_a_backlog():
+    """With its thread starved (held off here by the owner's lock), the ids of at most
+    MAX_QUEUED steps wait; the next put counts them all, in order."""
+    import threading
+
+    from actors.tracking import MAX_QUEUED
+
+    lock = threading.RLock()
+    seen = []
+    tracker = AccessTracker(seen.append, "starved", lock)
+    with lock:  # the thread cannot count while this is held
+        for i in range(MAX_QUEUED + 1):
+            tracker.put(i)
+        assert seen == list(range(MAX_QUEUED + 1))
