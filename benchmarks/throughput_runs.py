@@ -211,17 +211,24 @@ def running_ray(num_cpus: int):
             time.sleep(1.0)
         yield address
     finally:
-        os.killpg(head.pid, signal.SIGTERM)
-        try:
-            head.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            pass
-        try:
-            os.killpg(head.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        head.wait(timeout=30)
+        stop_head(head)
         shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def stop_head(head: subprocess.Popen, grace_s: float = 10.0) -> None:
+    """Stops a ``ray start --head --block`` started in its own session: its own process group
+    only, never ``ray stop`` (which stops every Ray on the machine). Its graceful stop waits on
+    its children one by one (about 30 s here); what still runs after ``grace_s`` is killed."""
+    os.killpg(head.pid, signal.SIGTERM)
+    try:
+        head.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        pass
+    try:
+        os.killpg(head.pid, signal.SIGKILL)
+    except ProcessLookupError:  # the whole group is already gone
+        pass
+    head.wait(timeout=30)
 
 
 def checkpoint_write_rate(shard_rows: int, dim: int, reps: int) -> dict:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import socket
 import subprocess
 import shutil
@@ -15,6 +14,8 @@ from pathlib import Path
 
 import pytest
 from ray._common.test_utils import wait_for_condition
+
+from benchmarks.throughput_runs import stop_head
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 
@@ -133,17 +134,6 @@ def test_ray_job_submit_to_a_started_head(tmp_path, small_data):
         assert "held-out AUC" in logs
         assert any(e["kind"] == "checkpoint_saved" and e["step"] == 25 for e in report["events"])
     finally:
-        # This head's own process group only. Its graceful stop takes about 30 s here (it
-        # waits on its children one by one); what is still running after 10 s is killed.
-        os.killpg(head.pid, signal.SIGTERM)
-        try:
-            head.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            pass
-        try:
-            os.killpg(head.pid, signal.SIGKILL)
-        except ProcessLookupError:  # the whole group is already gone
-            pass
-        head.wait(timeout=30)
+        stop_head(head)  # this head's own process group only
         head_log.close()
         shutil.rmtree(temp_dir, ignore_errors=True)
