@@ -26,7 +26,7 @@ from core.errors import ShardUnavailable
 from core.logs import LOG_DIR
 from core.records import ShardInfo
 
-__all__ = ["ShardFleet", "shard_name", "spare_name", "spare_target", "kill_run_shards"]
+__all__ = ["ShardFleet", "shard_name", "spare_name", "spare_target", "mirror_name", "kill_run_shards"]
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +62,11 @@ def spare_name(run_id: str, n: int) -> str:
     supervisor journals which name serves each shard. Same prefix as the shards, so that
     ``kill_run_shards`` removes spares too."""
     return f"cpr-shard-{run_id}-spare{n}"
+
+
+def mirror_name(run_id: str, n: int) -> str:
+    """A replica-recovery mirror's name (``actors.supervisor.mirrors``); it keeps it when promoted."""
+    return f"cpr-shard-{run_id}-mirror{n}"
 
 
 def spare_target(name: str) -> str:
@@ -157,8 +162,8 @@ class ShardFleet:
 
     @staticmethod
     def _actor_class():
-        # The extra concurrency groups run watch() and save_written() beside the compute.
-        return ray.remote(concurrency_groups={"watch": 1, "save": 1})(EmbeddingShard)
+        # The extra concurrency groups run watch(), save_written() and attach_mirror() beside the compute.
+        return ray.remote(concurrency_groups={"watch": 1, "save": 1, "mirror": 1})(EmbeddingShard)
 
     def _place(self, taken: list) -> dict:
         """Actor options for one more shard-like actor (``actors.nodes.placement``, avoiding
@@ -191,6 +196,16 @@ class ShardFleet:
             spare_tables=self.cfg.embeddings.spare_tables, **self._args()
         )
 
+    def spawn_mirror(self, name: str, taken: list, primary_node: str | None):
+        """Starts ``name``, a shard process that becomes a mirror (``become_mirror``), placed like
+        a spare but never, while another node has room, on its primary's node."""
+        node, extra = placement(taken, self.avoid() | {primary_node})
+        taken.append(node)
+        return self._actor_class().options(**self._options(name, **extra)).remote(
+            shard_id=None, slices=None, spare=name, ready_rows=self._common_shape(),
+            spare_tables=self.cfg.embeddings.spare_tables, **self._args()
+        )
+
     def _common_shape(self) -> list[int]:
         """Rows per slice of the shape most shards have (the first such shard's): the tables a
         spare allocates ahead (``embeddings.spare_tables``)."""
@@ -212,7 +227,7 @@ class ShardFleet:
         return self.fences.grant([shard_place(k, g) for k, g in targets.items()], wait)
 
     def adopt_or_spawn(self, targets: dict[int, int], spares: dict[int, str] | None = None,
-                       predecessors_exited: bool = False) -> tuple[dict, list[int]]:
+                       predecessors_exited: bool = False, committed: int | None = None) -> tuple[dict, list[int]]:
         """The live actor of each shard ``k`` under generation ``targets[k]``: the warm spare
         ``spares[k]`` made shard ``k`` (``adopt``, which allocates its tables), or the actor a
         half-finished recovery already created if it answers, else a new one (all at once,
@@ -232,7 +247,7 @@ class ShardFleet:
             if k in spares:
                 handles[k] = self.find_name(spares[k])
                 if handles[k] is not None:
-                    refs[k] = handles[k].adopt.remote(k, list(self.plan.shards[k]), g)
+                    refs[k] = handles[k].adopt.remote(k, list(self.plan.shards[k]), g, committed)
             else:
                 handles[k] = self.find(k, g) or self._spawn(k, g, taken)
                 refs[k] = handles[k].ready.remote()

@@ -15,15 +15,17 @@ import time
 import numpy as np
 import ray
 
-from core.checkpoint import CheckpointStore, warm_up
+from core.checkpoint import warm_up
 from core.logs import configure_process_logging
 from core.plan import TableSlice
-from core.records import CheckpointFallback, LoadResult, PushResult, ShardInfo, ShardState, Snapshot, WrittenPart
+from core.records import PushResult, ShardInfo, ShardState
 from actors.lease import LeaseSpec, shard_place
 from actors.shard_chunks import (
     PendingSteps, at_idle_priority, init_weights, load_kernel, merge_chunks, offsets, table_bytes, tables_wanted, writable,
 )
 from actors.shard_link import LinkServer, exclusive, link_supported
+from actors.shard_mirror import MirrorRole
+from actors.shard_persist import ShardSaving
 from actors.shard_save import ShardCheckpoints
 from actors.shm import ShmArray, ShmReader
 
@@ -32,13 +34,15 @@ __all__ = ["EmbeddingShard"]
 logger = logging.getLogger(__name__)
 
 
-class EmbeddingShard:
+class EmbeddingShard(MirrorRole, ShardSaving):
     """Holds ``slices`` (TableSlice) of the embedding tables, dimension ``dim``.
 
-    A step's embedding update is applied once, when the gradients of all
-    ``microbatches_per_step`` microbatches of that step have arrived: the update then does
-    not depend on which trainer computed which microbatch, and a microbatch resent by a
-    redo overwrites its earlier copy instead of being applied twice.
+    A step's embedding update is applied once, at its commit: its gradients must all be here
+    (``microbatches_per_step`` microbatches), and the trainers must have committed it, which a
+    request for a later step (or a save of it) shows. The update then does not depend on which
+    trainer computed which microbatch, a microbatch resent by a redo overwrites its earlier copy
+    instead of being applied twice, and a step that failed elsewhere and is redone finds the
+    rows it found the first time. A mirror (``actors.shard_mirror``) gets every complete step.
     """
 
     def __init__(
@@ -86,7 +90,8 @@ class EmbeddingShard:
         self._shm = ShmReader()
         self._ready_tables: tuple[tuple[int, ...], object] | None = None
         if shard_id is not None:
-            self._become(shard_id, list(slices or []), generation, init=True)
+            self._allocate(shard_id, list(slices or []), init=True)
+            self._activate(shard_id, generation)
         else:
             # A spare does now what a recovery would wait for: load's and save's imports, tables.
             warm(warm_up)
@@ -97,15 +102,11 @@ class EmbeddingShard:
             {"lookup": self.lookup, "lookup_eval": self.lookup_eval, "push_grads": self.push_grads}, role,
             after_reply=self._after_reply) if link_supported() else None
 
-    def _become(self, shard_id: int, slices: list[TableSlice], generation: int, init: bool) -> None:
+    def _allocate(self, shard_id: int, slices: list[TableSlice], init: bool) -> None:
         """Allocates the tables of ``slices`` and every per-shard structure. ``init`` False
-        (a spare adopted for a recovery) leaves the rows zero: the load that follows writes
-        every row from the checkpoint, or ``reset_to_init`` initializes them."""
-        self.shard_id = shard_id
+        (a spare adopted for a recovery, or a mirror) leaves the rows zero: the load that
+        follows writes every row from the checkpoint, or ``reset_to_init`` initializes them."""
         self.slices = list(slices)
-        self.generation = generation
-        if self._lease_spec is not None:  # applies only while it holds shard_id's place (actors.lease)
-            self._lease = self._lease_spec.lease(shard_place(shard_id, generation)).start()
         rows = tuple(s.num_rows for s in self.slices)
         ready, self._ready_tables = self._ready_tables, None  # a spare's tables, if of this shape
         if ready is not None and ready[0] != rows:
@@ -118,6 +119,24 @@ class EmbeddingShard:
             self._torch, self.tbe, shard_id, self.slices, self.dim, self._priority_args, self.seed + shard_id, self._lock
         )
         self._audit = None
+        self.tracking_s = 0.0
+        self.steps_dropped = 0
+        self.first_step_after_load: int | None = None
+        self.applied_microbatches: list[tuple[int, tuple[int, ...]]] = []
+        self._pending = PendingSteps(self.microbatches_per_step)
+        self._complete: int | None = None  # a step whose gradients are all here, applied at its commit
+        self.applied_step = -1
+        self.rows_updated_total = 0
+        self.compute_s = 0.0
+        if init:
+            self._ckpt.prepare_snapshot_buffer()
+
+    def _activate(self, shard_id: int, generation: int) -> None:
+        """Serves shard ``shard_id`` as ``generation``: its lease, its audit log."""
+        self.shard_id = shard_id
+        self.generation = generation
+        if self._lease_spec is not None:  # applies only while it holds shard_id's place (actors.lease)
+            self._lease = self._lease_spec.lease(shard_place(shard_id, generation)).start()
         if self._audit_dir is not None:
             # Append-only record of every update applied and every load, for the soak's
             # exactly-once checks; written by this process, independent of the supervisor.
@@ -127,23 +146,18 @@ class EmbeddingShard:
             self._log({"event": "open", "pid": os.getpid(), "host": socket.gethostname(),
                        "ip": ray.util.get_node_ip_address(),
                        "slices": [[s.table, s.row_start, s.row_end] for s in self.slices]})
-        self.tracking_s = 0.0
-        self.steps_dropped = 0
-        self.first_step_after_load: int | None = None
-        self.applied_microbatches: list[tuple[int, tuple[int, ...]]] = []
-        self._pending = PendingSteps(self.microbatches_per_step)
-        self.applied_step = -1
-        self.rows_updated_total = 0
-        self.compute_s = 0.0
-        if init:
-            self._ckpt.prepare_snapshot_buffer()
 
     @exclusive
-    def adopt(self, shard_id: int, slices: list[TableSlice], generation: int) -> ShardInfo:
+    def adopt(self, shard_id: int, slices: list[TableSlice], generation: int, committed: int | None = None) -> ShardInfo:
         """A warm spare becomes shard ``shard_id`` of ``generation``: its tables are allocated
-        now (a spare holds no table memory). Idempotent for the same shard and generation (a
-        restarted supervisor adopts again: that answer has no ``adopt_s``); a spare already
-        adopted as another refuses."""
+        now (a spare holds no table memory). A mirror of that shard becomes it with its rows
+        (refused if it missed a step: ``committed`` steps are committed). Idempotent for the
+        same shard and generation (a restarted supervisor adopts again: that answer has no
+        ``adopt_s``); a spare already adopted as another refuses."""
+        t0 = time.perf_counter()
+        if self._mirror is not None:
+            self._promote(shard_id, generation, committed)
+            return dataclasses.replace(self.ready(), adopt_s=time.perf_counter() - t0)
         if self.shard_id is not None:
             if (self.shard_id, self.generation) != (shard_id, generation):
                 raise RuntimeError(
@@ -151,8 +165,8 @@ class EmbeddingShard:
                     f"cannot become shard {shard_id} generation {generation}"
                 )
             return self.ready()
-        t0 = time.perf_counter()
-        self._become(shard_id, list(slices), generation, init=False)
+        self._allocate(shard_id, list(slices), init=False)
+        self._activate(shard_id, generation)
         logger.warning(
             "%s adopted as shard %d generation %d in %.3fs", self.spare, shard_id, generation, time.perf_counter() - t0
         )
@@ -175,31 +189,6 @@ class EmbeddingShard:
         """Never returns while the shard lives: its death fails the supervisor's pending call."""
         self._released.wait()
 
-    @exclusive
-    def reset_to_init(self, why: str = "recovery") -> LoadResult:
-        """Back to the initial rows and empty Adagrad state: step 0's (an empty chain); ``why``
-        (recovery or rollback) goes to the audit log."""
-        self._pending.clear()
-        self._init_weights(self.seed)
-        with self._torch.no_grad():
-            for st in self.tbe.split_optimizer_states():
-                st[0].zero_()
-        self._loaded([], why)
-        return LoadResult(rows=0, bytes=0, chain=())
-
-    def _loaded(self, chain: list[int], why: str) -> None:
-        """The rows are now those of ``chain`` (the initial ones for an empty chain), so the
-        shard is at ``chain[-1]`` committed steps: it forgets any step in flight, and the
-        MFU/SSU access counts restart from these rows."""
-        done = chain[-1] if chain else 0
-        self._pending.clear()
-        self.applied_step = done - 1
-        self.applied_microbatches = [x for x in self.applied_microbatches if x[0] < done]
-        self.first_step_after_load = None
-        self._ckpt.restart()
-        self._log({"event": "load", "chain": list(chain), "why": why})
-        self._ckpt.prepare_snapshot_buffer()
-
     def ready(self) -> ShardInfo:
         """Identifies the process (used to kill it in chaos tests) and its size."""
         return ShardInfo(
@@ -210,6 +199,8 @@ class EmbeddingShard:
             device=str(self.device),
             link=self._link.address if self._link is not None else None,
             tables_ready_bytes=table_bytes(self._ready_tables[0], self.dim) if self._ready_tables else 0,
+            mirror_of=self._mirror.shard_id if self._mirror is not None else None,
+            applied_steps=getattr(self, "applied_step", -1) + 1,
         )
 
     def _forward(self, lengths: np.ndarray, indices: np.ndarray, grad: bool):
@@ -236,11 +227,14 @@ class EmbeddingShard:
         t0 = time.perf_counter()
         lengths, indices = self._shm.get(lengths), self._shm.get(indices)
         graph = None
+        self._commit_before(step)
         if step > self.applied_step:
             # A whole-step chunk keeps the kernel's autograd record: its update needs no second forward.
             whole = len(microbatches) >= self.microbatches_per_step
             pooled = graph = self._forward(lengths, indices, grad=whole)
             self._pending.add(step, microbatches, lengths, indices, graph if whole else None)
+            if self._complete == step:
+                self._complete = None  # a redo: its chunks are replaced, their gradients come again
             if self._ckpt.tracking:
                 t_track = time.perf_counter()
                 self._ckpt.observe(lengths, indices)
@@ -253,16 +247,15 @@ class EmbeddingShard:
 
     @exclusive
     def lookup_eval(self, lengths: np.ndarray | ShmArray, indices: np.ndarray | ShmArray, out: ShmArray | None = None):
-        """Pooled embeddings for evaluation; nothing is kept."""
+        """Pooled embeddings for evaluation (training committed every step); nothing is kept."""
+        self._commit_before(float("inf"))
         lengths, indices = self._shm.get(lengths), self._shm.get(indices)
         return self._shm.put(out, self._forward(lengths, indices, grad=False).cpu().numpy())
 
     @exclusive
     def push_grads(self, step: int, microbatches: tuple[int, ...], grad: np.ndarray | ShmArray) -> PushResult:
-        """Stores the pooled-embedding gradient of a chunk; applies the step when complete.
-
-        Returns whether the step is applied, so the caller knows the update happened once.
-        """
+        """Stores the pooled-embedding gradient of a chunk. ``applied``: the step is complete
+        here (and on the mirror), so its update happens once, at its commit."""
         if step <= self.applied_step:
             return PushResult(applied=True, duplicate=True)
         chunk = self._pending.chunk(step, microbatches)
@@ -275,14 +268,22 @@ class EmbeddingShard:
             chunk.grad = self._shm.get(grad)  # kept until the step's other chunks arrive: a copy
             return PushResult(applied=False)
         if self._lease is not None and not self._lease.hold(timeout_s=2 * self._lease.term_s):
-            # The cluster did not confirm this shard's place in time: not applied, the step is
+            # The cluster did not confirm this shard's place in time: not taken, the step is
             # redone (a process replaced meanwhile raises Fenced here and exits).
             return PushResult(applied=False, stale=True)
-        # This chunk completes the step, which applies now: a gradient in shared memory is
-        # read in place (the trainer does not touch its slab before this call returns).
-        chunk.grad = self._shm.view(grad)
-        self._apply(step)
+        chunk.grad = self._shm.get(grad)  # the trainer's slab is rewritten before the commit
+        if not self._send_to_mirror(step):
+            chunk.grad = None  # not complete: the redo sends it again, to this shard alone
+            return PushResult(applied=False, stale=True)
+        self._complete = step
         return PushResult(applied=True)
+
+    def _commit_before(self, step: float) -> None:
+        """Steps before ``step`` are committed (a trainer asks for ``step``, a save of ``step``
+        steps comes): the complete step, if older, applies now."""
+        if self._complete is not None and self._complete < step:
+            complete, self._complete = self._complete, None
+            self._apply(complete)
 
     def _apply(self, step: int) -> None:
         torch = self._torch
@@ -320,81 +321,13 @@ class EmbeddingShard:
             self._audit.write(json.dumps({"t": round(time.time(), 6), "gen": self.generation, **record}) + "\n")
 
     @exclusive
-    def save_checkpoint(
-        self, uri: str, step: int, save_index: int = 0, confirmed_step: int | None = None, full: bool = False
-    ) -> Snapshot:
-        """Phase one of a save, at the step boundary: copies the rows to save as of ``step``
-        committed steps (all of them with ``full``, else the rows the MFU/SSU policy selects
-        for save ``save_index``) into memory, starts writing them in the background and
-        returns. Only the copy holds the caller; ``save_written`` waits for the file.
-
-        The rows are written by this actor straight to storage; only the file's entry
-        (name, size, checksum) goes back to the supervisor, which commits the manifest once
-        every part is durable. The rows count as saved (their MFU/SSU counts cleared) only
-        when ``confirm_save`` names this step, i.e. its manifest committed.
-        """
-        self._ckpt.confirm(confirmed_step)
-        self._ckpt.wait_written()
-        if self.applied_step != step - 1:
-            raise RuntimeError(
-                f"shard {self.shard_id}: asked to save step {step} but has applied "
-                f"{self.applied_step + 1} steps; the checkpoint would be inconsistent"
-            )
-        return self._ckpt.snapshot(uri, step, save_index, full)
-
-    def save_written(self, step: int) -> WrittenPart:
-        """Phase one, part two (runs in its own concurrency group, beside training): waits
-        until this shard's file of ``step`` is written and synced; returns its entry (name,
-        size, checksum) and the background write time. Raises if that write failed or no
-        save of ``step`` is in flight (this process did not take its snapshot)."""
-        return self._ckpt.written(step)
-
-    @exclusive
-    def confirm_save(self, step: int | None) -> None:
-        """Phase two of a save: the manifest of ``step`` committed, so the rows this shard wrote
-        for it are saved (``ShardCheckpoints.confirm``; unconfirmed, MFU/SSU counts stay)."""
-        self._ckpt.confirm(step)
-
-    @exclusive
-    def load_checkpoint(self, uri: str, steps: list[int], why: str = "recovery") -> LoadResult:
-        """Restores this shard from the chain ``steps`` (a full checkpoint, then incrementals,
-        each applied over the last) and forgets any step in flight.
-
-        It reads and verifies only its own file of each step (``CheckpointStore.shard_chain``
-        up to ``steps[-1]``), each once: a corrupt one is refused and the chain falls back
-        (an older full, or a shorter run of incrementals); with no valid full the shard goes
-        back to its initial rows. The shard is then exactly at ``chain[-1]`` committed steps.
-        Returns the chain used and which shard rows each incremental held, for per-row
-        lost-sample accounting.
-        """
-        t0 = time.perf_counter()
-        self._pending.clear()  # a restore that fails midway must leave no lookup to apply over it
-        store = CheckpointStore(uri)
-        used, parts = store.shard_chain(self.shard_id, steps[-1]) if steps else ([], [])
-        fallbacks = tuple(CheckpointFallback(step=s, reason=r) for s, r in store.fallbacks)
-        if not used:
-            self.reset_to_init(why)
-            return LoadResult(rows=0, bytes=0, chain=(), fallbacks=fallbacks, duration_s=time.perf_counter() - t0)
-        rows, nbytes, incremental_rows = self._ckpt.restore(
-            used, parts, self._initialized, lambda: self._init_weights(self.seed)
-        )
-        self._initialized = True
-        self._loaded(used, why)
-        return LoadResult(
-            rows=rows,
-            bytes=nbytes,
-            chain=tuple(used),
-            incremental_rows=incremental_rows,
-            fallbacks=fallbacks,
-            duration_s=time.perf_counter() - t0,
-        )
-
-    @exclusive
     def applied_log(self) -> list[tuple[int, tuple[int, ...]]]:
+        self._commit_before(float("inf"))  # asked for after training
         return list(self.applied_microbatches)  # (step, microbatch ids) of every update applied, in order
 
     @exclusive
     def get_rows(self) -> list[tuple[np.ndarray, np.ndarray]]:
-        """(weights float32 [rows, D], momentum float32 [rows]) per slice, as copies."""
+        """(weights float32 [rows, D], momentum float32 [rows]) per slice, as copies (after training)."""
+        self._commit_before(float("inf"))
         return [(w.detach().cpu().numpy().copy(), st[0].detach().cpu().numpy().copy())
                 for w, st in zip(self.tbe.split_embedding_weights(), self.tbe.split_optimizer_states())]

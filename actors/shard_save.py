@@ -76,6 +76,7 @@ class ShardCheckpoints:
         # The buffer a full snapshot is copied into, made by prepare_snapshot_buffer.
         self._buf: ShardRows | None = None
         self._buf_thread: threading.Thread | None = None
+        self.full_next: str | None = None  # why the next save writes every row (a promoted mirror counted nothing)
 
     def _new_policy(self):
         p = self._priority_args
@@ -129,8 +130,9 @@ class ShardCheckpoints:
         for save ``save_index``) and starts writing them as ``step`` in the background."""
         self._tracker.drain()
         t0 = time.perf_counter()
-        if full:
-            selection = self.priority.select_full(save_index, "the run's final checkpoint: every row")
+        if full or self.full_next:
+            selection = self.priority.select_full(save_index, self.full_next or "the run's final checkpoint: every row")
+            self.full_next = None
         else:
             selection = self.priority.select(save_index)
         chosen = np.asarray(selection.rows, dtype=np.int64)

@@ -125,10 +125,11 @@ TRAINER_CPUS = 1.0  # Ray Train's default resources_per_worker
 
 
 def resources_needed(cfg: RunConfig) -> dict[str, float]:
-    """The Ray resources the run holds at once: every shard and warm spare (``embeddings.num_cpus``
-    and ``num_gpus`` each) and every trainer (one CPU); the supervisor, the lighthouse and Ray
-    Train's controller take none."""
-    emb, shard_like = cfg.embeddings, cfg.embeddings.num_shards + cfg.embeddings.spares
+    """The Ray resources the run holds at once: every shard, warm spare and mirror (``recovery:
+    replica``: one per shard) at ``embeddings.num_cpus`` and ``num_gpus`` each, and every trainer
+    (one CPU); the supervisor, the lighthouse and Ray Train's controller take none."""
+    emb = cfg.embeddings
+    shard_like = emb.num_shards * (2 if cfg.recovery == "replica" else 1) + emb.spares
     return {"CPU": shard_like * emb.num_cpus + cfg.training.num_trainers * TRAINER_CPUS,
             "GPU": shard_like * emb.num_gpus}
 
@@ -152,7 +153,9 @@ def check_cluster_fits(cfg: RunConfig) -> None:
         return
     raise ConfigError(
         f"the cluster is too small for this config: it needs {'; '.join(short)} "
-        f"({emb.num_shards} shards + {emb.spares} spares at embeddings.num_cpus={emb.num_cpus:g}"
+        f"({emb.num_shards} shards + {emb.spares} spares"
+        + (f" + {emb.num_shards} mirrors" if cfg.recovery == "replica" else "")
+        + f" at embeddings.num_cpus={emb.num_cpus:g}"
         + (f", num_gpus={emb.num_gpus:g}" if emb.num_gpus else "")
         + f", {cfg.training.num_trainers} trainers at 1 CPU). Lower training.num_trainers, embeddings.spares, "
         "embeddings.num_shards or embeddings.num_cpus, or give Ray more (ray start --num-cpus, more nodes)"

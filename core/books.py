@@ -60,7 +60,7 @@ class FailureRecord:
     killed_at: float | None
     detection_s: float | None
     first_step: int | None
-    recovery: str  # partial or full
+    recovery: str  # partial, full or replica (a mirror took the shard's place: nothing lost)
     decision: RecoveryDecision | None
     generation_after: int
     spare: str | None

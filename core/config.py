@@ -272,10 +272,11 @@ class RunConfig(_Section):
     embeddings: EmbeddingsConfig = EmbeddingsConfig()
     training: TrainingConfig = TrainingConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
-    recovery: Literal["partial", "full", "auto"] = "partial"
+    recovery: Literal["partial", "full", "auto", "replica"] = "partial"
     """What a dead embedding shard costs: partial (respawn it alone from its last checkpoint),
-    full (roll every shard and the dense model back to the last checkpoint), auto (the CPR cost
-    model picks)."""
+    full (roll every shard and the dense model back to the last checkpoint), replica (its mirror
+    on another host takes its place: nothing lost, nothing read; with the mirror gone too, partial),
+    auto (the CPR cost model picks)."""
     faults: FaultsConfig | None = None
     """Failure injection during the run; none when absent."""
     budgets: BudgetsConfig = BudgetsConfig()

@@ -49,6 +49,8 @@ class ShardInfo:
     adopt_s: float | None = None  # how long ``adopt`` took, when this answers it
     link: str | None = None  # its socket for trainers on its node (actors.shard_link)
     tables_ready_bytes: int = 0  # a warm spare's tables allocated ahead (embeddings.spare_tables)
+    mirror_of: int | None = None  # the shard this process mirrors (recovery: replica), until promoted
+    applied_steps: int = 0  # the steps in its rows (a promoted mirror's tell how far it was)
 
 
 @dataclass(frozen=True)

@@ -32,6 +32,10 @@ class RecoveryMode(str, Enum):
     """Only the dead shard reloads; its updates since its checkpoint are lost (PLS)."""
     AUTO = "auto"
     """Partial where it is cheaper and keeps the PLS target, else full."""
+    REPLICA = "replica"
+    """The dead shard's mirror takes its place: nothing lost, nothing redone; mirrors cost
+    memory (the rows and their optimizer state once more) and time on every step. Without
+    its mirror (both died), partial."""
 
 
 @dataclass(frozen=True)
@@ -69,7 +73,7 @@ class RecoveryDecision:
 
     requested: RecoveryMode
     mode: RecoveryMode
-    """FULL or PARTIAL, never AUTO."""
+    """FULL, PARTIAL or REPLICA, never AUTO."""
     interval_s: float
     """Checkpoint interval of ``mode``: ``interval_full_s`` or ``interval_partial_s``."""
     interval_full_s: float
@@ -205,7 +209,7 @@ def decide_recovery(requested: RecoveryMode | str, inputs: CostInputs) -> Recove
         mode = RecoveryMode.PARTIAL if (o.pls_ok and o.ovh_part < o.ovh_full) else RecoveryMode.FULL
     else:
         mode = requested
-    partial = mode is RecoveryMode.PARTIAL
+    partial = mode in (RecoveryMode.PARTIAL, RecoveryMode.REPLICA)  # replica falls back to partial's checkpoints
     return RecoveryDecision(
         requested=requested,
         mode=mode,
@@ -214,7 +218,7 @@ def decide_recovery(requested: RecoveryMode | str, inputs: CostInputs) -> Recove
         interval_partial_s=o.t_part_s,
         expected_overhead_frac_full=o.ovh_full,
         expected_overhead_frac_partial=o.ovh_part,
-        expected_pls=o.pls_part if partial else 0.0,
+        expected_pls=o.pls_part if mode is RecoveryMode.PARTIAL else 0.0,
         expected_pls_partial=o.pls_part,
         pls_target_met=o.pls_ok,
         reason=_reason(requested, mode, c, o),

@@ -66,7 +66,9 @@ def recount_lost(span: LostSpanSeen, slices: list[list[int]], store: Store, cach
                  schedule: StepSchedule, model: dict) -> float:
     """Lost samples of one partially recovered generation."""
     redo = span.redo if span.redo is not None else 0
-    steps = sorted(t for t in span.applied if t < redo)
+    # Every step from the first it applied to the redo: its last committed step may be missing
+    # from its log (a step applies at its commit, when the next step's first request comes).
+    steps = list(range(min(span.applied), redo)) if span.applied else []
     base = span.chain[0] if span.chain else 0
     if not steps or (span.chain and redo <= base):
         return 0.0  # every row was saved at or after the redo step: nothing the dead one held is lost
@@ -80,7 +82,7 @@ def recount_lost(span: LostSpanSeen, slices: list[list[int]], store: Store, cach
     m = schedule.microbatches_per_step
     lost, table_rows = 0, None
     for t in steps:
-        for mb in span.applied[t]:
+        for mb in span.applied.get(t, range(t * m, t * m + m)):
             step, pos = divmod(mb, m)
             sparse = cache.sparse(schedule.microbatch(step, pos))
             if table_rows is None:

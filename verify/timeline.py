@@ -43,6 +43,15 @@ def walk_shard(k: int, files: list[AuditFile], m: int, total: int) -> tuple[list
     open_spans: list[LostSpanSeen] = []  # spans whose redo step has not come yet
     for e in events:
         gen, kind = e.get("gen", 0), e.get("event")
+        if kind == "load" and e.get("why") == "replica":
+            # A mirror took the shard's place with the steps in its rows (``step``); its
+            # predecessor may have applied one more, which the mirror holds and applies next.
+            c = e["step"]
+            if not done - 1 <= c <= done:
+                v.append(f"shard {k} generation {gen}: a mirror with {c} steps replaced one with {done}")
+            holder, pending, done = gen, None, c
+            stretch[gen] = {}
+            continue
         if kind == "load":
             c = e["chain"][-1] if e["chain"] else 0
             if holder is not None and gen < holder:
@@ -69,9 +78,10 @@ def walk_shard(k: int, files: list[AuditFile], m: int, total: int) -> tuple[list
             if pending is not None:
                 c, why, before = pending
                 if why == "recovery":
-                    if not c <= s <= before:
+                    # before + 1: the predecessor's last step was complete, not applied (at its commit)
+                    if not c <= s <= before + 1:
                         v.append(f"shard {k} generation {gen} loaded step {c} and then applied step {s}, "
-                                 f"outside [{c}, {before}]")
+                                 f"outside [{c}, {before + 1}]")
                     done = s
                 pending = None
             for span in open_spans:

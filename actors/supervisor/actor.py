@@ -109,6 +109,7 @@ class Supervisor:
             # Warm spares start now, beside the trainers' start (they warm up at idle priority):
             # started once training ran, one took CPU from the first seconds of steps.
             p.spares.keep()
+            p.mirrors.keep()
             p.events.record("shards_ready", shards=len(handles), sharding=p.inputs.plan.kind,
                             rows=[p.inputs.plan.shard_rows(k) for k in range(len(handles))],
                             nodes=[i.node_ip for i in infos], startup_s=round(time.perf_counter() - t0, 3))
@@ -263,6 +264,7 @@ class Supervisor:
         p = self._p
         p.controller.stop()
         p.spares.stop()
+        p.mirrors.stop()
         p.hosts.stop()
         p.checkpoints.drain()
         p.fleet.stop()

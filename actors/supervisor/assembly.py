@@ -34,8 +34,9 @@ from actors.supervisor.guard import start_guarded
 from actors.supervisor.hooks import HookList, RunLogHook
 from actors.supervisor.hosts import HostLossReporter
 from actors.supervisor.ledger import FailureLedger
-from actors.supervisor.machine import RECOVERING, TERMINAL
+from actors.supervisor.machine import RECOVERING, TERMINAL, Running
 from actors.supervisor.spares import SparePool
+from actors.supervisor.mirrors import MirrorSet
 from actors.supervisor.trainers import TrainerBook
 from core.accounting import LostSpan, chain_rows, count_lost_samples
 from core.checkpoint import DataPosition
@@ -83,6 +84,7 @@ class Parts:
     ledger: FailureLedger
     trainers: TrainerBook
     spares: SparePool
+    mirrors: MirrorSet
     checkpoints: CheckpointCoordinator
     controller: RecoveryController
     desk: TrainerDesk
@@ -137,28 +139,27 @@ def assemble(inputs: RunInputs, on_crash: Callable[[str, BaseException], None], 
 
     def occupied(exclude=()) -> list:
         c = controller
-        return c.shard_nodes(exclude) + spares.nodes(spares.ready() + c.assigned_spares())
+        return c.shard_nodes(exclude) + spares.nodes(spares.ready() + c.assigned_spares()) + mirrors.nodes()
 
-    hosts = HostWatch(lambda: _actor_nodes(controller, spares, trainers), lambda info: _host_lost(info, reporter, trainers),
+    hosts = HostWatch(lambda: _actor_nodes(controller, spares, trainers) | mirrors.known_nodes(), lambda info: _host_lost(info, reporter, trainers),
                       start_thread=start_thread, tick=lambda: hooks.at_point("thread.host-watch"))
     audit = str(inputs.run_dir / "audit") if cfg.audit_log else None
     fleet = ShardFleet(
         cfg, inputs.plan, run_id, audit, on_death=lambda *a: controller.on_shard_death(*a),
-        on_spare_death=lambda *a: spares.on_death(*a), occupied=occupied, avoid=hosts.suspects,
+        on_spare_death=lambda *a: mirrors.on_death(*a) or spares.on_death(*a), occupied=occupied, avoid=hosts.suspects,
         start_thread=start_thread, tick=lambda: hooks.at_point("thread.shard-watch"), fences=fences,
     )
-    spares = SparePool(
-        lock, events, persist, fleet, hosts.usable, occupied, lambda: set(controller.shard_nodes()),
-        lambda: not isinstance(controller.state_now(), TERMINAL), cfg.embeddings.spares, run_id, deadlines.shard_call_s, start_thread, hooks,
-        start_timeout_s=deadlines.shard_start_s, recovering=lambda: isinstance(controller.state_now(), RECOVERING),
-    )
-    executor = RecoveryExecutor(fleet, checkpoints.restart_timeline, cfg.checkpoint_uri, deadlines.shard_call_s, hooks)
+    spares = _spares(inputs, lock, events, persist, fleet, hosts, lambda: controller, occupied, deadlines, start_thread, hooks)
+    mirrors = _mirrors(inputs, lock, events, persist, fleet, lambda: controller, occupied, deadlines, start_thread, hooks)
+    executor = RecoveryExecutor(fleet, checkpoints.restart_timeline, cfg.checkpoint_uri, deadlines.shard_call_s, hooks,
+                                committed=lambda: _steps_committed(trainers))
     controller = _controller(inputs, lock, events, persist, Collaborators(
         executor=executor, fleet=fleet, ledger=ledger, spares=spares, prune_commits=trainers.prune, observe=costs,
         decide=lambda: decide_recovery(RecoveryMode(cfg.recovery), costs.inputs(n, ck.pls_target)),
         host_down_since=hosts.since, suspects=hosts.suspects, partial_chain=checkpoints.chain_candidates,
         consistent_chain=checkpoints.consistent_chain, policy=policy, hooks=hooks, start_thread=start_thread,
         retried=RETRIED_ERRORS + (ray.exceptions.RayError,), refuse=checkpoints.refuse, full_upto=checkpoints.full_upto,
+        mirrors=mirrors,
     ))
     reporter = HostLossReporter(events, controller.shards_on, trainers.ranks_on, spares.on_node)
     setup = TrainerSetup(
@@ -167,13 +168,13 @@ def assemble(inputs: RunInputs, on_crash: Callable[[str, BaseException], None], 
     )
     desk = TrainerDesk(lock, controller, checkpoints, trainers, events, policy, deadlines, setup,
                        lambda step: _position(cfg, inputs.schedule, step), ck.final, run_id)
-    killer = Killer(lambda: _targets(controller, trainers, spares), lambda kill: record_kill(ledger, events, kill),
+    killer = Killer(lambda: _targets(controller, trainers, spares) | mirrors.targets(), lambda kill: record_kill(ledger, events, kill),
                     deadlines.shard_call_s, fault_log_dir(inputs.run_dir), cfg.checkpoint_uri)
     faults = None
     if cfg.faults is not None and (cfg.faults.at_points or cfg.faults.at_steps or cfg.faults.inject):
         faults = FaultInjector(cfg.faults, lock, persist, killer, start_thread, n, cfg.training.num_trainers, killer.inject)
         hooks.add(faults)
-    parts = Parts(inputs, lock, books, hooks, events, ledger, trainers, spares, checkpoints, controller, desk, fleet,
+    parts = Parts(inputs, lock, books, hooks, events, ledger, trainers, spares, mirrors, checkpoints, controller, desk, fleet,
                   hosts, costs, policy, deadlines, run_log, faults, killer, _Value())
     _register_books(parts)
     return parts
@@ -197,10 +198,41 @@ def _controller(inputs: RunInputs, lock, events: EventLog, persist, parts: Colla
 def _register_books(p: Parts) -> None:
     """Every part with state gets its section of the journal."""
     for name, part in (("controller", p.controller), ("events", p.events), ("ledger", p.ledger),
-                       ("trainers", p.trainers), ("spares", p.spares), ("checkpoints", p.checkpoints),
+                       ("trainers", p.trainers), ("spares", p.spares), ("mirrors", p.mirrors), ("checkpoints", p.checkpoints),
                        ("costs", p.costs), ("eval", p.eval), ("faults", p.faults)):
         if part is not None:
             p.books.add(name, part)
+
+
+def _spares(inputs: RunInputs, lock, events, persist, fleet, hosts, controller, occupied, deadlines, start_thread,
+            hooks) -> SparePool:
+    return SparePool(
+        lock, events, persist, fleet, hosts.usable, occupied, lambda: set(controller().shard_nodes()),
+        lambda: not isinstance(controller().state_now(), TERMINAL), inputs.cfg.embeddings.spares, inputs.run_id,
+        deadlines.shard_call_s, start_thread, hooks, start_timeout_s=deadlines.shard_start_s,
+        recovering=lambda: isinstance(controller().state_now(), RECOVERING),
+    )
+
+
+def _mirrors(inputs: RunInputs, lock, events, persist, fleet, controller, occupied, deadlines, start_thread,
+             hooks) -> MirrorSet:
+    return MirrorSet(
+        lock, events, persist, fleet, lambda k: _primary(controller(), k), occupied,
+        lambda: isinstance(controller().state_now(), Running), inputs.plan.num_shards,
+        inputs.cfg.recovery == "replica", inputs.run_id, deadlines.shard_call_s, deadlines.shard_start_s,
+        start_thread, hooks,
+    )
+
+
+def _steps_committed(trainers: TrainerBook) -> int | None:
+    last = trainers.last_step_committed()
+    return None if last is None else last + 1
+
+
+def _primary(controller: RecoveryController, k: int) -> tuple[object, object]:
+    """Shard ``k``'s serving actor and its identity, (None, None) while it is being replaced."""
+    with controller.changed:
+        return controller.handles[k], controller.infos[k]
 
 
 def _position(cfg: RunConfig, schedule: StepSchedule, step: int) -> DataPosition:

@@ -42,3 +42,21 @@ class Collaborators:
     retried: tuple[type[BaseException], ...] = RETRIED_ERRORS
     refuse: Callable[[tuple], None] = lambda fallbacks: None  # checkpoints a shard found corrupt: chains skip them
     full_upto: Callable[[int], tuple[int, ...]] = lambda step: ()  # the newest valid full checkpoint <= step, alone
+    mirrors: object = None  # candidate(k, avoid), take(names), replaced(shards, promoted): recovery: replica
+
+    def __post_init__(self):
+        if self.mirrors is None:
+            object.__setattr__(self, "mirrors", _NoMirrors())
+
+
+class _NoMirrors:
+    """Runs without mirrors (every recovery mode but replica, and unit tests)."""
+
+    def candidate(self, k: int, avoid: set) -> None:
+        return None
+
+    def take(self, names) -> None:
+        pass
+
+    def replaced(self, shards, promoted) -> None:
+        pass

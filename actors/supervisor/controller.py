@@ -67,6 +67,7 @@ class RecoveryController:
                 for k, g in getattr(t.state, "targets", {}).items():
                     self.next_gens[k] = max(self.next_gens[k], g + 1)  # reserved before any spawn
                 self._p.spares.take(getattr(t.state, "spares", {}).values())
+                self._p.mirrors.take(getattr(t.state, "spares", {}).values())
                 if isinstance(event, WorkDone):
                     self._commit_outcome(previous)
                 self._events.append("state_changed", previous=previous.name, state=t.state.name, reason=t.reason)
@@ -110,7 +111,8 @@ class RecoveryController:
             killed_at = kill.time if kill is not None else self._p.host_down_since(node)
             self._p.observe.observe_failure(detected)
             decision = self._p.decide()
-            partial = decision.mode == RecoveryMode.PARTIAL
+            replica = decision.mode == RecoveryMode.REPLICA and isinstance(self.state, Running)
+            partial = decision.mode in (RecoveryMode.PARTIAL, RecoveryMode.REPLICA)
             death = DeathCause(
                 actor=f"shard:{k}", shard=k, generation=generation, cause=cause, detected_at=round(detected, 3),
                 killed_at=killed_at, detection_s=round(detected - killed_at, 3) if killed_at is not None else None,
@@ -121,9 +123,10 @@ class RecoveryController:
             consistent = () if partial else self._p.consistent_chain()
             with self._lock:
                 if self._is_current(k, generation):
-                    spare = self._p.spares.candidate(self._p.suspects())
+                    mirror = self._p.mirrors.candidate(k, self._p.suspects()) if replica else None
+                    spare = mirror or self._p.spares.candidate(self._p.suspects())
                     self.transition(ShardDied(k, generation, self.gens[k], self.next_gens[k], death, partial,
-                                              decision, tuple(chain), tuple(consistent), spare))
+                                              decision, tuple(chain), tuple(consistent), spare, mirror is not None))
         finally:
             with self._lock:
                 self._deciding.discard((k, generation))
@@ -219,8 +222,10 @@ class RecoveryController:
         self.generation += 1
         if out.handles:
             self._p.observe.observe_reschedule(out.reschedule_s)
-        if done.chain:
+        if out.loaded:
             self._p.observe.observe_load(out.load_s)
+        promoted = {done.spares[k] for k in getattr(done, "mirrors", ()) if k in out.handles}
+        self._p.mirrors.replaced(range(self.n) if isinstance(done, RollingBack) else out.handles, promoted)
         records = failure_records(done, out, self.generation, now)
         self._p.ledger.add(records)
         for f in records:
@@ -270,8 +275,8 @@ class RecoveryController:
         self._p.ledger.count_later(todo)
 
     def handle_if_current(self, k: int, generation: int):
-        """Shard ``k``'s actor, if training runs normally on fleet ``generation``: a trainer's
-        report about an older fleet, or during a recovery, must not kill a newer actor."""
+        """Shard ``k``'s actor, if training runs normally on fleet ``generation`` (a report about
+        an older fleet, or during a recovery, must not kill a newer actor)."""
         with self._lock:
             if generation != self.generation or not isinstance(self.state, Running):
                 return None
@@ -286,10 +291,6 @@ class RecoveryController:
         with self.changed:
             self.changed.wait_for(lambda: self.generation > generation, timeout=timeout_s)
 
-    def has_started(self) -> bool:
-        """Whether the first fleet answered (a restarted supervisor looks for its shards then)."""
-        return self.started
-
     def wait_started(self, timeout_s: float) -> tuple[bool, str | None]:
         """Waits until the first fleet answers or failed to start: (it did either, the start error)."""
         with self.changed:
@@ -301,6 +302,12 @@ class RecoveryController:
         with self._lock:
             return tuple(i for i in self.infos if i is not None)
 
+    def has_started(self) -> bool:
+        return self.started  # the first fleet answered (a restarted supervisor looks for its shards then)
+
+    def resume_point(self) -> int | None:
+        return self.resume_step  # one attribute: read whole
+
     def state_now(self) -> State:
         with self._lock:
             return self.state
@@ -310,9 +317,6 @@ class RecoveryController:
         with self._lock:
             rb = self.rollback
             return rb if rb is not None and rb.generation > known_generation else None
-
-    def resume_point(self) -> int | None:
-        return self.resume_step  # one attribute: read whole
 
     def targets(self) -> dict[int, tuple[int | None, str | None]]:
         """Shard -> (pid, node id) of the actor serving it (None while it is being replaced)."""
@@ -392,6 +396,5 @@ class RecoveryController:
 
     def wake(self) -> None:
         self._work.set()
-
     def start_executor(self) -> None:
         self._p.start_thread("recovery-executor", self.run_executor)

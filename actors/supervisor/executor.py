@@ -24,13 +24,15 @@ __all__ = ["RecoveryExecutor", "Outcome", "ShardsLost", "ChainMismatch"]
 
 class RecoveryExecutor:
     def __init__(self, fleet: ShardFleet, restart_timeline: Callable[[int, list[int]], list[int]], uri: str,
-                 timeout_s: float, hooks: RunHooks, wait=ray.wait, get=ray.get):
+                 timeout_s: float, hooks: RunHooks, wait=ray.wait, get=ray.get,
+                 committed: Callable[[], int | None] = lambda: None):
         self._wait, self._get = wait, get  # Ray's, or a test's
         self.fleet = fleet
         self.restart_timeline = restart_timeline
         self.uri = uri
         self.timeout_s = timeout_s
         self.hooks = hooks
+        self.committed = committed  # steps the trainers committed: a mirror lacking one is refused
 
     def run(self, state, committed: list) -> Outcome:
         if isinstance(state, RecoveringShards):
@@ -46,7 +48,8 @@ class RecoveryExecutor:
         exited = {c.shard for c in causes if c.exited}
         handles, lost = ({}, [])
         if targets:
-            handles, lost = self.fleet.adopt_or_spawn(targets, spares, predecessors_exited=set(targets) <= exited)
+            handles, lost = self.fleet.adopt_or_spawn(targets, spares, predecessors_exited=set(targets) <= exited,
+                                                      committed=self.committed())
         if lost:
             raise ShardsLost(lost)
         return handles, time.time() - t0
@@ -76,10 +79,12 @@ class RecoveryExecutor:
     def recover_shards(self, state: RecoveringShards) -> Outcome:
         """Partial recovery: only the dead shards are replaced (by warm spares where the state
         names one) and loaded, each from its own files of the chain (a shard may fall back
-        past a corrupt file of its own: its failure record says which chain it used)."""
+        past a corrupt file of its own: its failure record says which chain it used). A
+        shard's mirror (``state.mirrors``) is promoted instead, with its rows: nothing is loaded."""
         handles, reschedule_s = self._respawn(state.targets, state.spares, state.causes)
         self.hooks.at_point("recovery.spawned")
-        loaded, load_s = self._load({k: h for k, (h, _) in handles.items()}, state.chain, "recovery")
+        loading = {k: h for k, (h, _) in handles.items() if k not in state.mirrors}
+        loaded, load_s = self._load(loading, state.chain, "recovery") if loading else ({}, 0.0)
         self.hooks.at_point("recovery.loaded")
         return Outcome(handles, loaded, reschedule_s, load_s)
 

@@ -107,10 +107,10 @@ class FailureLedger:
         f = self._failures[i]
         if f.failed_at_step is not None:
             return False
-        partial = f.recovery == "partial"
-        recomputed = f.lost_steps_recomputed if partial else max(redo_step - f.restored_step, 0)
+        kept = f.recovery in ("partial", "replica")  # the survivors kept their state: nothing recomputed
+        recomputed = f.lost_steps_recomputed if kept else max(redo_step - f.restored_step, 0)
         self._failures[i] = dataclasses.replace(f, failed_at_step=redo_step, lost_steps_recomputed=recomputed)
-        return partial
+        return f.recovery == "partial"
 
     def close_settled(self, known_generation: int, redo_step: int,
                       upto_generation: float = float("inf")) -> tuple[list[int], list[int]]:

@@ -54,6 +54,7 @@ class RecoveringShards:
     causes: tuple[DeathCause, ...]
     decision: RecoveryDecision | None
     spares: dict[int, str] = field(default_factory=dict)  # shard -> warm spare adopted as its new actor
+    mirrors: tuple[int, ...] = ()  # shards whose ``spares`` entry is their mirror: promoted, nothing loaded
     name = "recovering_shards"
 
 
@@ -136,6 +137,7 @@ class ShardDied:
     chain: tuple[int, ...]  # newest restorable chain (full + incrementals), for partial recovery
     consistent_chain: tuple[int, ...]  # the newest full checkpoint alone, for a rollback
     spare: str | None = None  # a warm spare to adopt as the shard's new actor (None: start one)
+    mirror: bool = False  # ``spare`` is the shard's mirror (recovery: replica): promoted, nothing loaded
 
 
 @dataclass(frozen=True)
@@ -234,6 +236,12 @@ def _on_respawn_retry(state: State, e: RespawnRetry) -> Transition | None:
         return None
     targets = {**state.targets, e.shard: e.next_generation}
     spares = {k: v for k, v in state.spares.items() if k != e.shard}
+    if e.shard in getattr(state, "mirrors", ()):
+        return Transition(
+            replace(state, targets=targets, spares=spares, mirrors=tuple(k for k in state.mirrors if k != e.shard)),
+            f"shard {e.shard}: its mirror could not take its place (dead, or it missed a step); recovering it "
+            f"from checkpoint chain {list(state.chain)} as generation {e.next_generation}",
+        )
     return Transition(
         replace(state, targets=targets, spares=spares),
         f"shard {e.shard}: its half-started actor did not answer; respawning as generation {e.next_generation}",
@@ -265,7 +273,7 @@ def _on_shard_died(state: State, e: ShardDied, recoveries: int, policy: FailureP
     if e.spare is not None:
         spares[e.shard] = e.spare
     who = f"shard {e.shard} (generation {e.generation}) died: {e.cause.cause}"
-    onto = f" onto spare {e.spare}" if e.spare else ""
+    onto = f" onto {'its mirror' if e.mirror else 'spare'} {e.spare}" if e.spare else ""
     why = e.decision.reason if e.decision is not None else ""
     if isinstance(state, RollingBack):
         return Transition(
@@ -274,13 +282,19 @@ def _on_shard_died(state: State, e: ShardDied, recoveries: int, policy: FailureP
         )
     causes = (state.causes if isinstance(state, RecoveringShards) else ()) + (e.cause,)
     if e.partial:
+        mirrors = (state.mirrors if isinstance(state, RecoveringShards) else ()) + ((e.shard,) if e.mirror else ())
         if isinstance(state, RecoveringShards):
             return Transition(
-                replace(state, targets=targets, causes=causes, spares=spares),
+                replace(state, targets=targets, causes=causes, spares=spares, mirrors=mirrors),
                 f"{who} during the recovery of shards {sorted(state.targets)}; recovering them together{onto}",
             )
+        if e.mirror:
+            return Transition(RecoveringShards(targets, tuple(e.chain), causes, e.decision, spares, mirrors),
+                              f"{who}; replica recovery{onto}, nothing lost (chain {list(e.chain)} if it cannot)")
+        if e.decision is not None and e.decision.mode.value == "replica":
+            why = "replica recovery without a mirror in sync (dead, or still being built): the checkpoint instead"
         return Transition(
-            RecoveringShards(targets, tuple(e.chain), causes, e.decision, spares),
+            RecoveringShards(targets, tuple(e.chain), causes, e.decision, spares, mirrors),
             f"{who}; partial recovery{onto} from chain {list(e.chain)}: {why}",
         )
     step = e.consistent_chain[-1] if e.consistent_chain else 0

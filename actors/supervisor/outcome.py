@@ -54,6 +54,9 @@ def failure_records(done: RecoveringShards | RollingBack, out: Outcome, generati
         mine = out.loaded.get(cause.shard) if partial else None
         chain = tuple(mine.chain) if mine is not None else tuple(done.chain)
         killed = cause.killed_at
+        if partial and cause.shard in done.mirrors:
+            records.append(_replica_record(cause, done, out, generation_after, now))
+            continue
         records.append(FailureRecord(
             actor=cause.actor, shard=cause.shard, generation=cause.generation, cause=cause.cause,
             detected_at=cause.detected_at, killed_at=killed, detection_s=cause.detection_s,
@@ -69,6 +72,20 @@ def failure_records(done: RecoveringShards | RollingBack, out: Outcome, generati
             lost_steps_recomputed=0 if partial else None,
         ))
     return records
+
+
+def _replica_record(cause, done: RecoveringShards, out: Outcome, generation_after: int, now: float) -> FailureRecord:
+    """A shard whose mirror took its place: no chain, nothing reloaded, nothing lost."""
+    killed, info = cause.killed_at, out.handles[cause.shard][1]
+    return FailureRecord(
+        actor=cause.actor, shard=cause.shard, generation=cause.generation, cause=cause.cause,
+        detected_at=cause.detected_at, killed_at=killed, detection_s=cause.detection_s, first_step=cause.first_step,
+        recovery="replica", decision=done.decision, generation_after=generation_after,
+        spare=done.spares.get(cause.shard), adoption_s=round(out.reschedule_s, 3),
+        reschedule_s=round(out.reschedule_s, 3), load_s=0.0, recovery_s=round(now - cause.detected_at, 3),
+        serving_s=round(now - killed, 3) if killed is not None else None, restored_step=info.applied_steps,
+        chain=(), rows_reloaded=0, bytes_reloaded=0, failed_at_step=None, lost_samples=0.0, lost_steps_recomputed=0,
+    )
 
 
 def rollback_events(done: RollingBack, out: Outcome) -> list[tuple[str, dict]]:

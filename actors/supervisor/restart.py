@@ -36,6 +36,8 @@ def rebuild(p: Parts, doc: dict) -> None:
     p.controller.load(doc["controller"])
     p.trainers.load(doc["trainers"], AppendLog.read(p.inputs.run_dir / BOOK_FILE))
     p.spares.load(doc["spares"])
+    if "mirrors" in doc:
+        p.mirrors.load(doc["mirrors"])
     p.checkpoints.load(doc["checkpoints"])
     p.eval.value = doc.get("eval")
     p.run_log.rewrite_events(list(p.events.all()))
@@ -51,6 +53,8 @@ def rebuild(p: Parts, doc: dict) -> None:
                              f"the supervisor was restarted {this_attempt} times in this attempt")
     if over is not None:
         p.controller.fail(over)
+    if p.controller.has_started():
+        p.mirrors.readopt()  # before the missing shards are recovered: a mirror may take their place
     p.controller.recover_missing(missing)
     p.ledger.recount_open_counts()  # counts that were in flight when the previous supervisor died
     p.spares.readopt(p.trainers.has_started())

@@ -211,7 +211,7 @@ def test_a_load_that_does_not_answer_in_time_kills_the_slow_actor_before_it_is_r
         def __init__(self):
             self.killed: list = []
 
-        def adopt_or_spawn(self, targets, spares, predecessors_exited=False):
+        def adopt_or_spawn(self, targets, spares, predecessors_exited=False, committed=None):
             return {k: (Actor(k), None) for k in targets}, []
 
         def kill(self, handle):
@@ -243,7 +243,7 @@ def _rollback_executor(loaded_chain):
             self.load_checkpoint = Method(k)
 
     class Fleet:
-        def adopt_or_spawn(self, targets, spares, predecessors_exited=False):
+        def adopt_or_spawn(self, targets, spares, predecessors_exited=False, committed=None):
             return {}, []
 
         def kill(self, handle):

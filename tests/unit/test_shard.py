@@ -82,7 +82,7 @@ def test_update_does_not_depend_on_chunking():
     assert split.push_grads(0, (0,), grad[:8]) == PushResult(applied=True)
 
     for shard in (whole, split):
-        assert shard.applied_step == 0 and shard.applied_log() == [(0, (0, 1))]
+        assert shard.applied_log() == [(0, (0, 1))] and shard.applied_step == 0
         changed = _rows_changed(initial, shard.get_rows())
         for s, rows in zip(plan.shards[0], changed):
             assert set(rows.tolist()) == set(r[:, s.table].tolist()), "the step's update reached the rows looked up"

@@ -1,0 +1,225 @@
+"""Replica recovery's mirror of an embedding shard (``recovery: replica``): another shard process,
+on another host where the cluster has one, that holds the same rows and Adagrad state as its
+primary at every committed step, so that it can take the primary's place with nothing lost and
+nothing read from storage.
+
+The mirror is fed the step's inputs, not its results. When a step's gradients are all on the
+primary (its last ``push_grads``), the primary sends the step's ids and pooled-row gradients,
+merged in microbatch order exactly as it will apply them, to the mirror and answers the trainer
+only once the mirror has them: a step that trainers commit is on both. Both apply a step at its
+commit (when the next step's first request comes, or a save of it), with the same fbgemm kernel
+on the same inputs, so their rows stay bit-identical; a step redone after a failure replaces its
+inputs on both. A mirror that cannot take a step is killed by its primary before the step can
+commit (the step fails and is redone without it), so no mirror that missed a commit lives.
+
+``MirrorRole`` is mixed into ``EmbeddingShard``: the primary's side (``attach_mirror``, the feed)
+and the mirror's (``become_mirror``, ``sync_base``, ``replicate``, promotion in ``adopt``).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import numpy as np
+import ray
+
+from core.plan import TableSlice
+from actors.shard_chunks import merge_chunks
+
+__all__ = ["MirrorFeed", "MirrorRole", "MirrorMissed"]
+
+logger = logging.getLogger(__name__)
+
+
+class MirrorMissed(RuntimeError):
+    """This mirror cannot serve: it missed a step its primary's trainers may have committed."""
+
+
+class MirrorFeed:
+    """The primary's end: sends each complete step to the mirror and waits for its receipt."""
+
+    def __init__(self, handle, name: str, timeout_s: float):
+        self.handle, self.name, self.timeout_s = handle, name, timeout_s
+        self.sent = 0
+        self.send_s = 0.0
+
+    def send(self, step: int, lengths: np.ndarray, indices: np.ndarray, grad: np.ndarray) -> bool:
+        """True once the mirror holds step ``step``'s inputs; False (and the mirror killed) if it
+        did not take them in time."""
+        t0 = time.perf_counter()
+        try:
+            ray.get(self.handle.replicate.remote(step, lengths, indices, grad), timeout=self.timeout_s)
+        except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError, MirrorMissed) as err:
+            logger.warning("mirror %s did not take step %d (%s): killing it; the step is redone without it",
+                           self.name, step, type(err).__name__)
+            self.kill()
+            return False
+        self.sent += 1
+        self.send_s += time.perf_counter() - t0
+        return True
+
+    def kill(self) -> None:
+        try:
+            ray.kill(self.handle, no_restart=True)
+        except (ValueError, ray.exceptions.RayError):
+            pass
+
+
+class _MirrorOf:
+    """What a mirror knows of its primary's stream: the shard, the base step it was copied at,
+    the last step whose inputs it holds, and whether the stream is unbroken."""
+
+    def __init__(self, shard_id: int):
+        self.shard_id = shard_id
+        self.last: int | None = None  # None until the base arrives
+        self.broken: str | None = None
+        self.steps: list[int] = []  # steps held and not applied; all but the newest are committed
+        self.work = threading.Event()
+
+
+class MirrorRole:
+    """Mixed into EmbeddingShard (which provides ``_lock``, ``_pending``, ``_complete``,
+    ``_commit_before``, ``_allocate``, ``_activate`` and the tables)."""
+
+    _feed: MirrorFeed | None = None
+    _mirror: _MirrorOf | None = None
+
+    # ------------------------------------------------------------------ the primary's side
+
+    def attach_mirror(self, name: str, timeout_s: float) -> dict:
+        """Makes the actor ``name`` this shard's mirror: copies the rows and Adagrad state as
+        they stand (a step complete but not applied goes after them) and feeds it every step
+        from now on. Runs in the "mirror" concurrency group: only the copy holds training."""
+        handle = ray.get_actor(name, namespace=ray.get_runtime_context().namespace)
+        t0 = time.perf_counter()
+        with self._lock:
+            if self._feed is not None:
+                self._feed.kill()  # a mirror replaced: the old one must never serve
+            applied = self.applied_step
+            weights = [w.detach().cpu().numpy() for w in self.tbe.split_embedding_weights()]
+            states = [s[0].detach().cpu().numpy() for s in self.tbe.split_optimizer_states()]
+            # Submitted under the lock, so they reach the mirror before any step sent later.
+            refs = [handle.sync_base.remote(self.shard_id, applied, weights, states)]
+            if self._complete is not None:
+                refs.append(handle.replicate.remote(self._complete, *merge_chunks(self._pending.ordered(self._complete))))
+            self._feed = feed = MirrorFeed(handle, name, timeout_s)
+            hold_s = time.perf_counter() - t0
+        try:
+            ray.get(refs, timeout=timeout_s)
+        except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError):
+            with self._lock:
+                if self._feed is feed:
+                    self._feed = None
+            feed.kill()
+            raise
+        return {"hold_s": round(hold_s, 4), "sync_s": round(time.perf_counter() - t0, 4), "base_step": applied + 1}
+
+    def _send_to_mirror(self, step: int) -> bool:
+        """The primary's last push of ``step`` made it complete: the mirror must hold it before
+        the trainer hears so. False: the mirror failed (and was killed)."""
+        if self._feed is None:
+            return True
+        if self._feed.send(step, *merge_chunks(self._pending.ordered(step))):
+            return True
+        self._feed = None
+        return False
+
+    def _drop_mirror(self) -> None:
+        """The rows were reloaded (a rollback or a resume): the mirror no longer matches them."""
+        if self._feed is not None:
+            self._feed.kill()
+            self._feed = None
+
+    # ------------------------------------------------------------------ the mirror's side
+
+    def become_mirror(self, shard_id: int, slices: list[TableSlice]) -> dict:
+        """A spare becomes the mirror of shard ``shard_id``: it allocates tables of its slices
+        (or takes those it holds ready) and waits for ``sync_base``."""
+        with self._lock:
+            if self.shard_id is not None or self._mirror is not None:
+                raise RuntimeError(f"{self.spare} is already shard {self.shard_id} or a mirror")
+            t0 = time.perf_counter()
+            self._allocate(shard_id, list(slices), init=False)
+            self._mirror = _MirrorOf(shard_id)
+        threading.Thread(target=self._mirror_apply_loop, name="mirror-apply", daemon=True).start()
+        return {"alloc_s": round(time.perf_counter() - t0, 4)}
+
+    def sync_base(self, shard_id: int, applied_step: int, weights: list, states: list) -> None:
+        """The primary's rows and Adagrad state after ``applied_step``: this mirror's start."""
+        with self._lock:
+            m = self._mirror
+            if m is None or m.shard_id != shard_id:
+                raise MirrorMissed(f"{self.spare} is not a mirror of shard {shard_id}")
+            torch = self._torch
+            with torch.no_grad():
+                for w, src in zip(self.tbe.split_embedding_weights(), weights):
+                    w.copy_(torch.from_numpy(src))
+                for st, src in zip(self.tbe.split_optimizer_states(), states):
+                    st[0].copy_(torch.from_numpy(src))
+            self._pending.clear()
+            self._complete = None
+            self.applied_step = applied_step
+            m.last, m.broken, m.steps = applied_step, None, []
+
+    def replicate(self, step: int, lengths: np.ndarray, indices: np.ndarray, grad: np.ndarray) -> None:
+        """Step ``step``'s inputs, complete on the primary. The steps it holds before ``step``
+        are committed: the mirror's thread applies them after this answer. Step ``step`` again
+        (redone after a failure) replaces its inputs. A gap breaks the mirror for good."""
+        with self._lock:
+            m = self._mirror
+            if m is None or m.last is None or m.broken:
+                raise MirrorMissed(f"{self.spare}: no base, or broken ({m.broken if m else 'not a mirror'})")
+            if not m.last <= step <= m.last + 1 or step <= self.applied_step:
+                m.broken = f"got step {step} after step {m.last} (applied {self.applied_step})"
+                raise MirrorMissed(f"{self.spare}: {m.broken}")
+            microbatches = tuple(range(step * self.microbatches_per_step, (step + 1) * self.microbatches_per_step))
+            self._pending.add(step, microbatches, np.asarray(lengths), np.asarray(indices))
+            self._pending.chunk(step, microbatches).grad = np.asarray(grad)
+            if step not in m.steps:
+                m.steps.append(step)
+            m.last = step
+            if len(m.steps) > 1:
+                m.work.set()  # a step is never applied on this (the primary's) call
+
+    def _mirror_apply_loop(self) -> None:
+        """Applies the committed steps a mirror holds (every one before the newest), off the
+        path of the primary's request."""
+        m = self._mirror
+        while m is not None and self._mirror is m:
+            m.work.wait(1.0)
+            m.work.clear()
+            try:
+                with self._lock:
+                    if self._mirror is m:
+                        self._apply_committed(m)
+            except Exception as err:  # noqa: BLE001 - the mirror cannot serve; its primary kills it at the next step
+                logger.exception("mirror of shard %d: applying failed", m.shard_id)
+                m.broken = f"apply failed: {err!r}"[:200]
+
+    def _apply_committed(self, m: _MirrorOf) -> None:
+        for step in m.steps[:-1]:
+            self._apply(step)
+        del m.steps[:-1]
+
+    def _promote(self, shard_id: int, generation: int, committed: int | None) -> None:
+        """This mirror becomes shard ``shard_id`` of ``generation``: refused if it ever missed
+        a step, or if it lacks a step the trainers committed (``committed`` steps)."""
+        m = self._mirror
+        if m.shard_id != shard_id or m.last is None or m.broken:
+            raise MirrorMissed(f"{self.spare} cannot serve shard {shard_id}: "
+                               f"{m.broken or 'no base' if m.shard_id == shard_id else f'mirror of {m.shard_id}'}")
+        if committed is not None and m.last < committed - 1:
+            raise MirrorMissed(f"{self.spare} holds steps up to {m.last} but {committed} steps are committed")
+        self._apply_committed(m)  # every step before the newest it holds is committed
+        self._complete = m.steps[-1] if m.steps else None  # applied at its commit, as on the primary
+        self._mirror = None
+        m.work.set()
+        self._activate(shard_id, generation)
+        self._log({"event": "load", "chain": [], "why": "replica", "step": self.applied_step + 1,
+                   "pending": [self._complete] if self._complete is not None else []})
+        self._ckpt.full_next = "promoted from a mirror, which counts no accesses: every row"
+        self._ckpt.prepare_snapshot_buffer()
+        logger.warning("%s promoted to shard %d generation %d at step %d", self.spare, shard_id, generation,
+                       self.applied_step + 1)
