@@ -313,7 +313,7 @@ class EmbeddingShard(MirrorRole, ShardSaving):
             rows_updated_total=self.rows_updated_total, steps_dropped=self.steps_dropped,
             first_step_after_load=self.first_step_after_load, tracking_s=self.tracking_s,
             tracking_thread_s=self._ckpt.tracking_thread_s, tracking_bytes=self._ckpt.priority.tracking_bytes,
-            shm_reads=self._shm.reads,
+            shm_reads=self._shm.reads, mirror_steps=self.mirror_steps, mirror_send_s=self.mirror_send_s,
         )
 
     def _log(self, record: dict) -> None:

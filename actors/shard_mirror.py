@@ -85,6 +85,7 @@ class MirrorRole:
 
     _feed: MirrorFeed | None = None
     _mirror: _MirrorOf | None = None
+    mirror_steps, mirror_send_s = 0, 0.0  # every feed's, for the report
 
     # ------------------------------------------------------------------ the primary's side
 
@@ -121,7 +122,10 @@ class MirrorRole:
         the trainer hears so. False: the mirror failed (and was killed)."""
         if self._feed is None:
             return True
+        t0 = time.perf_counter()
         if self._feed.send(step, *merge_chunks(self._pending.ordered(step))):
+            self.mirror_steps += 1
+            self.mirror_send_s += time.perf_counter() - t0
             return True
         self._feed = None
         return False

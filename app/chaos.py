@@ -27,7 +27,8 @@ __all__ = ["FaultSchedule", "kill_target", "run_schedule", "find_supervisor", "w
 
 logger = logging.getLogger(__name__)
 
-_TARGET_KINDS = {"shards": "shard:", "trainers": "trainer:", "supervisor": "supervisor", "all_trainers": "all_trainers"}
+_TARGET_KINDS = {"shards": "shard:", "trainers": "trainer:", "supervisor": "supervisor", "all_trainers": "all_trainers",
+                 "mirrors": "mirror:"}
 
 
 def write_run_info(run_dir: Path, run_id: str, namespace: str, address: str, metrics_url: str | None = None,

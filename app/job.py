@@ -28,7 +28,7 @@ from app.dataprep import build_stores, local_inputs, one_task_each, resolve_data
 from app.emulation import Emulation
 from app.lighthouse import start_lighthouse
 from app.logs import LOG_DIR, configure_driver_logging, link_ray_session_logs, point_latest
-from app.rayenv import check_cluster_fits, cluster_address, connect_ray, metrics_url
+from app.rayenv import check_cluster_fits, choose_recovery, cluster_address, connect_ray, metrics_url
 from app.report import build_report, rebuild_report, write_report
 from app.storage import check_every_node, expected_files
 from core.checkpoint import CheckpointStore
@@ -128,7 +128,7 @@ class TrainingJob:
                              cfg.embeddings.call_timeout_s)
         if not early:  # on Ray Data: the data time includes Ray's start
             self.data, self._t["data"] = build_stores(cfg, inputs), time.perf_counter()
-        self.cfg = cfg = with_table_rows(cfg, self.data["table_rows"])
+        self.cfg, self.recovery_choice = cfg, _ = choose_recovery(with_table_rows(cfg, self.data["table_rows"]))
         if cfg.emulation is not None and not self.resume:
             self.emulation = Emulation.of(cfg, self._total_steps())
             self.cfg = cfg = self.emulation.configure(cfg)
@@ -255,8 +255,8 @@ class TrainingJob:
             raise RunFailed(f"the run stopped and its supervisor did not answer ({_one_line(err)}); "
                             f"the report rebuilt from its files is in {self.run_dir}/report.json") from err
         report = build_report(self.cfg, _summary_for_report(summary), self.data, wall=self._wall(summary))
-        report.update(interrupted=interrupted, attempts=summary.attempts,
-                      final_checkpoint_step=summary.final_checkpoint_step, shards_error=summary.shards_error)
+        report.update(interrupted=interrupted, attempts=summary.attempts, final_checkpoint_step=summary.final_checkpoint_step,
+                      shards_error=summary.shards_error, recovery_chosen_at_start=getattr(self, "recovery_choice", None))
         if self.emulation is not None:
             report["emulation"] = self.emulation.account(report)
         write_report(self.run_dir, report)

@@ -13,6 +13,8 @@ from ray._private import ray_constants
 
 from core.config import RunConfig
 from core.errors import ConfigError
+from core.memory import memory_estimate
+from policies import CostInputs, RecoveryMode, decide_recovery
 
 __all__ = ["cluster_address", "connect_ray", "join_ray", "check_cluster_fits", "resources_needed", "keep_ray_on_loopback", "worker_env", "ray_system_config", "metrics_url", "LOOPBACK"]
 
@@ -160,6 +162,27 @@ def check_cluster_fits(cfg: RunConfig) -> None:
         + f", {cfg.training.num_trainers} trainers at 1 CPU). Lower training.num_trainers, embeddings.spares, "
         "embeddings.num_shards or embeddings.num_cpus, or give Ray more (ray start --num-cpus, more nodes)"
     )
+
+
+def choose_recovery(cfg: RunConfig) -> tuple[RunConfig, str | None]:
+    """``recovery: auto`` with mirrors or without, decided once, before any shard starts (a
+    mirror must exist before its shard dies): the cost model weighs replica recovery (its share
+    of every step, ``checkpoint.replica_step_frac``) against full and partial, and only where the
+    mirrors' memory (``core.memory``) and processes fit the connected cluster. Returns the config
+    (``recovery: replica`` when chosen) and the decision's reason (None unless auto)."""
+    if cfg.recovery != "auto":
+        return cfg, None
+    ck, nodes = cfg.checkpoint, [n["Resources"] for n in ray.nodes() if n.get("Alive")]
+    replica = cfg.model_copy(update={"recovery": "replica"})
+    need = resources_needed(replica)
+    memory = sum(n.get("memory", 0.0) for n in nodes)
+    fits = memory_estimate(cfg, mirrors=True).total_bytes <= memory and all(
+        need[r] <= sum(n.get(r, 0.0) for n in nodes) + 1e-9 for r in need)
+    decision = decide_recovery(RecoveryMode.AUTO, CostInputs(
+        mtbf_s=ck.mtbf_s, save_cost_s=ck.save_cost_s, load_cost_s=ck.load_cost_s,
+        reschedule_cost_s=ck.reschedule_cost_s, num_shards=cfg.embeddings.num_shards, pls_target=ck.pls_target,
+        replica_step_frac=ck.replica_step_frac if fits else None))
+    return (replica if decision.mode is RecoveryMode.REPLICA else cfg), decision.reason
 
 
 def node_death_s() -> float:

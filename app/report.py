@@ -11,7 +11,7 @@ from pathlib import Path
 
 from app.rebuild import REPORT_FILE, ReportError, load_run, rebuild_report
 from app.summary import format_summary
-from app.tallies import hosts_lost, overhead_seconds, save_split
+from app.tallies import hosts_lost, mirrors_section, overhead_seconds, save_split
 from core.config import RunConfig
 from core.journal import EVENTS_FILE
 from policies import expected_pls
@@ -77,6 +77,7 @@ def build_report(cfg: RunConfig, summary: dict, data: dict, wall: dict) -> dict:
         "data": data_section(data),
         # The mode each failure used, as decided when it happened (not recomputed at the end).
         "recovery": summary.get("recovery_mode"),
+        "mirrors": mirrors_section(cfg, summary),
         "state": summary.get("state"),
         "supervisor_restarts": summary.get("supervisor_restarts", 0),
         "faults_injected": summary.get("faults_injected", []),

@@ -1,11 +1,32 @@
 """The numbers a run's report derives from its records in the same way whether the run
 finished (``app.report.build_report``) or crashed and is rebuilt from its files
-(``app.rebuild``): the hosts it lost, the seconds each fault-tolerance cost took, the saves' split.
+(``app.rebuild``): the hosts it lost, the seconds each fault-tolerance cost took, the saves' split, the mirrors.
 """
 
 from __future__ import annotations
 
-__all__ = ["hosts_lost", "overhead_seconds", "save_split"]
+from core.memory import memory_estimate
+
+__all__ = ["hosts_lost", "mirrors_section", "overhead_seconds", "save_split"]
+
+
+def mirrors_section(cfg, summary: dict) -> dict | None:
+    """Replica recovery's mirrors: their memory (``core.memory``), how many were built, lost or
+    failed to build, how many took a shard's place, and the time trainers waited for them."""
+    if cfg.recovery != "replica":
+        return None
+    events = summary.get("events", [])
+    states = [st for st in summary.get("shards") or [] if "mirror_steps" in st]
+    steps = sum(st["mirror_steps"] for st in states)
+    return {
+        "memory_bytes": memory_estimate(cfg, mirrors=True).mirror_bytes,
+        "built": sum(e["kind"] == "mirror_ready" for e in events),
+        "lost": sum(e["kind"] == "mirror_lost" for e in events),
+        "failed_to_build": sum(e["kind"] == "mirror_failed" for e in events),
+        "promoted": sum(f.get("recovery") == "replica" for f in summary.get("failures", [])),
+        "feed_steps": steps,
+        "feed_s_per_step": sum(st["mirror_send_s"] for st in states) / steps if steps else None,
+    }
 
 
 def hosts_lost(events: list[dict]) -> list[dict]:

@@ -11,6 +11,9 @@ record gives each part:
 - load: the shard read, verified and applied its own files of the chain;
 - serving: the kill until the new fleet was committed (trainers redo their step on it).
 
+With ``--recovery replica`` the shard's mirror takes its place (no spares; the kill waits for
+the mirror to be in sync): adoption is its promotion, and nothing is loaded.
+
 Writes benchmarks/results/recovery.md (and .json).
 
     .venv/bin/python benchmarks/recovery.py            # about 10 minutes
@@ -36,7 +39,7 @@ from core.config import load_config  # noqa: E402
 PARTS = ("detection_s", "adoption_s", "load_s", "serving_s")
 
 
-def _run(cfg, spares: int) -> dict:
+def _run(cfg, spares: int, mirror: bool = False) -> dict:
     import ray
     from ray._common.test_utils import wait_for_condition
 
@@ -54,6 +57,8 @@ def _run(cfg, spares: int) -> dict:
 
         if spares:
             wait_for_condition(lambda: "spare:0" in targets(), timeout=300, retry_interval_ms=100)
+        if mirror:
+            wait_for_condition(lambda: "mirror:1" in targets(), timeout=300, retry_interval_ms=100)
         store = CheckpointStore(cfg.checkpoint_uri)
         wait_for_condition(lambda: bool(store.list_committed()), timeout=600, retry_interval_ms=100)
         saved = store.list_committed()[-1]
@@ -70,6 +75,8 @@ def _run(cfg, spares: int) -> dict:
     return {
         **{k: f.get(k) for k in PARTS},
         "spare": f.get("spare"),
+        "recovery": f["recovery"],
+        "lost_samples": f["lost_samples"],
         "bytes_reloaded": f["bytes_reloaded"],
         "chain": f["chain"],
         "steps": report["steps"],
@@ -93,11 +100,11 @@ def render(result: dict) -> str:
         "checkpoint every 40 steps, shard 1 SIGKILLed 3 steps after a committed checkpoint; "
         f"{reps} runs per row, medians (min-max).",
         "",
-        "| shard | spares | reloaded | detection | adoption | load | serving (kill -> fleet committed) |",
+        "| shard | standby | reloaded | detection | adoption | load | serving (kill -> fleet committed) |",
         "|---|---:|---:|---|---|---|---|",
     ]
     for key, rs in results.items():
-        size, spares = key.split(", spares ")
+        size, spares = key.split(", ", 1)
         cells = []
         for k in PARTS:
             xs = [r[k] for r in rs]
@@ -125,6 +132,8 @@ def main() -> None:
     parser.add_argument("--sizes", nargs="+", default=["104 MB", "1 GB"], choices=["104 MB", "1 GB"])
     parser.add_argument("--spares", type=int, nargs="+", default=[1, 0], choices=[0, 1])
     parser.add_argument("--set", nargs="*", default=[], help="config overrides, KEY=VALUE (YAML value)")
+    parser.add_argument("--recovery", default="partial", choices=["partial", "replica"],
+                        help="replica: the shard's mirror takes its place (no spares)")
     parser.add_argument("--out", default=str(ROOT / "benchmarks/results/recovery.md"))
     args = parser.parse_args()
     import yaml
@@ -139,8 +148,9 @@ def main() -> None:
     connect_ray(base)
     results: dict[str, list[dict]] = {}
     for size, table_rows in sizes.items():
-        for spares in args.spares:
-            key = f"{size}, spares {spares}"
+        replica = args.recovery == "replica"
+        for spares in [0] if replica else args.spares:
+            key = f"{size}, {'mirror' if replica else f'spares {spares}'}"
             results[key] = []
             for rep in range(args.reps):
                 cfg = base.model_copy(
@@ -153,9 +163,10 @@ def main() -> None:
                         "checkpoint": base.checkpoint.model_copy(update={"every_steps": 40, "keep_last": 1}),
                         "data": base.data.model_copy(update={"cache_dir": str(root / "cache")}),
                         "faults": None,
+                        "recovery": args.recovery,
                     }
                 )
-                r = _run(cfg, spares)
+                r = _run(cfg, spares, mirror=replica)
                 # A 1 GB run leaves about 5 GB of checkpoints: 12 of them filled this disk once.
                 if not os.environ.get("CPR_KEEP_RUNS"):
                     shutil.rmtree(cfg.run_dir, ignore_errors=True)

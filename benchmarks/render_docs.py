@@ -49,6 +49,7 @@ RESULTS = ROOT / "benchmarks" / "results"
 RENDERERS: dict[str, str] = {
     "throughput": "benchmarks.throughput:render",
     "recovery": "benchmarks.recovery:render",
+    "recovery_replica": "benchmarks.recovery:render",
     "scaling": "benchmarks.scaling:render",
     "soak": "benchmarks.soak:render",
     "soak-hosts": "benchmarks.soak:render",

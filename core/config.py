@@ -229,6 +229,11 @@ class CheckpointConfig(_Section):
     """Seed of the checkpoint-load cost estimate, refined from observed loads."""
     reschedule_cost_s: float = Field(3.0, gt=0.0)
     """Seed of the respawn cost estimate (new actor until it answers), refined from observed respawns."""
+    replica_step_frac: float = Field(0.1, ge=0.0, le=1.0)
+    """Share of every step that keeping mirrors in sync costs (``recovery: replica``), as the cost
+    model weighs it: ``recovery: auto`` starts with mirrors only where they are cheapest in
+    expected overhead and their memory fits the cluster. Measured by ``benchmarks/throughput.py
+    --recovery replica``."""
 
     @property
     def enabled(self) -> bool:

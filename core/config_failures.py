@@ -30,8 +30,8 @@ class FaultPoint(Section):
     nothing loaded; rollback.loaded: every shard loaded, nothing fenced;
     thread.NAME: a pass of the supervisor's background thread NAME (shard-watch, recovery-executor,
     spare-keeper, host-watch, save-pipeline, lost-samples)."""
-    kill: str | None = Field(None, pattern=r"^(supervisor|all_trainers|shard:\d+|trainer:\d+)$")
-    """What to kill there, once: supervisor, all_trainers, shard:K or trainer:K."""
+    kill: str | None = Field(None, pattern=r"^(supervisor|all_trainers|shard:\d+|trainer:\d+|mirror:\d+)$")
+    """What to kill there, once: supervisor, all_trainers, shard:K, trainer:K or mirror:K (recovery: replica)."""
     error: str | None = Field(None, min_length=1)
     """Instead of a kill: raise an unexpected error with this message there, once (as a bug would)."""
     after_step: int = Field(0, ge=0)
@@ -114,7 +114,7 @@ class HostFault(Section):
 class FaultsConfig(Section):
     """Injected failures, so that a run with failures is reproducible."""
 
-    targets: list[Literal["shards", "trainers", "supervisor", "all_trainers"]] = ["shards"]
+    targets: list[Literal["shards", "trainers", "supervisor", "all_trainers", "mirrors"]] = ["shards"]
     """Which actors may be killed (SIGKILL of the actor's process); all_trainers kills every trainer at once."""
     mtbf_s: float = Field(20.0, gt=0.0)
     """Mean time between injected failures."""

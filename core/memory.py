@@ -35,10 +35,11 @@ class ShardMemory:
     weights_bytes: int  # rows x D x 4
     optimizer_bytes: int  # rows x 4 (row-wise Adagrad)
     checkpoint_copy_bytes: int  # held while a full save of this shard is written
+    mirror_bytes: int = 0  # its mirror's rows and Adagrad state (recovery: replica), in another process
 
     @property
     def total_bytes(self) -> int:
-        return self.weights_bytes + self.optimizer_bytes + self.checkpoint_copy_bytes
+        return self.weights_bytes + self.optimizer_bytes + self.checkpoint_copy_bytes + self.mirror_bytes
 
 
 @dataclass(frozen=True)
@@ -70,20 +71,25 @@ class MemoryEstimate:
         return sum(s.checkpoint_copy_bytes for s in self.shards)
 
     @property
+    def mirror_bytes(self) -> int:
+        return sum(s.mirror_bytes for s in self.shards)
+
+    @property
     def dense_bytes(self) -> int:
         """Parameters, gradients and Adagrad state of the dense arches, in every trainer."""
         return self.dense_params * _FLOAT_BYTES * _DENSE_COPIES * self.num_trainers
 
     @property
     def total_bytes(self) -> int:
-        return self.weights_bytes + self.optimizer_bytes + self.checkpoint_copy_bytes + self.dense_bytes
+        return self.weights_bytes + self.optimizer_bytes + self.checkpoint_copy_bytes + self.mirror_bytes + self.dense_bytes
 
     def describe(self) -> str:
         gib = 1 << 30
         lines = [
             f"{len(self.table_rows)} tables, {self.embedding_rows:,} rows of D={self.embedding_dim}: "
             f"weights {self.weights_bytes / gib:.2f} GiB, row-wise Adagrad {self.optimizer_bytes / gib:.2f} GiB, "
-            f"checkpoint copy {self.checkpoint_copy_bytes / gib:.2f} GiB",
+            f"checkpoint copy {self.checkpoint_copy_bytes / gib:.2f} GiB"
+            + (f", mirrors {self.mirror_bytes / gib:.2f} GiB" if self.mirror_bytes else ""),
             f"dense: {self.dense_params:,} parameters x {self.num_trainers} trainer(s): "
             f"{self.dense_bytes / gib:.3f} GiB",
         ]
@@ -107,8 +113,11 @@ def dense_parameters(num_dense: int, num_sparse: int, dense_arch: list[int], ove
     return params
 
 
-def memory_estimate(cfg: RunConfig) -> MemoryEstimate:
-    """The peak memory of ``cfg``'s model state, shard by shard as its sharding plan splits the tables."""
+def memory_estimate(cfg: RunConfig, mirrors: bool | None = None) -> MemoryEstimate:
+    """The peak memory of ``cfg``'s model state, shard by shard as its sharding plan splits the
+    tables; with ``mirrors`` (default: ``recovery: replica``) every shard's rows and Adagrad state
+    once more, in its mirror."""
+    mirrors = cfg.recovery == "replica" if mirrors is None else mirrors
     dim = cfg.model.embedding_dim
     table_rows = cfg.model.rows_per_table
     plan = make_plan(cfg.embeddings.sharding, table_rows, cfg.embeddings.num_shards)
@@ -123,6 +132,7 @@ def memory_estimate(cfg: RunConfig) -> MemoryEstimate:
                 weights_bytes=weights,
                 optimizer_bytes=rows * _ROWWISE_STATE_BYTES,
                 checkpoint_copy_bytes=weights + rows * (_SAVED_ROW_OVERHEAD_BYTES + _SAVE_SCRATCH_BYTES),
+                mirror_bytes=weights + rows * _ROWWISE_STATE_BYTES if mirrors else 0,
             )
         )
     return MemoryEstimate(

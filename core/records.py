@@ -117,6 +117,8 @@ class ShardState:
     tracking_bytes: int
     shm_reads: int
     tracking_thread_s: float = 0.0  # the tracker thread's counting, beside the steps (actors.tracking)
+    mirror_steps: int = 0  # steps sent to its mirror (recovery: replica)
+    mirror_send_s: float = 0.0  # the time its trainers waited for the mirror to hold them
 
 
 @dataclass(frozen=True)

@@ -57,6 +57,12 @@ class CostInputs:
     """Embedding shards N the model is split over."""
     pls_target: float
     """Largest acceptable expected portion of lost samples, in (0, 1)."""
+    replica_step_frac: float | None = None
+    """Expected fraction of training time spent keeping every shard's mirror in sync (the
+    primary's wait for its mirror on each step); None: mirrors are not possible here (their
+    memory does not fit the cluster), so replica recovery is not a choice."""
+    promote_cost_s: float = 0.5
+    """Stall of one replica recovery: the dead shard's mirror promoted (detection included)."""
 
     def __post_init__(self) -> None:
         check_positive("mtbf_s", self.mtbf_s)
@@ -65,6 +71,9 @@ class CostInputs:
         check_non_negative("reschedule_cost_s", self.reschedule_cost_s)
         check_int("num_shards", self.num_shards, 1)
         check_open_unit("pls_target", self.pls_target)
+        if self.replica_step_frac is not None:
+            check_non_negative("replica_step_frac", self.replica_step_frac)
+        check_non_negative("promote_cost_s", self.promote_cost_s)
 
 
 @dataclass(frozen=True)
@@ -75,7 +84,7 @@ class RecoveryDecision:
     mode: RecoveryMode
     """FULL, PARTIAL or REPLICA, never AUTO."""
     interval_s: float
-    """Checkpoint interval of ``mode``: ``interval_full_s`` or ``interval_partial_s``."""
+    """Checkpoint interval of ``mode``: ``interval_full_s`` (full, replica) or ``interval_partial_s``."""
     interval_full_s: float
     """Young/Daly interval, clamped to >= one save."""
     interval_partial_s: float
@@ -92,6 +101,8 @@ class RecoveryDecision:
     """Whether partial recovery at ``interval_partial_s`` keeps the PLS target."""
     reason: str
     inputs: CostInputs
+    expected_overhead_frac_replica: float | None = None
+    """Expected stalled fraction of wall time under replica recovery (None: not possible)."""
 
 
 def _overhead_frac_full(interval_s: float, c: CostInputs) -> float:
@@ -104,6 +115,14 @@ def _overhead_frac_partial(interval_s: float, c: CostInputs) -> float:
     # The lost half interval is not redone (it is paid in PLS instead), so a
     # failure costs only the dead shard's load and respawn.
     return c.save_cost_s / interval_s + (c.load_cost_s + c.reschedule_cost_s) / c.mtbf_s
+
+
+def _overhead_frac_replica(interval_s: float, c: CostInputs) -> float | None:
+    # Mirrors are kept in sync on every step; a failure costs a promotion. Checkpoints stay, at
+    # Young/Daly's interval: only a shard that dies with its mirror falls back to them.
+    if c.replica_step_frac is None:
+        return None
+    return c.replica_step_frac + c.save_cost_s / interval_s + c.promote_cost_s / c.mtbf_s
 
 
 def _pct(frac: float) -> str:
@@ -122,6 +141,7 @@ class _Options:
     pls_ok: bool
     ovh_full: float
     ovh_part: float
+    ovh_replica: float | None
 
 
 def _options(c: CostInputs) -> _Options:
@@ -137,6 +157,7 @@ def _options(c: CostInputs) -> _Options:
         pls_ok=pls_part <= c.pls_target * (1.0 + _PLS_RELATIVE_SLACK),
         ovh_full=_overhead_frac_full(t_full_s, c),
         ovh_part=_overhead_frac_partial(t_part_s, c),
+        ovh_replica=_overhead_frac_replica(t_full_s, c),
     )
 
 
@@ -149,8 +170,15 @@ def _reason(requested: RecoveryMode, mode: RecoveryMode, c: CostInputs, o: _Opti
         f"MTBF {c.mtbf_s:.4g} s, save {c.save_cost_s:.4g} s, load {c.load_cost_s:.4g} s, "
         f"reschedule {c.reschedule_cost_s:.4g} s, {c.num_shards} shards"
     )
+    if o.ovh_replica is not None:
+        numbers += f"; replica: overhead {_pct(o.ovh_replica)} (mirrors {_pct(c.replica_step_frac)} of each step)"
+    else:
+        numbers += "; replica: not possible (mirrors do not fit)"
     if requested is RecoveryMode.AUTO:
-        if mode is RecoveryMode.PARTIAL:
+        if mode is RecoveryMode.REPLICA:
+            why = (f"auto -> replica: overhead {_pct(o.ovh_replica)} <= full {_pct(o.ovh_full)} and "
+                   f"<= partial {_pct(o.ovh_part)}, and nothing lost")
+        elif mode is RecoveryMode.PARTIAL:
             why = (
                 f"auto -> partial: overhead {_pct(o.ovh_part)} < full {_pct(o.ovh_full)} and "
                 f"expected PLS {o.pls_part:.4g} <= target {c.pls_target:.4g}"
@@ -170,8 +198,8 @@ def _reason(requested: RecoveryMode, mode: RecoveryMode, c: CostInputs, o: _Opti
                 f"; WARNING: expected PLS {o.pls_part:.4g} exceeds target {c.pls_target:.4g} "
                 f"because the PLS interval {o.t_part_raw_s:.4g} s is shorter than one save"
             )
-    chosen_ovh = o.ovh_part if mode is RecoveryMode.PARTIAL else o.ovh_full
-    if chosen_ovh >= 1.0:
+    chosen_ovh = {RecoveryMode.PARTIAL: o.ovh_part, RecoveryMode.REPLICA: o.ovh_replica}.get(mode, o.ovh_full)
+    if chosen_ovh is not None and chosen_ovh >= 1.0:
         why += (
             f"; WARNING: expected overhead {_pct(chosen_ovh)} >= 100%: failures are about as "
             "frequent as checkpoints, the first-order model does not hold"
@@ -206,10 +234,10 @@ def decide_recovery(requested: RecoveryMode | str, inputs: CostInputs) -> Recove
     c = inputs
     o = _options(c)
     if requested is RecoveryMode.AUTO:
-        mode = RecoveryMode.PARTIAL if (o.pls_ok and o.ovh_part < o.ovh_full) else RecoveryMode.FULL
+        mode = _cheapest(o)
     else:
         mode = requested
-    partial = mode in (RecoveryMode.PARTIAL, RecoveryMode.REPLICA)  # replica falls back to partial's checkpoints
+    partial = mode is RecoveryMode.PARTIAL
     return RecoveryDecision(
         requested=requested,
         mode=mode,
@@ -223,4 +251,16 @@ def decide_recovery(requested: RecoveryMode | str, inputs: CostInputs) -> Recove
         pls_target_met=o.pls_ok,
         reason=_reason(requested, mode, c, o),
         inputs=c,
+        expected_overhead_frac_replica=o.ovh_replica,
     )
+
+
+def _cheapest(o: _Options) -> RecoveryMode:
+    """The mode of least expected overhead; ties go to the one that loses nothing (full, then
+    replica): partial only where strictly cheaper, and only where it keeps the PLS target."""
+    options = [(o.ovh_full, 0, RecoveryMode.FULL)]
+    if o.ovh_replica is not None:
+        options.append((o.ovh_replica, 1, RecoveryMode.REPLICA))
+    if o.pls_ok:
+        options.append((o.ovh_part, 2, RecoveryMode.PARTIAL))
+    return min(options)[2]

@@ -21,7 +21,7 @@ from core.schedule import StepSchedule
 from verify.store import Store
 from verify.timeline import LostSpanSeen
 
-__all__ = ["DataCache", "rows_per_table", "recount_lost"]
+__all__ = ["DataCache", "check_replicas", "rows_per_table", "recount_lost"]
 
 
 STORE_MANIFEST = "store.json"
@@ -60,6 +60,29 @@ def rows_per_table(model: dict, features: int) -> np.ndarray:
     if model.get("max_ind_range") is not None:
         rows = np.minimum(rows, int(model["max_ind_range"]))
     return rows
+
+
+def check_replicas(shards: dict, report: dict) -> list[str]:
+    """Replica recovery loses nothing: every failure the report says a mirror recovered has no
+    lost samples and reloaded nothing, and each shard's audit logs hold one ``why: replica`` load
+    per such failure (the mirror's own line, written when it took the shard's place; its step
+    count against its predecessor's is ``walk_shard``'s check)."""
+    v = []
+    claimed: dict[int, int] = {}
+    for f in report.get("failures", []):
+        if f.get("recovery") != "replica":
+            continue
+        claimed[f["shard"]] = claimed.get(f["shard"], 0) + 1
+        if (f.get("lost_samples") or 0.0) != 0.0 or f.get("bytes_reloaded"):
+            v.append(f"shard {f['shard']} generation {f['generation']}: recovered by its mirror, yet the report says "
+                     f"{f.get('lost_samples')} lost samples and {f.get('bytes_reloaded')} bytes reloaded")
+    for k in sorted(set(claimed) | set(shards)):
+        seen = sum(1 for file in shards.get(k, []) for r in file.records
+                   if r.get("event") == "load" and r.get("why") == "replica")
+        if seen != claimed.get(k, 0):
+            v.append(f"shard {k}: the report says its mirror took its place {claimed.get(k, 0)} times, "
+                     f"its audit logs {seen}")
+    return v
 
 
 def recount_lost(span: LostSpanSeen, slices: list[list[int]], store: Store, cache: DataCache,

@@ -19,7 +19,7 @@ from verify.files import RunFiles, load_run
 from verify.kills import (check_damage_unused, check_hosts, check_kills, counts_by_kind, host_faults, host_victims,
                           landed_kills, planted_damage, stalled_pids)
 from verify.leftovers import leftovers
-from verify.lost import STORE_MANIFEST, DataCache, recount_lost
+from verify.lost import STORE_MANIFEST, DataCache, check_replicas, recount_lost
 from verify.store import Store
 from verify.timeline import torn_lines, walk_dense, walk_shard
 
@@ -109,6 +109,7 @@ def verify_run(run_dir: str | Path, wait_s: float = 10.0) -> Verdict:
     v += walk_dense(run.trainers, run.m, total, killed)
     store = Store(_checkpoint_uri(run))
     lost = _check_lost(run, report, spans, store, cache, schedule, v)
+    v += check_replicas(run.shards, report)
     committed = store.committed()
     damage = planted_damage(run)
     planted = {(d.step, d.file) for d in damage}

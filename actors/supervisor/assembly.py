@@ -167,7 +167,7 @@ def assemble(inputs: RunInputs, on_crash: Callable[[str, BaseException], None], 
         eval_cache=inputs.eval_cache, audit_dir=audit,
     )
     desk = TrainerDesk(lock, controller, checkpoints, trainers, events, policy, deadlines, setup,
-                       lambda step: _position(cfg, inputs.schedule, step), ck.final, run_id)
+                       lambda step: _position(cfg, inputs.schedule, step), ck.final, run_id, mirrors.wait_first)
     killer = Killer(lambda: _targets(controller, trainers, spares) | mirrors.targets(), lambda kill: record_kill(ledger, events, kill),
                     deadlines.shard_call_s, fault_log_dir(inputs.run_dir), cfg.checkpoint_uri)
     faults = None

@@ -98,9 +98,9 @@ class RecoveryController:
     # ------------------------------------------------------------------ deaths
 
     def on_shard_death(self, k: int, generation: int, cause: str, detected: float, exited: bool = False) -> None:
-        """A watched shard actor is gone: decide its recovery and transition. The chain is
-        read (and, for a rollback, verified once) outside the lock; a second report of the same
-        death meanwhile (the watch, and a recovery that lost the shard) is dropped at once."""
+        """A watched shard actor is gone: decide its recovery and transition. The chain is read
+        (for a rollback, verified once) outside the lock; a second report of the same death
+        meanwhile is dropped. Its mirror (replica) takes its place, but not in a rollback."""
         with self._lock:
             if not self._is_current(k, generation) or (k, generation) in self._deciding:
                 return
@@ -111,7 +111,6 @@ class RecoveryController:
             killed_at = kill.time if kill is not None else self._p.host_down_since(node)
             self._p.observe.observe_failure(detected)
             decision = self._p.decide()
-            replica = decision.mode == RecoveryMode.REPLICA and isinstance(self.state, Running)
             partial = decision.mode in (RecoveryMode.PARTIAL, RecoveryMode.REPLICA)
             death = DeathCause(
                 actor=f"shard:{k}", shard=k, generation=generation, cause=cause, detected_at=round(detected, 3),
@@ -123,6 +122,7 @@ class RecoveryController:
             consistent = () if partial else self._p.consistent_chain()
             with self._lock:
                 if self._is_current(k, generation):
+                    replica = decision.mode == RecoveryMode.REPLICA and not isinstance(self.state, RollingBack)
                     mirror = self._p.mirrors.candidate(k, self._p.suspects()) if replica else None
                     spare = mirror or self._p.spares.candidate(self._p.suspects())
                     self.transition(ShardDied(k, generation, self.gens[k], self.next_gens[k], death, partial,

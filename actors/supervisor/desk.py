@@ -43,6 +43,7 @@ class TrainerDesk:
         position: Callable[[int], DataPosition],
         final_checkpoint: bool,
         run_id: str,
+        first_mirrors: Callable[[float], bool] = lambda timeout_s: True,
     ):
         self._run_id = run_id
         self._lock = lock
@@ -56,6 +57,7 @@ class TrainerDesk:
         self._position = position
         self._final_checkpoint = final_checkpoint
         self._fallback_lock = threading.Lock()
+        self._first_mirrors = first_mirrors
 
     # ------------------------------------------------------------------ start
 
@@ -68,6 +70,8 @@ class TrainerDesk:
             raise ShardUnavailable(f"the embedding shards did not start within {wait_s:.0f}s")
         if error:
             return TrainerSetup(finished=True)  # the driver raises the error from start()
+        if not self._trainers.has_started():  # recovery: replica: every step on a mirror from the first
+            self._first_mirrors(wait_s / 2)
         start = self._start_step(rank)
         dense = self._ckpt.read_dense(start) if start is not None else None
         generation, shards = self._c.fleet()

@@ -44,6 +44,8 @@ class MirrorSet:
         self._building: dict[int, str] = {}  # reserved in the journal before it is spawned
         self._info: dict[str, Target] = {}
         self._next = 0
+        self._tried: set[int] = set()  # shards whose first mirror is ready or failed once
+        self._changed = threading.Condition(lock)
         self._wake, self._stop = threading.Event(), threading.Event()
         self._keeper: threading.Thread | None = None
 
@@ -91,6 +93,14 @@ class MirrorSet:
         with self._lock:
             return dict(self._ready)
 
+    def wait_first(self, timeout_s: float) -> bool:
+        """Waits until every shard's first mirror is ready (or failed once: training then
+        starts without it), so that every step is on a mirror from the first. False on timeout."""
+        if not self.enabled:
+            return True
+        with self._changed:
+            return self._changed.wait_for(lambda: len(self._tried) >= self._n or self._stop.is_set(), timeout_s)
+
     def _node(self, name: str) -> str | None:
         info = self._info.get(name)
         return info.node_id if info else None
@@ -109,6 +119,8 @@ class MirrorSet:
     def stop(self) -> None:
         self._stop.set()
         self._wake.set()
+        with self._changed:
+            self._changed.notify_all()
 
     def _keep(self) -> None:
         while not self._stop.is_set():
@@ -145,6 +157,8 @@ class MirrorSet:
             self._fleet.kill(handle)
             with self._lock:
                 self._building.pop(k, None)
+                self._tried.add(k)
+                self._changed.notify_all()
                 self._persist()
             if not self._stop.is_set():
                 self._events.record("mirror_failed", shard=k, mirror=name, error=str(err).splitlines()[0][:200])
@@ -155,6 +169,8 @@ class MirrorSet:
                 self._fleet.kill(handle)
                 return True  # its shard was replaced meanwhile: built again
             self._ready[k], self._info[name] = name, Target(info.pid, info.node_id, info.node_ip)
+            self._tried.add(k)
+            self._changed.notify_all()
             self._fleet.watch(name, None, handle)
             self._events.append("mirror_ready", shard=k, mirror=name, node_id=info.node_id, node_ip=info.node_ip,
                                 primary_node=pinfo.node_id, build_s=round(time.perf_counter() - t0, 3),
@@ -195,6 +211,7 @@ class MirrorSet:
                 self._fleet.kill(handle)
         with self._lock:
             self._ready = keep
+            self._tried = set(range(self._n))  # training ran: nobody waits for first mirrors
             self._persist()
         self.keep()
 

@@ -14,36 +14,46 @@ from core.checkpoint import CheckpointStore
 from app.job import TrainingJob
 from core.config import config_from_dict
 from tests.integration.test_shard_recovery import _config
+from verify import verify_run
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 
 
-def _replica_config(tmp_path, data, name):
+def _replica_config(tmp_path, data, name, **extra):
     raw = _config(tmp_path, data, "replica", name).model_dump()
     raw["embeddings"]["spares"] = 0  # a fallback starts a process: the mirrors are the only standbys
-    return config_from_dict(raw)
+    raw["audit_log"] = True  # cpr verify checks the run from the processes' own logs
+    return config_from_dict({**raw, **extra})
 
 
-def _run(ray, cfg, kills: list[str], at_step: int):
-    """Trains; once both mirrors are in sync and ``at_step`` steps committed, kills ``kills``
-    at once. Returns the report, the shards' rows, the events and the targets before the kill."""
+def _run(ray, cfg, kills: list[tuple[str, int | None]]):
+    """Trains; kills each target once both mirrors are in sync (a mirror killed before was
+    replaced by a new process), a checkpoint exists and the step given with it committed
+    (None: at once after the one before).
+    Returns the report, the shards' rows, the events and the targets before and after."""
     job = TrainingJob(cfg, show_progress=False)
     try:
         job.start(wait=False)
         training = job.fit_in_background()
         job.await_start()
-
         store = CheckpointStore(cfg.checkpoint_uri)
+        before, dead = None, set()
 
-        def ready() -> bool:
+        def ready(at_step: int) -> bool:
             targets = ray.get(job.supervisor.targets.remote(), timeout=30)
+            mirrors = [targets.get(f"mirror:{k}") for k in range(2)]
             progress = ray.get(job.supervisor.progress.remote(), timeout=30)
-            return ({"mirror:0", "mirror:1"} <= set(targets) and progress is not None and progress.step >= at_step
-                    and bool(store.list_committed()))  # a fallback has a checkpoint to go to
+            return (all(m is not None and m.pid not in dead for m in mirrors) and progress is not None
+                    and progress.step >= at_step and bool(store.list_committed()))  # a fallback has a checkpoint
 
-        wait_for_condition(ready, timeout=300, retry_interval_ms=50)
-        before = ray.get(job.supervisor.targets.remote(), timeout=30)
-        for target in kills:
+        for target, at_step in kills:
+            if at_step is not None:
+                wait_for_condition(lambda: ready(at_step), timeout=300, retry_interval_ms=50)
+            now = ray.get(job.supervisor.targets.remote(), timeout=30)
+            before = before or now
+            dead.add(now[target].pid)
+            if target.startswith("shard:"):  # its mirror becomes the shard: the next kill waits for a new one
+                dead.add(now[f"mirror:{target.split(':')[1]}"].pid)
             kill_target(job.supervisor, target)
         training.join(timeout_s=500)
         report = job.finish()
@@ -61,28 +71,51 @@ def _same_rows(a, b) -> bool:
                for sa, sb in zip(a, b) for (wa, ma), (wb, mb) in zip(sa, sb))
 
 
-def test_a_killed_shard_is_served_by_its_mirror_and_the_run_equals_one_without_failures(
+def test_killed_shards_are_served_by_their_mirrors_and_the_run_equals_one_without_failures(
         ray_local, small_data, tmp_path, clean_run):
+    """A mirror killed (and rebuilt), then both shards at once, once the new mirror is in sync:
+    each mirror takes its shard's place (one of them the rebuilt one), nothing read, nothing
+    lost, every row, Adagrad state and the AUC as in the run without failures."""
     clean_cfg, (clean, clean_rows, *_) = clean_run
     cfg = _replica_config(tmp_path, small_data, "replica")
-    report, rows, events, (before, after) = _run(ray_local, cfg, ["shard:0"], at_step=60)
-    [failure] = report["failures"]
-    assert failure["recovery"] == "replica" and failure["lost_samples"] == 0
-    assert failure["bytes_reloaded"] == 0 and failure["chain"] == []
-    assert failure["spare"].rsplit("-", 1)[-1].startswith("mirror")
-    assert after["shard:0"].pid == before["mirror:0"].pid, "the mirror's process serves the shard"
-    assert failure["failed_at_step"] is not None and failure["lost_steps_recomputed"] == 0
+    report, rows, events, (before, after) = _run(ray_local, cfg, [("mirror:1", 20), ("shard:0", 40), ("shard:1", None)])
+    failures = {f["actor"]: f for f in report["failures"]}
+    assert sorted(failures) == ["shard:0", "shard:1"]
+    for f in failures.values():
+        assert f["recovery"] == "replica" and f["lost_samples"] == 0 and f["lost_steps_recomputed"] == 0
+        assert f["bytes_reloaded"] == 0 and f["chain"] == [] and f["failed_at_step"] is not None
+        assert f["spare"].rsplit("-", 1)[-1].startswith("mirror")
+    assert after["shard:0"].pid == before["mirror:0"].pid, "the first mirror's process serves shard 0"
     kinds = [e["kind"] for e in events]
-    # Two mirrors at the start, and a new one for the shard whose mirror took its place.
-    assert kinds.count("mirror_ready") >= 3
+    assert kinds.count("mirror_lost") == 1 and kinds.count("mirror_ready") >= 3  # 2, and the killed one's
     assert report["steps"] == clean["steps"]
     assert _same_rows(clean_rows, rows), "rows and Adagrad state differ from the run without failures"
     assert report["auc"] == clean["auc"]
+    assert report["mirrors"]["promoted"] == 2 and report["mirrors"]["memory_bytes"] > 0
+    verdict = verify_run(cfg.run_dir, wait_s=30)  # exactly once, nothing lost, from the audit logs alone
+    assert verdict.violations == [], verdict.violations
+
+
+def test_a_supervisor_killed_during_the_handover_finishes_it_from_its_journal(ray_local, small_data, tmp_path, clean_run):
+    """The supervisor dies after the mirror took the shard's place and before the new fleet was
+    committed: the restarted one finds the handover in its journal, promotes the same mirror again
+    (idempotent) and loses nothing."""
+    _, (clean, clean_rows, *_) = clean_run
+    faults = {"max_failures": 0, "at_points": [{"at": "recovery.spawned", "kill": "supervisor"}]}
+    cfg = _replica_config(tmp_path, small_data, "handover", faults=faults)
+    report, rows, _, (before, after) = _run(ray_local, cfg, [("shard:0", 60)])
+    [failure] = report["failures"]
+    assert report["supervisor_restarts"] == 1
+    assert failure["recovery"] == "replica" and failure["lost_samples"] == 0 and failure["bytes_reloaded"] == 0
+    assert after["shard:0"].pid == before["mirror:0"].pid
+    assert _same_rows(clean_rows, rows) and report["auc"] == clean["auc"]
+    verdict = verify_run(cfg.run_dir, wait_s=30)
+    assert verdict.violations == [], verdict.violations
 
 
 def test_a_shard_and_its_mirror_killed_together_fall_back_to_the_checkpoint(ray_local, small_data, tmp_path):
     cfg = _replica_config(tmp_path, small_data, "both")
-    report, _, events, _ = _run(ray_local, cfg, ["mirror:0", "shard:0"], at_step=60)
+    report, _, events, _ = _run(ray_local, cfg, [("mirror:0", 60), ("shard:0", None)])
     [failure] = report["failures"]
     assert failure["recovery"] == "partial" and failure["bytes_reloaded"] > 0
     assert failure["chain"] and failure["lost_samples"] > 0, "restored from its checkpoint, with its PLS"

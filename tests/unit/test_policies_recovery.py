@@ -214,3 +214,24 @@ def test_invalid_cost_inputs(over: dict, arg: str) -> None:
 def test_invalid_requested_mode() -> None:
     with pytest.raises(ValueError, match="requested must be one of full, partial, auto"):
         decide_recovery("sometimes", _inputs())
+
+
+def test_auto_picks_replica_where_keeping_mirrors_costs_less_and_never_where_they_do_not_fit() -> None:
+    """Replica: the mirrors' share of every step, partial's saves (its fallback) and a
+    promotion per failure; nothing lost. Not a choice without mirrors (None)."""
+    c = _inputs(mtbf_s=600.0, pls_target=0.001, replica_step_frac=0.01)
+    d = decide_recovery(RecoveryMode.AUTO, c)
+    expected = 0.01 + c.save_cost_s / d.interval_full_s + c.promote_cost_s / c.mtbf_s
+    assert math.isclose(d.expected_overhead_frac_replica, expected, rel_tol=REL)
+    assert d.mode is RecoveryMode.REPLICA and d.expected_pls == 0.0
+    assert d.expected_overhead_frac_replica < min(d.expected_overhead_frac_full, d.expected_overhead_frac_partial)
+    assert "auto -> replica" in d.reason and "mirrors 1% of each step" in d.reason
+    # Mirrors that cost more than the others: not chosen; mirrors that do not fit: never.
+    assert decide_recovery(RecoveryMode.AUTO, _inputs(mtbf_s=600.0, replica_step_frac=0.5)).mode is not RecoveryMode.REPLICA
+    none = decide_recovery(RecoveryMode.AUTO, _inputs(mtbf_s=600.0, pls_target=0.001))
+    assert none.mode is not RecoveryMode.REPLICA and none.expected_overhead_frac_replica is None
+    assert "replica: not possible" in none.reason
+    # Requested, it is honoured; its checkpoints (the fallback of a shard lost with its mirror)
+    # are at Young/Daly's interval.
+    r = decide_recovery(RecoveryMode.REPLICA, c)
+    assert r.mode is RecoveryMode.REPLICA and r.interval_s == r.interval_full_s and r.expected_pls == 0.0
