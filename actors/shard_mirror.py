@@ -96,7 +96,7 @@ class MirrorRole:
         handle = ray.get_actor(name, namespace=ray.get_runtime_context().namespace)
         t0 = time.perf_counter()
         with self._lock:
-            if self._feed is not None:
+            if self._feed is not None and self._feed.name != name:
                 self._feed.kill()  # a mirror replaced: the old one must never serve
             applied = self.applied_step
             weights = [w.detach().cpu().numpy() for w in self.tbe.split_embedding_weights()]

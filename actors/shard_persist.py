@@ -92,6 +92,7 @@ class ShardSaving:
         """
         t0 = time.perf_counter()
         self._pending.clear()  # a restore that fails midway must leave no lookup to apply over it
+        self._complete = None
         store = CheckpointStore(uri)
         used, parts = store.shard_chain(self.shard_id, steps[-1]) if steps else ([], [])
         fallbacks = tuple(CheckpointFallback(step=s, reason=r) for s, r in store.fallbacks)

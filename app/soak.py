@@ -33,8 +33,9 @@ def soak_config(base: RunConfig, run_dir: str, seed: int, kills: int, mtbf_s: fl
     raw["checkpoint"]["keep_last"] = 1000  # the PLS recount reads every incremental back
     # Every kill may be a trainer's (all_trainers counts each): the budget must not end the soak.
     raw["budgets"]["max_trainer_failures"] = max(raw["budgets"]["max_trainer_failures"], 3 * kills)
+    mirrors = ["mirrors"] if base.recovery == "replica" else []  # a mirror's death, and its shard's after
     raw["faults"] = {
-        "targets": ["shards", "trainers", "supervisor", "all_trainers"], "distribution": "exponential",
+        "targets": ["shards", "trainers", "supervisor", "all_trainers", *mirrors], "distribution": "exponential",
         "mtbf_s": mtbf_s, "seed": seed, "max_failures": kills,
         "at_points": [{"at": "save.files_written", "kill": "shard:0"}, {"at": "recovery.spawned", "kill": "supervisor"},
                       {"at": "rollback.loaded", "kill": "supervisor", "after_step": 200}],
@@ -75,11 +76,12 @@ def written_report(run_dir) -> dict | None:
         return None
 
 
-def run_soak(config_path: str, run_dir: str, seed: int, kills: int, mtbf_s: float, timeout_s: float = 1200.0) -> dict:
-    """One soak run: train ``config_path`` under the soak's faults, then check it. A run that
-    does not finish within ``timeout_s`` counts as wedged."""
+def run_soak(config_path: str, run_dir: str, seed: int, kills: int, mtbf_s: float, timeout_s: float = 1200.0,
+             overrides: dict | None = None) -> dict:
+    """One soak run: train ``config_path`` (with ``overrides``, as ``--set``) under the soak's
+    faults, then check it. A run that does not finish within ``timeout_s`` counts as wedged."""
     shutil.rmtree(run_dir, ignore_errors=True)
-    cfg = soak_config(load_config(config_path), run_dir, seed, kills, mtbf_s)
+    cfg = soak_config(load_config(config_path, overrides or {}), run_dir, seed, kills, mtbf_s)
     started_ray = connect_ray(cfg)  # owned here, so the leftover check can still ask Ray
     job = TrainingJob(cfg, show_progress=False)
     report, wedged, error, failed = None, False, None, None

@@ -94,7 +94,7 @@ def render(result: dict) -> str:
     lines = [
         "# Shard recovery: kill -> serving again",
         "",
-        f"Rendered from `recovery.json`: {source}.",
+        f"Rendered from `{result.get('file', 'recovery.json')}`: {source}.",
         "",
         f"Config `{result.get('config', 'local.yaml')}` (2 shards table-wise, 2 trainers), 3 epochs, a full "
         "checkpoint every 40 steps, shard 1 SIGKILLed 3 steps after a committed checkpoint; "
@@ -110,6 +110,15 @@ def render(result: dict) -> str:
             xs = [r[k] for r in rs]
             cells.append(f"{statistics.median(xs):.3f} s ({min(xs):.3f}-{max(xs):.3f})")
         lines.append(f"| {size} | {spares} | {rs[0]['bytes_reloaded'] / 1e6:,.0f} MB | " + " | ".join(cells) + " |")
+    if any(key.endswith("mirror") for key in results):
+        lines += [
+            "",
+            "With `recovery: replica` the adoption is the mirror's promotion (it applies the committed steps it "
+            "holds and takes the shard's lease); nothing is read, verified or copied, so the shard's size shows "
+            "only in the detection: the kernel frees a killed process's memory before its socket closes.",
+            "",
+        ]
+        return "\n".join(lines)
     lines += [
         "",
         "Adoption with a spare takes over a process that has already imported torch, fbgemm and the load "
@@ -180,6 +189,7 @@ def main() -> None:
     med = {key: {k: statistics.median(r[k] for r in rs) for k in PARTS} for key, rs in results.items()}
     out = {
         "meta": run_metadata(),
+        "file": Path(args.out).with_suffix(".json").name,
         "config": Path(args.config).name,
         "reps": args.reps,
         "results": results,

@@ -101,12 +101,14 @@ def main() -> None:
     p.add_argument("--hosts", type=int, default=1, help="1: this host; 2-9: a namespace cluster of that many hosts.")
     p.add_argument("--host-faults", type=int, default=4, help="Host kills and partitions per run (--hosts > 1).")
     p.add_argument("--out", default="benchmarks/results")
+    p.add_argument("--recovery", choices=["replica"], help="soak-replica: every shard with a mirror, mirrors killed too")
     p.add_argument("--render", action="store_true", help="Render the table again from its JSON, run nothing.")
     p.add_argument("--append", action="store_true",
                    help="Add these seeds' runs to the JSON's (each run names its own commit).")
     args = p.parse_args()
     out = Path(args.out)
-    name = "soak" if args.hosts == 1 else "soak-hosts"
+    name = ("soak" if args.hosts == 1 else "soak-hosts") + (f"-{args.recovery}" if args.recovery else "")
+    overrides = {"recovery": args.recovery} if args.recovery else {}
     if args.render:
         (out / f"{name}.md").write_text(render(json.loads((out / f"{name}.json").read_text())))
         return
@@ -122,7 +124,7 @@ def main() -> None:
     for seed in args.seeds:
         t0 = time.time()
         if args.hosts == 1:
-            result = run_soak(args.config, f"runs/soak-{seed}", seed, args.kills, args.mtbf)
+            result = run_soak(args.config, f"runs/{name}-{seed}", seed, args.kills, args.mtbf, overrides=overrides)
         else:
             result = run_soak_on_hosts(args.config, f"runs/soak-hosts-{seed}", seed, args.kills, args.mtbf,
                                        args.host_faults, args.hosts)

@@ -150,7 +150,8 @@ def assemble(inputs: RunInputs, on_crash: Callable[[str, BaseException], None], 
         start_thread=start_thread, tick=lambda: hooks.at_point("thread.shard-watch"), fences=fences,
     )
     spares = _spares(inputs, lock, events, persist, fleet, hosts, lambda: controller, occupied, deadlines, start_thread, hooks)
-    mirrors = _mirrors(inputs, lock, events, persist, fleet, lambda: controller, occupied, deadlines, start_thread, hooks)
+    mirrors = _mirrors(inputs, lock, events, persist, fleet, lambda: controller, occupied, deadlines, start_thread, hooks,
+                       lambda: spares)
     executor = RecoveryExecutor(fleet, checkpoints.restart_timeline, cfg.checkpoint_uri, deadlines.shard_call_s, hooks,
                                 committed=lambda: _steps_committed(trainers))
     controller = _controller(inputs, lock, events, persist, Collaborators(
@@ -215,12 +216,12 @@ def _spares(inputs: RunInputs, lock, events, persist, fleet, hosts, controller, 
 
 
 def _mirrors(inputs: RunInputs, lock, events, persist, fleet, controller, occupied, deadlines, start_thread,
-             hooks) -> MirrorSet:
+             hooks, spares) -> MirrorSet:
     return MirrorSet(
         lock, events, persist, fleet, lambda k: _primary(controller(), k), occupied,
         lambda: isinstance(controller().state_now(), Running), inputs.plan.num_shards,
         inputs.cfg.recovery == "replica", inputs.run_id, deadlines.shard_call_s, deadlines.shard_start_s,
-        start_thread, hooks,
+        start_thread, hooks, spare=spares().claim,
     )
 
 

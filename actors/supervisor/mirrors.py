@@ -34,12 +34,13 @@ class MirrorSet:
     def __init__(self, lock: threading.RLock, events: EventLog, persist: Callable[[], None], fleet: ShardFleet,
                  primary: Callable[[int], tuple[object, ShardInfo | None]], occupied: Callable[[], list],
                  running: Callable[[], bool], num_shards: int, enabled: bool, run_id: str, timeout_s: float,
-                 start_timeout_s: float, start_thread: Callable[..., threading.Thread], hooks: RunHooks):
+                 start_timeout_s: float, start_thread: Callable[..., threading.Thread], hooks: RunHooks,
+                 spare: Callable[[set], str | None] = lambda avoid: None):
         self._lock, self._events, self._persist, self._fleet = lock, events, persist, fleet
         self._primary, self._occupied, self._running = primary, occupied, running
         self._n, self.enabled, self._run_id = num_shards, enabled, run_id
         self._timeout_s, self._start_timeout_s = timeout_s, max(timeout_s, start_timeout_s)
-        self._start_thread, self._hooks = start_thread, hooks
+        self._start_thread, self._hooks, self._spare = start_thread, hooks, spare
         self._ready: dict[int, str] = {}  # shard -> its mirror, in sync
         self._building: dict[int, str] = {}  # reserved in the journal before it is spawned
         self._info: dict[str, Target] = {}
@@ -140,13 +141,21 @@ class MirrorSet:
             self._wake.set()
 
     def _build(self, k: int, name: str) -> bool:
-        """Spawns ``name`` away from shard ``k``'s primary, makes it its mirror and attaches it."""
+        """Makes a warm spare away from shard ``k``'s primary (its imports done: a mirror in well
+        under a second), else a new process ``name`` placed away from it, its mirror, and attaches it."""
         t0 = time.perf_counter()
         handle, (primary, pinfo) = None, self._primary(k)
         try:
             if primary is None or pinfo is None:
                 raise RuntimeError(f"shard {k} is being recovered")
-            handle = self._fleet.spawn_mirror(name, self._occupied(), pinfo.node_id)
+            spare = self._spare({pinfo.node_id} if len(cpu_nodes()) > 1 else set())
+            if spare is not None:
+                with self._lock:
+                    self._building[k] = name = spare
+                    self._persist()
+            handle = self._fleet.find_name(spare) if spare else self._fleet.spawn_mirror(name, self._occupied(), pinfo.node_id)
+            if handle is None:
+                raise RuntimeError(f"spare {spare} is gone")
             info: ShardInfo = ray.get(handle.ready.remote(), timeout=self._start_timeout_s)
             if info.node_id == pinfo.node_id and len(cpu_nodes()) > 1:
                 raise RuntimeError(f"placed on the host of shard {k} while another host exists")
@@ -175,7 +184,7 @@ class MirrorSet:
             self._events.append("mirror_ready", shard=k, mirror=name, node_id=info.node_id, node_ip=info.node_ip,
                                 primary_node=pinfo.node_id, build_s=round(time.perf_counter() - t0, 3),
                                 alloc_s=alloc["alloc_s"], hold_s=sync["hold_s"], sync_s=sync["sync_s"],
-                                base_step=sync["base_step"])
+                                base_step=sync["base_step"], from_spare=spare is not None)
             self._persist()
         return True
 

@@ -75,6 +75,17 @@ class SparePool:
         with self._lock:
             return next((s for s in self._ready if self._node(s) not in avoid), None)
 
+    def claim(self, avoid: set) -> str | None:
+        """The oldest ready spare not on a node of ``avoid``, taken out of the pool (it becomes
+        a mirror: ``actors.supervisor.mirrors``); a replacement starts."""
+        with self._lock:
+            name = next((s for s in self._ready if self._node(s) not in avoid), None)
+            if name is not None:
+                self._ready.remove(name)
+                self._persist()
+        self._wake.set()
+        return name
+
     def take(self, names) -> None:
         """Spares assigned to a recovery (part of its transition): no other recovery takes them."""
         with self._lock:

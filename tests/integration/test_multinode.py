@@ -215,6 +215,48 @@ def _check_host_loss(report, run_dir, victim_ip, killed_at, lost_shards, lost_tr
     assert not list(Path("/dev/shm").glob(f"cpr-{report['run_id']}-*"))
 
 
+def test_replica_recovery_survives_the_loss_of_the_host_holding_a_shard(local_cluster, tmp_path):
+    """``recovery: replica`` on two worker hosts: each shard's mirror on the other host. The host
+    holding shard 0 (and shard 1's mirror, and a trainer) is killed: shard 0's mirror takes its
+    place with nothing lost, shard 1 gets a new mirror, the run finishes and ``cpr verify`` finds
+    every step applied exactly once."""
+    cluster = local_cluster
+    cfg = _config(cluster, "replica", **{"embeddings.spares": 0})
+    cfg.write_text(cfg.read_text().replace("recovery: partial", "recovery: replica"))
+    run_dir = cluster.shared / "replica"
+    run_dir.mkdir()
+    (run_dir / "cluster.json").write_text(json.dumps({"hosts": {cluster.ip(n): n for n in range(3)}}))
+    ctl, faults = Cluster(cluster.dir, cluster.env), FaultLog(fault_log_dir(run_dir))
+    log = tmp_path / "driver.log"
+    driver = cluster.popen(0, [sys.executable, "-m", "app", "train", "--config", str(cfg)], log)
+    try:
+        ready = _wait("the shards", lambda: [e for e in _events(run_dir) if e["kind"] == "shards_ready"], driver, log)[0]
+        mirrors = _wait("both mirrors", lambda: len(m := [e for e in _events(run_dir) if e["kind"] == "mirror_ready"]) >= 2
+                        and m, driver, log)
+        _wait("step 20", lambda: _step(run_dir) >= 20, driver, log)
+        victim_ip = ready["nodes"][0]
+        victim = int(victim_ip.rsplit(".", 1)[1]) - 10
+        killed_at = kill_host(ctl, faults, victim, "test")
+        _wait("shard 0's recovery", lambda: [e for e in _events(run_dir) if e["kind"] == "shard_recovered"
+                                             and e["time"] > killed_at], driver, log)
+        driver.wait(timeout=400)
+        assert driver.returncode == 0, log.read_text()[-3000:]
+    finally:
+        _stop(driver)
+    # No shard and its mirror on one host while another host had room.
+    assert all(m["node_id"] != m["primary_node"] for m in mirrors[:2]), mirrors
+    report = json.loads((run_dir / "report.json").read_text())
+    [failure] = report["failures"]
+    assert failure["actor"] == "shard:0" and failure["recovery"] == "replica" and failure["lost_samples"] == 0
+    assert report["lost_samples"] == 0 and report["auc"] is not None
+    assert any(e["kind"] == "mirror_ready" and e["shard"] == 1 and e["time"] > killed_at for e in report["events"])
+    try:
+        verdict = verify_run(run_dir, wait_s=30)
+        assert verdict.violations == [], verdict.violations
+    finally:
+        restart_host(ctl, faults, victim, "test")  # the module's next tests use both worker hosts
+
+
 def test_storage_that_is_not_shared_is_refused(local_cluster, tmp_path):
     """The cache and the checkpoints on the head's private disk: the other hosts would not
     see them. The run stops before training, naming the fields and a host."""

@@ -62,6 +62,16 @@ def test_memory_estimate_is_the_hand_computation(cfg):
     assert sum(s.total_bytes for s in est.shards) + est.dense_bytes == est.total_bytes
 
 
+def test_mirrors_add_every_shards_rows_and_adagrad_state_once_more(cfg):
+    """``recovery: replica``: each shard's mirror holds its weights and row-wise Adagrad state."""
+    plain, mirrored = memory_estimate(cfg, mirrors=False), memory_estimate(cfg, mirrors=True)
+    assert plain.mirror_bytes == 0
+    assert mirrored.mirror_bytes == plain.weights_bytes + plain.optimizer_bytes
+    assert mirrored.total_bytes == plain.total_bytes + mirrored.mirror_bytes
+    assert memory_estimate(cfg.model_copy(update={"recovery": "replica"})).mirror_bytes == mirrored.mirror_bytes
+    assert "mirrors" in mirrored.describe() and "mirrors" not in plain.describe()
+
+
 def test_memory_fits_the_budget_the_comments_state(cfg):
     est = memory_estimate(cfg)
     assert est.total_bytes < BUDGET_BYTES / 2

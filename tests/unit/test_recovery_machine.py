@@ -192,3 +192,25 @@ def test_a_death_with_a_warm_spare_assigns_it_and_a_failed_adoption_drops_it():
     # Full recovery (not partial) takes the spare too.
     full = transition(Running(), died(1, partial=False, chain=(), consistent=(10,), spare="s0"))
     assert isinstance(full.state, RollingBack) and full.state.spares == {1: "s0"}
+
+
+def test_a_death_with_its_mirror_in_sync_promotes_it_and_a_refused_mirror_falls_back_to_the_chain():
+    """Replica recovery: the mirror is the spare to adopt and is listed in ``mirrors`` (nothing
+    to load); merged with another death; a mirror that cannot take the place (dead, or it missed
+    a step) is dropped by RespawnRetry, and the shard loads the chain the state kept."""
+    d = ShardDied(1, 0, 0, 2, cause(1), True, DECISION, (50, 60), (50,), "m0", True)
+    t = transition(Running(), d)
+    assert t.state.spares == {1: "m0"} and t.state.mirrors == (1,) and t.state.chain == (50, 60)
+    assert "replica recovery onto its mirror m0, nothing lost" in t.reason
+    both = transition(t.state, ShardDied(0, 0, 0, 1, cause(0), True, DECISION, (50, 60), (50,), "m1", True)).state
+    assert both.mirrors == (1, 0) and both.spares == {1: "m0", 0: "m1"}
+    retry = transition(both, RespawnRetry(1, 3))
+    assert retry.state.mirrors == (0,) and retry.state.spares == {0: "m1"} and retry.state.targets[1] == 3
+    assert "its mirror could not take its place" in retry.reason and "checkpoint chain [50, 60]" in retry.reason
+    assert state_from_dict(state_to_dict(retry.state)) == retry.state  # journaled whole
+
+
+def test_replica_without_a_mirror_in_sync_is_a_partial_recovery_that_says_so():
+    replica = decide_recovery("replica", CostInputs(3600.0, 1.0, 1.0, 3.0, 2, 0.02, replica_step_frac=0.05))
+    t = transition(Running(), ShardDied(1, 0, 0, 1, cause(1), True, replica, (50,), (50,)))
+    assert t.state.mirrors == () and "without a mirror in sync" in t.reason

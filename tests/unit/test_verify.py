@@ -255,3 +255,28 @@ def test_the_checker_hashes_whole_and_chunked_checksums_with_its_own_code(tmp_pa
         (d / "manifest.json").write_text(json.dumps(manifest))
         [problem] = Store(str(tmp_path)).problems(4)
         assert "is not one its writer makes" in problem
+
+
+def test_a_mirror_taking_a_shards_place_keeps_its_steps_and_loses_nothing():
+    """A promoted mirror's "replica" load carries the steps in its rows: its predecessor's, or
+    one fewer (the predecessor applied its last committed step, which the mirror holds and
+    applies next). Anything else is a violation; the report's replica failures match the logs."""
+    from verify.lost import check_replicas
+
+    def mirror(step, applied_from):
+        f = shard_file(1, [("load", [], "replica", 20.0)] + applies(range(applied_from, 10), 21.0))
+        f.records[1]["step"] = step
+        return f
+
+    dead = shard_file(0, applies(range(0, 8), 0.0))
+    for step, first in ((8, 8), (7, 7)):
+        v, spans = walk_shard(0, [dead, mirror(step, first)], M, 10)
+        assert (v, spans) == ([], []), step
+    v, _ = walk_shard(0, [dead, mirror(5, 5)], M, 10)
+    assert v and "a mirror with 5 steps replaced one with 8" in v[0]
+    report = {"failures": [{"recovery": "replica", "shard": 0, "generation": 0, "lost_samples": 0.0,
+                            "bytes_reloaded": 0}]}
+    assert check_replicas({0: [dead, mirror(8, 8)]}, report) == []
+    assert "its audit logs 0" in check_replicas({0: [dead]}, report)[0]
+    report["failures"][0]["lost_samples"] = 3.0
+    assert "3.0 lost samples" in check_replicas({0: [dead, mirror(8, 8)]}, report)[0]
