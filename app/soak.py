@@ -31,6 +31,11 @@ def soak_config(base: RunConfig, run_dir: str, seed: int, kills: int, mtbf_s: fl
     raw.update(run_dir=run_dir, audit_log=True)
     raw["data"]["cache_dir"] = base.cache_dir
     raw["checkpoint"]["keep_last"] = 1000  # the PLS recount reads every incremental back
+    if base.recovery == "replica":
+        # Young/Daly's interval at the soak's 6 s MTBF is a save every step or two, and the soak
+        # keeps them all: 26 GB in 850 steps filled this disk once. With mirrors saves serve only
+        # the fallback: MFU saves every 20 steps, a full one every 80 (about 6 GB kept).
+        raw["checkpoint"].update(auto_interval=False, every_steps=100)
     # Every kill may be a trainer's (all_trainers counts each): the budget must not end the soak.
     raw["budgets"]["max_trainer_failures"] = max(raw["budgets"]["max_trainer_failures"], 3 * kills)
     mirrors = ["mirrors"] if base.recovery == "replica" else []  # a mirror's death, and its shard's after

@@ -36,7 +36,7 @@ def render(doc: dict) -> str:
     lines = [
         f"# Soak: faults of every kind on {where}, each run checked by `cpr verify`", "",
         f"Rendered from `{doc.get('file', 'soak.json')}`: {describe(doc['meta'])}.", "",
-        f"{len(rows)} runs, {faults} faults that landed (from the injector's own log; "
+        f"{len(rows)} run{'s' if len(rows) != 1 else ''}, {faults} faults that landed (from the injector's own log; "
         f"{min((r['faults'] for r in rows), default=0)}-{max((r['faults'] for r in rows), default=0)} a run): "
         + _totals(rows) + f". **{sum(bool(r['finished']) for r in rows)} of {len(rows)} finished, "
         f"{sum(r['wedged'] for r in rows)} wedged, {sum(len(r['violations']) for r in rows)} violations**; "
@@ -56,7 +56,8 @@ def render(doc: dict) -> str:
         host_cols = (f"| {o.get('host_kill', 0)} | {o.get('partition', 0)} | {r.get('hosts_lost', 0)} "
                      if hosts > 1 else "")
         lines.append(
-            f"| {r['seed']} | {r['faults']} | {k.get('shard', 0)} / {k.get('trainer', 0)} / {k.get('supervisor', 0)} "
+            f"| {r['seed']} | {r['faults']} | {k.get('shard', 0)} / {k.get('trainer', 0)} / {k.get('supervisor', 0)}"
+            + (f" / {k['mirror']} mirror" if k.get("mirror") else "") + " "
             f"| {o.get('stall', 0)} | {damaged} {host_cols}| {r['shard_recoveries']} | {r['supervisor_restarts']} "
             f"| {r['fallbacks']} | {r['finished']} | {r['wedged']} | {len(r['violations'])} | {lost} | {auc} "
             f"| {r['wall_s']} |"
@@ -72,7 +73,8 @@ def _totals(rows: list[dict]) -> str:
     def total(key: str, *kinds: str) -> int:
         return sum(r[key].get(k, 0) for r in rows for k in kinds)
 
-    parts = [f"{total('kills_by_kind', k)} {k}" for k in ("shard", "trainer", "supervisor")]
+    kinds = ("shard", "trainer", "supervisor") + (("mirror",) if total("kills_by_kind", "mirror") else ())
+    parts = [f"{total('kills_by_kind', k)} {k}" for k in kinds]
     parts = [", ".join(parts) + " SIGKILLs", f"{total('other_faults', 'stall')} stalls",
              f"{total('other_faults', 'corrupt_checkpoint', 'truncate_checkpoint')} damaged checkpoint files"]
     if any(r.get("hosts", 1) > 1 for r in rows):
