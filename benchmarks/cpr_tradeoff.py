@@ -18,9 +18,14 @@ against PLS, then full recovery at the Young/Daly interval against CPR (partial,
 rows) at the PLS target the fit implies for an AUC budget (``--auc-budget``). Every run setting
 comes from ``configs/emulate.yaml`` (its data generated into a temporary directory from its
 ``data.generate``); the benchmark overrides only the seed, the recovery mode, the row policy and
-the PLS target. The PLS, AUC, tracking share and step times are measured; the save, load,
-rescheduling and lost-computation overheads are charged at the production constants of the
-config's ``emulation`` section (docs/EMULATION.md): the JSON and the table keep them apart.
+the PLS target. A replica row (``recovery: replica``: every shard's mirror takes its place when
+it dies) runs at the interval its decision picks (Young/Daly), on the same seeds and failures. The
+PLS, AUC, tracking share, mirror feed share, promotion times and step times are measured; the
+save, load, rescheduling and lost-computation overheads are charged at the production constants
+of the config's ``emulation`` section (docs/EMULATION.md): the JSON and the table keep them apart.
+``--only-rows replica`` (any of full, cpr, mfu, ssu, replica) runs only those rows, each seed's
+failure-free run again for their AUC reference, and merges them into the existing JSON (its
+``meta`` stays the first runs'; each row added carries its ``commit``, and ``appended`` the runs).
 
 Writes benchmarks/results/cpr_tradeoff_{real,emulation}.json (with ``benchmarks.meta.run_metadata()``)
 and the .md rendered from it by ``render_real`` / ``render_emulation`` (the functions
@@ -28,6 +33,7 @@ benchmarks/render_docs.py uses for docs pages); ``benchmarks/tradeoff_plots.py``
 
     .venv/bin/python benchmarks/cpr_tradeoff.py --part real --seeds 0 1 2
     .venv/bin/python benchmarks/cpr_tradeoff.py --part emulation --seeds 0 1 2
+    .venv/bin/python benchmarks/cpr_tradeoff.py --part emulation --seeds 0 1 2 --only-rows replica
     .venv/bin/python benchmarks/cpr_tradeoff.py --part emulation --render-only   # .md from the .json
 """
 
@@ -48,8 +54,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.meta import run_metadata  # noqa: E402
 from core.config import load_config  # noqa: E402
-from app.emulation import OVERHEADS as COMPONENTS  # noqa: E402
-from benchmarks.cpr_tradeoff_render import EMULATION_ROWS, _rel, write_md  # noqa: E402
+from benchmarks.cpr_tradeoff_render import EMULATION_ROWS, REAL_COMPONENTS as COMPONENTS, ROW_KEYS, _rel, write_md  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
 
@@ -186,6 +191,68 @@ def fit_line(points: list[tuple[float, float]]) -> dict:
     return {"slope": slope, "n": len(points), "rmse": float(np.sqrt(np.mean(resid**2))) if len(x) else None}
 
 
+def _emulation_row(report: dict, ref_auc: float, seed: int, recovery: str, policy: str, pls_target: float) -> dict:
+    """One emulated run's row: what it measured, what it charged, and (replica) its mirrors."""
+    e = report["emulation"]
+    m, c = e["measured"], e["charged"]
+    row = {
+        "seed": seed, "recovery": recovery, "policy": policy, "pls_target": pls_target,
+        "every_steps": e["every_steps"], "interval_h": e["interval_s"] / 3600, "failures": len(e["kills"]),
+        # measured on the real run
+        "auc": report["auc"], "auc_change": report["auc"] - ref_auc, "pls": report["pls"],
+        "step_s_real": m["step_s_real"], "tracking_share_of_step_pct": m["tracking_share_of_step_pct"],
+        "saves": m["saves"], "rows_saved_share_mean": m["rows_saved_share_mean"],
+        "rows_reloaded_share_mean": m["rows_reloaded_share_mean"], "steps_redone": m["steps_redone"],
+        "measured_overhead_pct": m["overhead_pct"],
+        # charged at the production constants
+        "charged_overhead_pct": c["overhead_pct"], "charged_total_pct": c["overhead_total_pct"],
+        "overhead_pct": e["overhead_pct"], "overhead_total_pct": e["overhead_total_pct"],
+        "expected_pls": e["expected_pls"], "expected_overhead_pct": e["expected_overhead_pct"],
+    }
+    if recovery == "replica":
+        mirrors, kills = m.get("mirrors") or {}, e["kills"]
+        waits = [k.get("waited_for_mirror_s") or 0.0 for k in kills]
+        row.update({
+            "modes_used": sorted({f["recovery"] for f in report["failures"]}),
+            "mirror_feed_share_of_step_pct": m["mirror_feed_share_of_step_pct"],
+            "mirror_feed_s_per_step": mirrors.get("feed_s_per_step"), "mirror_memory_bytes": mirrors.get("memory_bytes"),
+            "mirrors_built": mirrors.get("built"), "mirrors_lost": mirrors.get("lost"),
+            "promotions": m["promotions"], "fallbacks": m["fallbacks"], "promotion_s": m["promotion_s"],
+            "promotion_s_mean": sum(m["promotion_s"]) / len(m["promotion_s"]) if m["promotion_s"] else None,
+            "kills_waited_for_mirror": sum(w > 0 for w in waits), "waited_for_mirror_s_max": max(waits, default=0.0),
+            "kill_delay_h_max": max((k["emulated_s"] - k["scheduled_s"] for k in kills), default=0.0) / 3600,
+        })
+    return row
+
+
+def _clean_run(base, root: Path, data, seed: int) -> dict:
+    clean = run(_with(base, root, data, f"e{seed}-clean", seed=seed, emulation=None,
+                      checkpoint={"every_steps": None, "final": False}))
+    return {"auc": clean["auc"], "step_s": clean["wall_time_s"]["training_s"] / clean["steps"]}
+
+
+def _emulation_rows(base, root: Path, data, seeds: list[int], keys, ref: dict, target: float) -> list[dict]:
+    """The rows ``keys`` ((recovery, policy)) of every seed, at PLS target ``target``; ``ref``: seed -> its
+    failure-free AUC."""
+    rows = []
+    for seed in seeds:
+        for recovery, policy in keys:
+            timeline = RESULTS / "timeline_emulation.png" if (seed, recovery, policy) == (seeds[0], "partial", "mfu") else None
+            cfg = _with(base, root, data, f"e{seed}-{recovery}-{policy}", seed=seed, recovery=recovery,
+                        checkpoint={"policy": policy, "pls_target": target}, emulation={"seed": seed})
+            t0 = time.monotonic()
+            r = _emulation_row(run(cfg, timeline), ref[seed], seed, recovery, policy, target)
+            r["wall_s"] = round(time.monotonic() - t0, 1)
+            rows.append(r)
+            print(f"  seed {seed} {recovery}/{policy}: every {r['every_steps']} steps ({r['interval_h']:.1f} h), "
+                  f"{r['failures']} failures, overhead {r['overhead_total_pct']:.2f}% (charged {r['charged_total_pct']:.2f}%, "
+                  f"model {r['expected_overhead_pct']:.2f}%), PLS {r['pls']:.4f}, AUC {r['auc']:.4f} ({r['auc_change']:+.4f}) "
+                  f"({r['wall_s']:.0f} s wall)" + (f"; {r['promotions']} promoted, {r['fallbacks']} from a checkpoint, mirror "
+                                                   f"feed {r['mirror_feed_share_of_step_pct']:.2f}% of a step"
+                                                   if recovery == "replica" else ""), flush=True)
+    return rows
+
+
 def part_emulation(args, root: Path) -> dict:
     """Runs configs/emulate.yaml as it is, overriding only the seed, the recovery mode, the row
     policy and the PLS target (each run in a run_dir of its own under ``root``)."""
@@ -195,42 +262,18 @@ def part_emulation(args, root: Path) -> dict:
                  "sweep": [], "rows": [], "clean": {}, "clean_step_s": {}}
     tr = base.training
     out["total_steps"] = data.train_rows // (tr.microbatch_rows * tr.microbatches_per_step)
-
-    def emulated(name: str, seed: int, recovery: str, policy: str, pls_target: float, timeline: Path | None = None) -> dict:
-        cfg = _with(base, root, data, name, seed=seed, recovery=recovery,
-                    checkpoint={"policy": policy, "pls_target": pls_target},
-                    emulation={"seed": seed})
-        t0 = time.monotonic()
-        report = run(cfg, timeline)
-        e = report["emulation"]
-        m, c = e["measured"], e["charged"]
-        ref = out["clean"][seed]
-        return {
-            "seed": seed, "recovery": recovery, "policy": policy, "pls_target": pls_target,
-            "every_steps": e["every_steps"], "interval_h": e["interval_s"] / 3600, "failures": len(e["kills"]),
-            # measured on the real run
-            "auc": report["auc"], "auc_change": report["auc"] - ref, "pls": report["pls"],
-            "step_s_real": m["step_s_real"], "tracking_share_of_step_pct": m["tracking_share_of_step_pct"],
-            "saves": m["saves"], "rows_saved_share_mean": m["rows_saved_share_mean"],
-            "rows_reloaded_share_mean": m["rows_reloaded_share_mean"], "steps_redone": m["steps_redone"],
-            "measured_overhead_pct": m["overhead_pct"],
-            # charged at the production constants
-            "charged_overhead_pct": c["overhead_pct"], "charged_total_pct": c["overhead_total_pct"],
-            "overhead_pct": e["overhead_pct"], "overhead_total_pct": e["overhead_total_pct"],
-            "expected_pls": e["expected_pls"], "expected_overhead_pct": e["expected_overhead_pct"],
-            "wall_s": round(time.monotonic() - t0, 1),
-        }
-
     for seed in args.seeds:
         t0 = time.monotonic()
-        clean = run(_with(base, root, data, f"e{seed}-clean", seed=seed, emulation=None,
-                          checkpoint={"every_steps": None, "final": False}))
-        out["clean"][seed] = clean["auc"]
-        out["clean_step_s"][seed] = clean["wall_time_s"]["training_s"] / clean["steps"]
-        print(f"seed {seed}: failure-free AUC {clean['auc']:.4f}, {out['clean_step_s'][seed]:.3f} s a step "
+        clean = _clean_run(base, root, data, seed)
+        out["clean"][seed], out["clean_step_s"][seed] = clean["auc"], clean["step_s"]
+        print(f"seed {seed}: failure-free AUC {clean['auc']:.4f}, {clean['step_s']:.3f} s a step "
               f"({time.monotonic() - t0:.0f} s wall)", flush=True)
         for target in args.sweep:
-            r = emulated(f"e{seed}-sweep-{target}", seed, "partial", "full", target)
+            t0 = time.monotonic()
+            cfg = _with(base, root, data, f"e{seed}-sweep-{target}", seed=seed, recovery="partial",
+                        checkpoint={"policy": "full", "pls_target": target}, emulation={"seed": seed})
+            r = _emulation_row(run(cfg), clean["auc"], seed, "partial", "full", target)
+            r["wall_s"] = round(time.monotonic() - t0, 1)
             out["sweep"].append(r)
             print(f"  sweep target {target}: every {r['every_steps']} steps, {r['failures']} failures, PLS {r['pls']:.4f}, "
                   f"AUC change {r['auc_change']:+.4f} ({r['wall_s']:.0f} s wall)", flush=True)
@@ -240,16 +283,41 @@ def part_emulation(args, root: Path) -> dict:
     out["fit"] = {**fit, "auc_budget": args.auc_budget, "implied_pls_target": implied, "pls_target_used": target}
     print(f"fit: AUC change = {fit['slope']:.4f} x PLS (rmse {fit['rmse']:.4f}); budget {args.auc_budget} -> "
           f"PLS target {implied:.4f} (used {target:.4f})", flush=True)
-    for seed in args.seeds:
-        for recovery, policy in EMULATION_ROWS:
-            timeline = RESULTS / "timeline_emulation.png" if (seed, recovery, policy) == (args.seeds[0], "partial", "mfu") else None
-            r = emulated(f"e{seed}-{recovery}-{policy}", seed, recovery, policy, target, timeline)
-            out["rows"].append(r)
-            print(f"  {recovery}/{policy}: every {r['every_steps']} steps ({r['interval_h']:.1f} h), {r['failures']} failures, "
-                  f"overhead {r['overhead_total_pct']:.2f}% (charged {r['charged_total_pct']:.2f}%, model "
-                  f"{r['expected_overhead_pct']:.2f}%), PLS {r['pls']:.4f}, AUC {r['auc']:.4f} ({r['auc_change']:+.4f}) "
-                  f"({r['wall_s']:.0f} s wall)", flush=True)
+    out["rows"] = _emulation_rows(base, root, data, args.seeds, EMULATION_ROWS, out["clean"], target)
     return out
+
+
+def part_emulation_rows(args, root: Path, published: dict, meta: dict) -> dict:
+    """``--only-rows``: those rows of ``args.seeds`` at the published PLS target, against each
+    seed's failure-free run rerun here (its AUC compared with the published one), merged into
+    ``published``: rows of the same seed and kind replaced, each new row with its ``commit``."""
+    base = load_config(args.emulation_config)
+    data = _config_data(base, root)
+    keys = [ROW_KEYS[name] for name in args.only_rows]
+    clean = {seed: _clean_run(base, root, data, seed) for seed in args.seeds}
+    same = all(published["clean"].get(str(s)) == c["auc"] for s, c in clean.items())
+    print(f"failure-free AUCs rerun: {({s: round(c['auc'], 6) for s, c in clean.items()})} "
+          f"({'the same as' if same else 'NOT the same as'} the published {published['clean']})", flush=True)
+    target = published["fit"]["pls_target_used"]
+    new = _emulation_rows(base, root, data, args.seeds, keys, {s: c["auc"] for s, c in clean.items()}, target)
+    entry = {"rows": args.only_rows, "seeds": args.seeds, **{k: meta[k] for k in ("commit", "date", "command")},
+             "clean_auc": {str(s): c["auc"] for s, c in clean.items()},
+             "clean_step_s": {str(s): c["step_s"] for s, c in clean.items()}, "clean_auc_same": same}
+    return merge_rows(published, new, entry)
+
+
+def merge_rows(published: dict, new: list[dict], entry: dict) -> dict:
+    """``published`` with ``new`` rows in the place of any of the same seed and kind, each marked
+    with ``entry``'s commit and date, in seed then row order; ``entry`` (what ran them) goes in
+    ``appended``, where an earlier run none of whose rows is left is dropped. ``meta`` is left alone."""
+    new = [{**r, "commit": entry["commit"], "date": entry["date"]} for r in new]
+    order = {k: i for i, k in enumerate(EMULATION_ROWS)}
+    fresh = {(r["seed"], r["recovery"], r["policy"]) for r in new}
+    kept = [r for r in published["rows"] if (r["seed"], r["recovery"], r["policy"]) not in fresh]
+    rows = sorted(kept + new, key=lambda r: (r["seed"], order[(r["recovery"], r["policy"])]))
+    left = {r.get("commit") for r in kept}
+    appended = [a for a in published.get("appended", []) if a.get("commit") in left and a.get("commit") != entry["commit"]]
+    return {**published, "rows": rows, "appended": [*appended, entry]}
 
 
 def main() -> None:
@@ -269,12 +337,17 @@ def main() -> None:
     parser.add_argument("--policies", nargs="+", default=["full", "mfu", "ssu"], choices=["full", "mfu", "ssu"], help="real")
     parser.add_argument("--recoveries", nargs="+", default=["partial", "full", "auto"], choices=["partial", "full", "auto"],
                         help="real")
+    parser.add_argument("--only-rows", nargs="+", choices=list(ROW_KEYS), default=None,
+                        help="emulation: run only these rows (and each seed's failure-free run) and merge them into "
+                             "the existing results file, which keeps its meta; each new row records its commit")
     parser.add_argument("--render-only", action="store_true", help="rewrite the .md from the part's .json")
     args = parser.parse_args()
     out = RESULTS / f"cpr_tradeoff_{args.part}"
     if args.render_only:
         print(write_md(args.part, json.loads(out.with_suffix(".json").read_text()), out.with_suffix(".md")))
         return
+    if args.only_rows and args.part != "emulation":
+        parser.error("--only-rows is for --part emulation")
 
     import ray
 
@@ -284,13 +357,25 @@ def main() -> None:
     root = Path(tempfile.mkdtemp(prefix=f"cpr-bench-{args.part}-"))
     RESULTS.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
-    # Ray sized for the part's config (its shards, spare and trainers each hold a CPU).
-    connect_ray(load_config(args.config if args.part == "real" else args.emulation_config))
+    # Ray sized for the part's config (its shards, spare and trainers each hold a CPU; replica: its mirrors too).
+    ray_cfg = load_config(args.config if args.part == "real" else args.emulation_config)
+    if args.part == "emulation" and "replica" in (args.only_rows or ["replica"]):
+        ray_cfg = ray_cfg.model_copy(update={"recovery": "replica"})
+    connect_ray(ray_cfg)
     try:
-        res = part_real(args, root) if args.part == "real" else part_emulation(args, root)
+        if args.only_rows:
+            res = part_emulation_rows(args, root, json.loads(out.with_suffix(".json").read_text()), meta)
+        else:
+            res = part_real(args, root) if args.part == "real" else part_emulation(args, root)
     finally:
         ray.shutdown()
     meta["wall_s"] = round(time.monotonic() - t0, 1)
+    if args.only_rows:  # the file's meta stays the first runs'; this run is in its ``appended``
+        res["appended"][-1]["wall_s"] = meta["wall_s"]
+        out.with_suffix(".json").write_text(json.dumps(res, indent=2) + "\n")
+        print(write_md(args.part, json.loads(out.with_suffix(".json").read_text()), out.with_suffix(".md")))
+        shutil.rmtree(root, ignore_errors=True)
+        return
     args_out = {k: v for k, v in vars(args).items() if k != "render_only"}
     if args.part == "emulation":  # the real part's settings do not apply
         args_out = {k: args_out[k] for k in ("part", "seeds", "emulation_config", "sweep", "auc_budget")}

@@ -4,9 +4,10 @@
   seeds; the whisker spans the seeds' totals);
 * ``auc_vs_pls.png``: AUC change against PLS, the emulation's sweep and rows with the line fitted
   through the origin, the AUC budget and the PLS target it implies;
-* ``emulation_overhead.png``: the emulation's full recovery against CPR, by component, beside the
-  paper's reported ranges; the components charged at the production constants (save, load, lost
-  computation, rescheduling) plain, the measured one (tracking) hatched.
+* ``emulation_overhead.png``: the emulation's full recovery against CPR and replica recovery, by
+  component, beside the paper's reported ranges; the components charged at the production
+  constants (save, load, lost computation, rescheduling) plain, the measured ones (tracking, the
+  mirrors' feed, promotions) hatched.
 
 (The timelines of one run each, ``timeline_real.png`` and ``timeline_emulation.png``, are the
 runs' own ``timeline.png`` copied by ``cpr_tradeoff.py``.)
@@ -31,7 +32,7 @@ from app.emulation import MEASURED, OVERHEADS as COMPONENTS  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
 COLOURS = {"save": "tab:green", "load": "tab:blue", "lost_computation": "tab:red", "rescheduling": "tab:orange",
-           "tracking": "tab:purple"}
+           "tracking": "tab:purple", "mirror_feed": "tab:brown", "promotion": "tab:pink"}
 
 
 def _save(fig: Figure, name: str) -> Path:
@@ -43,10 +44,11 @@ def _save(fig: Figure, name: str) -> Path:
 
 def _stacked(ax, labels: list[str], groups: list[list[dict]], split: bool = False) -> None:
     """Stacked mean overheads by component; ``split``: the emulation's, charged ones plain and
-    measured ones hatched, each labelled as such."""
+    measured ones hatched, each labelled as such. A component no row has (the real part has no
+    mirrors; older emulation rows neither) is left out; a row without it counts 0."""
     bottoms = [0.0] * len(groups)
-    for k in COMPONENTS:
-        means = [statistics.fmean(r["overhead_pct"][k] for r in g) for g in groups]
+    for k in [k for k in COMPONENTS if any(k in r["overhead_pct"] for g in groups for r in g)]:
+        means = [statistics.fmean(r["overhead_pct"].get(k, 0.0) for r in g) for g in groups]
         name = k.replace("_", " ")
         if split:
             name += " (measured)" if k in MEASURED else " (charged)"
@@ -84,6 +86,10 @@ def auc_vs_pls(emu: dict) -> Path:
     ax.scatter([r["pls"] for r in cpr], [r["auc_change"] for r in cpr], marker="^", color="tab:green", label="CPR rows (full/MFU/SSU)")
     full = [r for r in emu["rows"] if r["recovery"] == "full"]
     ax.scatter([r["pls"] for r in full], [r["auc_change"] for r in full], marker="s", color="tab:gray", label="full recovery")
+    replica = [r for r in emu["rows"] if r["recovery"] == "replica"]
+    if replica:
+        ax.scatter([r["pls"] for r in replica], [r["auc_change"] for r in replica], marker="D", facecolors="none",
+                   edgecolors="tab:purple", label="replica recovery (mirrors)")
     xs = [0.0, max([r["pls"] for r in emu["sweep"] + emu["rows"]] + [fit["implied_pls_target"]]) * 1.05]
     ax.plot(xs, [fit["slope"] * x for x in xs], color="tab:red", label=f"fit: {fit['slope']:.4f} × PLS")
     ax.axhline(-fit["auc_budget"], color="tab:orange", linestyle="--", label=f"AUC budget −{fit['auc_budget']}")
@@ -98,9 +104,9 @@ def auc_vs_pls(emu: dict) -> Path:
 
 
 def emulation_overhead(emu: dict) -> Path:
-    keys = [("full", "full"), ("partial", "full"), ("partial", "mfu"), ("partial", "ssu")]
+    keys = [("full", "full"), ("partial", "full"), ("partial", "mfu"), ("partial", "ssu"), ("replica", "full")]
     names = {("full", "full"): "full recovery\n(Young/Daly)", ("partial", "full"): "CPR-vanilla\n(PLS interval)",
-             ("partial", "mfu"): "CPR-MFU", ("partial", "ssu"): "CPR-SSU"}
+             ("partial", "mfu"): "CPR-MFU", ("partial", "ssu"): "CPR-SSU", ("replica", "full"): "replica\n(mirrors, Young/Daly)"}
     groups = [[r for r in emu["rows"] if (r["recovery"], r["policy"]) == k] for k in keys]
     keys, groups = [k for k, g in zip(keys, groups) if g], [g for g in groups if g]
     fig = Figure(figsize=(8, 5))
@@ -109,8 +115,8 @@ def emulation_overhead(emu: dict) -> Path:
     ax.axhspan(8.2, 8.5, color="tab:gray", alpha=0.3, label="CPR paper (abstract): full 8.2–8.5%")
     ax.axhspan(0.53, 0.68, color="tab:green", alpha=0.3, label="CPR paper (abstract): CPR-MFU/SSU 0.53–0.68%")
     seeds = sorted({r["seed"] for r in emu["rows"]})
-    ax.set_title(f"Emulated production overhead (seeds {seeds}): charged at production constants + measured tracking",
-                 fontsize=9)
+    ax.set_title(f"Emulated production overhead (seeds {seeds}): charged at production constants (plain) "
+                 "+ measured (hatched)", fontsize=9)
     ax.legend(fontsize=8)
     fig.tight_layout()
     return _save(fig, "emulation_overhead.png")

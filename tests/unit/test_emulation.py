@@ -97,6 +97,7 @@ def test_account_charges_each_cost_once_from_the_runs_records():
     assert acc["overhead_s"] == {
         "save": pytest.approx(125.0), "load": pytest.approx(300.0), "lost_computation": pytest.approx(3 * step_s),
         "rescheduling": pytest.approx(100.0), "tracking": pytest.approx(0.05 * 100 * 3600, rel=1e-3),
+        "mirror_feed": 0.0, "promotion": 0.0,
     }  # 0.02 s of tracking in a 0.4 s step: 5% of the 100 h
     total = 125 + 300 + 3 * step_s + 100 + 0.05 * 100 * 3600
     assert acc["overhead_total_pct"] == pytest.approx(100 * total / (100 * 3600), abs=1e-3)
@@ -256,3 +257,144 @@ def test_the_published_emulation_table_is_rendered_from_its_json():
     assert res.with_suffix(".md").read_text() == f"# {bench.TITLES['emulation']}\n\n" + bench.render_emulation(result)
     rendered = bench.render_emulation(result)
     assert "**Measured**" in rendered and "**Charged at production constants**" in rendered
+
+
+
+def test_replica_saves_at_young_daly_and_its_model_counts_the_configs_mirror_share():
+    raw = _cfg("replica", save_s=600)
+    raw["checkpoint"]["replica_step_frac"] = 0.2
+    e, full = Emulation.of(config_from_dict(raw), 200), _emulation("full", save_s=600)
+    d = e.decision
+    assert d.mode.value == "replica" and e.replica and not full.replica
+    assert d.interval_s == pytest.approx(full.decision.interval_s) and e.every_steps == full.every_steps
+    assert d.expected_pls == 0.0 and d.inputs.replica_step_frac == 0.2
+    assert d.expected_overhead_frac_replica == pytest.approx(0.2 + 600 / d.interval_s + d.inputs.promote_cost_s / e.mtbf_s)
+    assert _emulation("partial").decision.inputs.replica_step_frac is None  # replica is weighed only where asked for
+    assert e.configure(config_from_dict(raw)).recovery == "replica"
+    acc = e.account(_report())
+    assert acc["expected_overhead_pct"] == pytest.approx(100 * d.expected_overhead_frac_replica, abs=1e-3)
+
+
+def _replica_report(training_s: float = 40.0) -> dict:
+    total_rows = 26 * 1000
+    promoted = {"recovery": "replica", "rows_reloaded": 0, "lost_steps_recomputed": 0, "lost_samples": 0.0}
+    return {
+        "events": [{"kind": "checkpoint_saved", "rows": total_rows, "final": False}],
+        # The last: a death with the mirror not in sync, recovered from the checkpoint (a partial recovery).
+        "failures": [{**promoted, "serving_s": 2.0}, {**promoted, "serving_s": 3.0},
+                     {"recovery": "partial", "rows_reloaded": total_rows // 4, "lost_steps_recomputed": 0, "serving_s": 9.0}],
+        # 0.004 s a fed step on each shard process, whatever it fed: shard 1's process is a mirror
+        # promoted late (it fed 20 steps as a primary), shard 3's fed none yet (no mirror: left out).
+        "shards": [{"applied_step": 99, "first_step_after_load": first, "tracking_s": 0.0, "mirror_steps": n,
+                    "mirror_send_s": sent} for first, n, sent in ((0, 100, 0.4), (80, 20, 0.08), (0, 100, 0.4), (95, 0, 0.0))],
+        "steps": 100, "wall_time_s": {"training_s": training_s}, "pls": 0.001, "auc": 0.75,
+        "mirrors": {"built": 6, "lost": 0, "promoted": 2},
+    }
+
+
+def test_a_replica_run_pays_its_mirrors_feed_and_promotions_as_measured_and_a_fallback_as_partial():
+    e = _emulation("replica", save_s=100, load_s=200, reschedule_s=50, duration_h=100, total_steps=100)
+    acc = e.account(_replica_report())
+    assert acc["overhead_s"] == {
+        "save": pytest.approx(100.0),
+        "load": pytest.approx(50.0), "rescheduling": pytest.approx(50.0),  # the fallback alone, as a partial recovery
+        "lost_computation": 0.0, "tracking": 0.0,
+        # 0.004 s a step on each of 4 shards in a 0.4 s step: 4% of the 100 h
+        "mirror_feed": pytest.approx(0.04 * 100 * 3600, rel=1e-3),
+        "promotion": pytest.approx(5.0),  # measured kill to serving, nothing loaded, no host waited for
+    }
+    m, c = acc["measured"], acc["charged"]
+    assert m["mirror_feed_share_of_step_pct"] == pytest.approx(4.0, rel=1e-3)
+    assert (m["promotions"], m["fallbacks"], m["promotion_s"]) == (2, 1, [2.0, 3.0])
+    assert m["mirrors"] == {"built": 6, "lost": 0, "promoted": 2}
+    assert set(m["overhead_pct"]) == {"tracking", "mirror_feed", "promotion"}
+    assert c["overhead_total_pct"] + sum(m["overhead_pct"].values()) == pytest.approx(acc["overhead_total_pct"], abs=2e-3)
+    # A machine twice as slow halves the feed's share; the charged part does not move.
+    slow = e.account(_replica_report(training_s=80.0))
+    assert slow["charged"] == c and slow["measured"]["mirror_feed_share_of_step_pct"] == pytest.approx(2.0, rel=1e-3)
+    # The emulated clock: a promotion costs its measured serving time, a fallback load and rescheduling.
+    assert e._event_cost_s({"kind": "shard_recovered", "recovery": "replica", "serving_s": 2.5, "rows_reloaded": 0}) == 2.5
+    assert e._event_cost_s({"kind": "shard_recovered", "recovery": "partial", "rows_reloaded": 26_000 // 4}) == \
+        pytest.approx(50.0 + 50.0)
+
+
+class _ReplicaSupervisor(_Supervisor):
+    """Step 5 of 10 forever; a kill is recovered at once, and the shard's new mirror is ready 30 polls later."""
+
+    def __init__(self):
+        super().__init__(5)
+        self.events, self.pending = [], []
+
+    def progress(self):
+        for item in list(self.pending):
+            item[1] -= 1
+            if item[1] <= 0:
+                self.pending.remove(item)
+                self.events.append({"kind": "mirror_ready", "shard": item[0]})
+        return _Progress(5)
+
+    def events_since(self, cursor: int) -> list:
+        return self.events[cursor:]
+
+    def unmirrored(self) -> set:
+        last = {e["shard"]: e["kind"] for e in self.events}  # each shard's latest: recovered, or its mirror ready
+        return {k for k, kind in last.items() if kind == "shard_recovered"}
+
+
+@pytest.mark.parametrize("recovery", ["replica", "partial"])
+def test_replica_mode_kills_no_shard_until_its_last_victims_mirror_is_back(monkeypatch, recovery):
+    import threading
+
+    import app.emulation as emulation
+
+    sup, stop, seen = _ReplicaSupervisor(), threading.Event(), []
+
+    def fake_kill(supervisor, target, trigger):
+        seen.append(sup.unmirrored())
+        shard = int(target.split(":")[1])
+        sup.events.append({"kind": "shard_recovered", "shard": shard, "recovery": recovery, "serving_s": 0.1,
+                           "rows_reloaded": 0})
+        sup.pending.append([shard, 30])
+        if len(seen) == 3:
+            stop.set()
+        return {"target": target}
+
+    monkeypatch.setattr(emulation, "kill_target", fake_kill)
+    e = _emulation(recovery, node_mtbf_h=1, nodes=1, duration_h=100, max_failures=10, total_steps=10)
+    timer = threading.Timer(10.0, stop.set)  # a safety net
+    timer.start()
+    try:
+        e.drive(sup, stop, poll_s=0.001)
+    finally:
+        timer.cancel()
+    assert len(e.kills) == 3
+    if recovery == "replica":
+        assert seen == [set(), set(), set()]  # never a kill while a shard has no mirror in sync
+        assert all(k["waited_for_mirror_s"] > 0 for k in e.kills[1:])
+    else:
+        assert any(seen[1:]) and all("waited_for_mirror_s" not in k for k in e.kills)  # nothing waited for
+
+
+def test_the_benchmark_merges_rows_of_a_later_commit_and_says_which():
+    import json
+    root, bench = _bench()
+    import benchmarks.cpr_tradeoff as tradeoff  # after _bench(), which puts the repository on the path
+
+    published = json.loads((root / "benchmarks/results/cpr_tradeoff_emulation.json").read_text())
+    base = [r for r in published["rows"] if (r["recovery"], r["policy"]) != ("replica", "full")]
+    published = {**published, "rows": base, "appended": []}
+    template = next(r for r in base if r["recovery"] == "full")
+    new = [{**template, "seed": s, "recovery": "replica", "mirror_feed_share_of_step_pct": 3.0, "promotions": 2,
+            "fallbacks": 0, "promotion_s_mean": 1.5} for s in (2, 0)]
+    entry = {"rows": ["replica"], "seeds": [0, 2], "commit": "abc1234+dirty", "date": "D", "command": "x", "clean_auc_same": True}
+    merged = tradeoff.merge_rows(published, new, entry)
+    again = tradeoff.merge_rows(merged, new, entry)  # rerunning the same rows replaces them (and their run)
+    assert again == merged and merged["meta"] == published["meta"] and merged["appended"] == [entry]
+    assert tradeoff.merge_rows(merged, new, {**entry, "commit": "def5678"})["appended"][0]["commit"] == "def5678"
+    assert len(merged["rows"]) == len(base) + 2
+    replica = [r for r in merged["rows"] if r["recovery"] == "replica"]
+    assert [r["seed"] for r in replica] == [0, 2] and {r["commit"] for r in replica} == {"abc1234+dirty"}
+    assert merged["rows"][len([r for r in base if r["seed"] == 0])]["recovery"] == "replica"  # after seed 0's others
+    text = bench.render_emulation(merged)
+    assert all(t in text for t in ("replica (mirrors), Young/Daly interval", "`abc1234+dirty`", "Rows added later", "seeds [0, 2]"))
+    assert "Rows added later" not in bench.render_emulation(published)
