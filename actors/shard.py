@@ -17,6 +17,7 @@ import ray
 
 from core.checkpoint import warm_up
 from core.logs import configure_process_logging
+from core.errors import StaleLease
 from core.plan import TableSlice
 from core.records import PushResult, ShardInfo, ShardState
 from actors.lease import LeaseSpec, shard_place
@@ -282,6 +283,10 @@ class EmbeddingShard(MirrorRole, ShardSaving):
         """Steps before ``step`` are committed (a trainer asks for ``step``, a save of ``step``
         steps comes): the complete step, if older, applies now."""
         if self._complete is not None and self._complete < step:
+            if self._lease is not None and not self._lease.hold(timeout_s=2 * self._lease.term_s):
+                # Cut off from the cluster: its successor may hold the place and apply this step.
+                raise StaleLease(f"shard {self.shard_id}: its place was not confirmed in time; "
+                                 f"step {self._complete} is not applied here")
             complete, self._complete = self._complete, None
             self._apply(complete)
 

@@ -16,6 +16,7 @@ __all__ = [
     "ShardUnavailable",
     "TrainerConflict",
     "RunFailed",
+    "StaleLease",
 ]
 
 
@@ -68,6 +69,11 @@ class ShardUnavailable(CprError):
 
 class TrainerConflict(CprError):
     """A replacement trainer's view of the run contradicts live trainers (split quorum)."""
+
+
+class StaleLease(RuntimeError):
+    """A shard could not confirm its place (``actors.lease``) in time to apply a committed step:
+    it applied nothing and the caller's step is redone (a process replaced meanwhile is fenced)."""
 
 
 class RunFailed(CprError):

@@ -32,7 +32,7 @@ from actors.trainer.collective import sum_over_trainers
 from actors.trainer.pipeline import PhaseTimer, Prefetcher
 from actors.trainer.shards import ShardCallFailed, ShardClient, StaleStep
 from core.config import RunConfig
-from core.errors import TrainerConflict
+from core.errors import StaleLease, TrainerConflict
 from core.records import CommitRecord, FleetView, Progress, ResumePoint, Rollback, SaveRequest, StepFailure
 from core.schedule import StepSchedule
 
@@ -187,7 +187,7 @@ class Trainer:
         except ShardCallFailed as err:
             self.supervisor.report_shard_failure(err.shard, self.generation, err.reason, step)
             attempt.error = err
-        except StaleStep as err:
+        except (StaleStep, StaleLease) as err:  # no shard at fault: the step is redone
             attempt.error = err
 
     def vote(self, attempt: Attempt) -> torch.Tensor:

@@ -102,3 +102,30 @@ def test_a_mirror_that_missed_a_step_refuses_to_serve():
     _step(_shard(), 0, behind)
     with pytest.raises(MirrorMissed, match="holds steps up to 0 but 3 steps are committed"):
         behind.adopt(0, list(PLAN.shards[0]), 1, committed=3)
+
+
+def test_a_shard_cut_off_from_the_cluster_applies_no_committed_step():
+    """The commit of a step is shown by the next step's request; a shard whose place is not
+    confirmed then (a host cut off: its successor may hold it) applies nothing and says so, and
+    applies the step once its lease holds again. (Seen on the namespace cluster: a cut-off shard
+    applied a step after its successor took over.)"""
+    from core.errors import StaleLease
+
+    class Lease:
+        term_s, ok = 0.01, False
+
+        def hold(self, timeout_s=None):
+            return self.ok
+
+    shard = _shard()
+    _step(shard, 0)
+    lease = shard._lease = Lease()
+    lease.ok = True
+    _step(shard, 1)  # step 0 applied: the place is held
+    lease.ok = False
+    with pytest.raises(StaleLease, match="step 1 is not applied"):
+        _step(shard, 2)
+    assert shard.applied_step == 0
+    lease.ok = True
+    _step(shard, 2)
+    assert shard.applied_step == 1
