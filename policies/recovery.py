@@ -173,7 +173,7 @@ def _reason(requested: RecoveryMode, mode: RecoveryMode, c: CostInputs, o: _Opti
     if o.ovh_replica is not None:
         numbers += f"; replica: overhead {_pct(o.ovh_replica)} (mirrors {_pct(c.replica_step_frac)} of each step)"
     else:
-        numbers += "; replica: not possible (mirrors do not fit)"
+        numbers += "; replica: not a choice (no mirrors: not configured, or they do not fit)"
     if requested is RecoveryMode.AUTO:
         if mode is RecoveryMode.REPLICA:
             why = (f"auto -> replica: overhead {_pct(o.ovh_replica)} <= full {_pct(o.ovh_full)} and "

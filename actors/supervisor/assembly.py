@@ -6,6 +6,7 @@ callbacks. ``Supervisor`` (the actor) only delegates to what this returns.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
 import time
@@ -156,7 +157,7 @@ def assemble(inputs: RunInputs, on_crash: Callable[[str, BaseException], None], 
                                 committed=lambda: _steps_committed(trainers))
     controller = _controller(inputs, lock, events, persist, Collaborators(
         executor=executor, fleet=fleet, ledger=ledger, spares=spares, prune_commits=trainers.prune, observe=costs,
-        decide=lambda: decide_recovery(RecoveryMode(cfg.recovery), costs.inputs(n, ck.pls_target)),
+        decide=lambda: _decide(cfg, costs, n),
         host_down_since=hosts.since, suspects=hosts.suspects, partial_chain=checkpoints.chain_candidates,
         consistent_chain=checkpoints.consistent_chain, policy=policy, hooks=hooks, start_thread=start_thread,
         retried=RETRIED_ERRORS + (ray.exceptions.RayError,), refuse=checkpoints.refuse, full_upto=checkpoints.full_upto,
@@ -223,6 +224,14 @@ def _mirrors(inputs: RunInputs, lock, events, persist, fleet, controller, occupi
         inputs.cfg.recovery == "replica", inputs.run_id, deadlines.shard_call_s, deadlines.shard_start_s,
         start_thread, hooks, spare=spares().claim,
     )
+
+
+def _decide(cfg: RunConfig, costs: SharedCosts, n: int):
+    """The recovery decision at the current estimates; replica's share of a step counts where
+    the run keeps mirrors."""
+    ck, replica = cfg.checkpoint, cfg.recovery == "replica"
+    inputs = dataclasses.replace(costs.inputs(n, ck.pls_target), replica_step_frac=ck.replica_step_frac if replica else None)
+    return decide_recovery(RecoveryMode(cfg.recovery), inputs)
 
 
 def _steps_committed(trainers: TrainerBook) -> int | None:

@@ -230,7 +230,7 @@ def test_auto_picks_replica_where_keeping_mirrors_costs_less_and_never_where_the
     assert decide_recovery(RecoveryMode.AUTO, _inputs(mtbf_s=600.0, replica_step_frac=0.5)).mode is not RecoveryMode.REPLICA
     none = decide_recovery(RecoveryMode.AUTO, _inputs(mtbf_s=600.0, pls_target=0.001))
     assert none.mode is not RecoveryMode.REPLICA and none.expected_overhead_frac_replica is None
-    assert "replica: not possible" in none.reason
+    assert "replica: not a choice" in none.reason
     # Requested, it is honoured; its checkpoints (the fallback of a shard lost with its mirror)
     # are at Young/Daly's interval.
     r = decide_recovery(RecoveryMode.REPLICA, c)
