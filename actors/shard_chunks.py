@@ -45,6 +45,10 @@ class PendingSteps:
             del chunks[key]
         chunks[tuple(microbatches)] = Chunk(tuple(microbatches), lengths, indices, graph=graph)
 
+    def steps(self) -> list[int]:
+        """The steps with chunks here, oldest first."""
+        return sorted(self._steps)
+
     def chunk(self, step: int, microbatches: tuple[int, ...]) -> Chunk | None:
         """The pending chunk of exactly these microbatches of ``step``, if any."""
         return self._steps.get(step, {}).get(tuple(microbatches))

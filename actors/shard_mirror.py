@@ -42,13 +42,10 @@ class MirrorFeed:
 
     def __init__(self, handle, name: str, timeout_s: float):
         self.handle, self.name, self.timeout_s = handle, name, timeout_s
-        self.sent = 0
-        self.send_s = 0.0
 
     def send(self, step: int, lengths: np.ndarray, indices: np.ndarray, grad: np.ndarray) -> bool:
         """True once the mirror holds step ``step``'s inputs; False (and the mirror killed) if it
         did not take them in time."""
-        t0 = time.perf_counter()
         try:
             ray.get(self.handle.replicate.remote(step, lengths, indices, grad), timeout=self.timeout_s)
         except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError, MirrorMissed) as err:
@@ -56,8 +53,6 @@ class MirrorFeed:
                            self.name, step, type(err).__name__)
             self.kill()
             return False
-        self.sent += 1
-        self.send_s += time.perf_counter() - t0
         return True
 
     def kill(self) -> None:
@@ -68,14 +63,14 @@ class MirrorFeed:
 
 
 class _MirrorOf:
-    """What a mirror knows of its primary's stream: the shard, the base step it was copied at,
-    the last step whose inputs it holds, and whether the stream is unbroken."""
+    """What a mirror knows of its primary's stream: the shard, whether the base (the primary's
+    rows) arrived, and why the stream broke, if it did. The steps it holds and has not applied
+    are its pending steps, every one complete; all but the newest are committed."""
 
     def __init__(self, shard_id: int):
         self.shard_id = shard_id
-        self.last: int | None = None  # None until the base arrives
+        self.based = False
         self.broken: str | None = None
-        self.steps: list[int] = []  # steps held and not applied; all but the newest are committed
         self.work = threading.Event()
 
 
@@ -165,7 +160,7 @@ class MirrorRole:
             self._pending.clear()
             self._complete = None
             self.applied_step = applied_step
-            m.last, m.broken, m.steps = applied_step, None, []
+            m.based, m.broken = True, None
 
     def replicate(self, step: int, lengths: np.ndarray, indices: np.ndarray, grad: np.ndarray) -> None:
         """Step ``step``'s inputs, complete on the primary. The steps it holds before ``step``
@@ -173,19 +168,22 @@ class MirrorRole:
         (redone after a failure) replaces its inputs. A gap breaks the mirror for good."""
         with self._lock:
             m = self._mirror
-            if m is None or m.last is None or m.broken:
+            if m is None or not m.based or m.broken:
                 raise MirrorMissed(f"{self.spare}: no base, or broken ({m.broken if m else 'not a mirror'})")
-            if not m.last <= step <= m.last + 1 or step <= self.applied_step:
-                m.broken = f"got step {step} after step {m.last} (applied {self.applied_step})"
+            last = self._last_held()
+            if not last <= step <= last + 1 or step <= self.applied_step:
+                m.broken = f"got step {step} after step {last} (applied {self.applied_step})"
                 raise MirrorMissed(f"{self.spare}: {m.broken}")
             microbatches = tuple(range(step * self.microbatches_per_step, (step + 1) * self.microbatches_per_step))
             self._pending.add(step, microbatches, np.asarray(lengths), np.asarray(indices))
             self._pending.chunk(step, microbatches).grad = np.asarray(grad)
-            if step not in m.steps:
-                m.steps.append(step)
-            m.last = step
-            if len(m.steps) > 1:
+            if len(self._pending.steps()) > 1:
                 m.work.set()  # a step is never applied on this (the primary's) call
+
+    def _last_held(self) -> int:
+        """The newest step a mirror holds: its newest pending one, else the last it applied."""
+        held = self._pending.steps()
+        return held[-1] if held else self.applied_step
 
     def _mirror_apply_loop(self) -> None:
         """Applies the committed steps a mirror holds (every one before the newest), off the
@@ -197,27 +195,27 @@ class MirrorRole:
             try:
                 with self._lock:
                     if self._mirror is m:
-                        self._apply_committed(m)
+                        self._apply_committed()
             except Exception as err:  # noqa: BLE001 - the mirror cannot serve; its primary kills it at the next step
                 logger.exception("mirror of shard %d: applying failed", m.shard_id)
                 m.broken = f"apply failed: {err!r}"[:200]
 
-    def _apply_committed(self, m: _MirrorOf) -> None:
-        for step in m.steps[:-1]:
+    def _apply_committed(self) -> None:
+        for step in self._pending.steps()[:-1]:
             self._apply(step)
-        del m.steps[:-1]
 
     def _promote(self, shard_id: int, generation: int, committed: int | None) -> None:
         """This mirror becomes shard ``shard_id`` of ``generation``: refused if it ever missed
         a step, or if it lacks a step the trainers committed (``committed`` steps)."""
         m = self._mirror
-        if m.shard_id != shard_id or m.last is None or m.broken:
+        if m.shard_id != shard_id or not m.based or m.broken:
             raise MirrorMissed(f"{self.spare} cannot serve shard {shard_id}: "
                                f"{m.broken or 'no base' if m.shard_id == shard_id else f'mirror of {m.shard_id}'}")
-        if committed is not None and m.last < committed - 1:
-            raise MirrorMissed(f"{self.spare} holds steps up to {m.last} but {committed} steps are committed")
-        self._apply_committed(m)  # every step before the newest it holds is committed
-        self._complete = m.steps[-1] if m.steps else None  # applied at its commit, as on the primary
+        if committed is not None and self._last_held() < committed - 1:
+            raise MirrorMissed(f"{self.spare} holds steps up to {self._last_held()} but {committed} steps are committed")
+        self._apply_committed()  # every step before the newest it holds is committed
+        held = self._pending.steps()
+        self._complete = held[-1] if held else None  # applied at its commit, as on the primary
         self._mirror = None
         m.work.set()
         self._activate(shard_id, generation)

@@ -79,9 +79,9 @@ class SparePool:
         """The oldest ready spare not on a node of ``avoid``, taken out of the pool (it becomes
         a mirror: ``actors.supervisor.mirrors``); a replacement starts."""
         with self._lock:
-            name = next((s for s in self._ready if self._node(s) not in avoid), None)
+            name = self.candidate(avoid)
             if name is not None:
-                self._ready.remove(name)
+                self.take([name])
                 self._persist()
         self._wake.set()
         return name
