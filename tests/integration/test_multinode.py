@@ -56,9 +56,9 @@ def _config(cluster, name: str, **overrides) -> Path:
         "recovery": "partial",
         "audit_log": True,
     }
-    for key, value in overrides.items():
-        section, field = key.split(".")
-        cfg[section][field] = value
+    for key, value in overrides.items():  # "section.field", or a top-level field
+        section, _, field = key.rpartition(".")
+        (cfg[section] if section else cfg)[field] = value
     path = shared / f"{name}.yaml"
     path.write_text(yaml.safe_dump(cfg))
     return path
@@ -100,6 +100,19 @@ def _wait(what: str, predicate, driver, log: Path, timeout: float = 240.0):
     pytest.fail(f"timed out waiting for {what}: {log.read_text()[-3000:]}")
 
 
+def _start_run(cluster, name: str, cfg: Path, log: Path):
+    """``cpr train`` of ``cfg`` on the head (host 0), its run directory ``name`` on the shared
+    storage. The hosts' processes write their pids in their own PID namespaces: cpr verify checks
+    those from inside each host (``cluster.json``), the rest from here. Returns the run
+    directory, the host controller, the fault log and the driver process."""
+    run_dir = cluster.shared / name
+    run_dir.mkdir()
+    (run_dir / "cluster.json").write_text(json.dumps({"hosts": {cluster.ip(n): n for n in range(3)}}))
+    ctl, faults = Cluster(cluster.dir, cluster.env), FaultLog(fault_log_dir(run_dir))
+    driver = cluster.popen(0, [sys.executable, "-m", "app", "train", "--config", str(cfg)], log)
+    return run_dir, ctl, faults, driver
+
+
 def _trainer_hosts(run_dir: Path) -> dict[int, str]:
     """rank -> host IP of each trainer's first process, from its log file's name."""
     out = {}
@@ -123,14 +136,8 @@ def _on_host(run_dir: Path, kind: str, ip: str, after: float) -> list[dict]:
 def test_training_across_hosts_survives_the_loss_of_a_host_and_a_partition(local_cluster, tmp_path):
     cluster = local_cluster
     cfg = _config(cluster, "hostloss", **{"training.epochs": 5})
-    run_dir = cluster.shared / "hostloss"
-    run_dir.mkdir()
-    # The hosts' processes write their pids in their own PID namespaces: cpr verify checks
-    # those from inside each host, the rest from here.
-    (run_dir / "cluster.json").write_text(json.dumps({"hosts": {cluster.ip(n): n for n in range(3)}}))
-    ctl, faults = Cluster(cluster.dir, cluster.env), FaultLog(fault_log_dir(run_dir))
     log = tmp_path / "driver.log"
-    driver = cluster.popen(0, [sys.executable, "-m", "app", "train", "--config", str(cfg)], log)
+    run_dir, ctl, faults, driver = _start_run(cluster, "hostloss", cfg, log)
     try:
         # Placement: the shards on both worker hosts, one trainer on each, the spare on one.
         ready = _wait("the shards", lambda: [e for e in _events(run_dir) if e["kind"] == "shards_ready"], driver, log)[0]
@@ -221,14 +228,9 @@ def test_replica_recovery_survives_the_loss_of_the_host_holding_a_shard(local_cl
     place with nothing lost, shard 1 gets a new mirror, the run finishes and ``cpr verify`` finds
     every step applied exactly once."""
     cluster = local_cluster
-    cfg = _config(cluster, "replica", **{"embeddings.spares": 0})
-    cfg.write_text(cfg.read_text().replace("recovery: partial", "recovery: replica"))
-    run_dir = cluster.shared / "replica"
-    run_dir.mkdir()
-    (run_dir / "cluster.json").write_text(json.dumps({"hosts": {cluster.ip(n): n for n in range(3)}}))
-    ctl, faults = Cluster(cluster.dir, cluster.env), FaultLog(fault_log_dir(run_dir))
+    cfg = _config(cluster, "replica", **{"embeddings.spares": 0, "recovery": "replica"})
     log = tmp_path / "driver.log"
-    driver = cluster.popen(0, [sys.executable, "-m", "app", "train", "--config", str(cfg)], log)
+    run_dir, ctl, faults, driver = _start_run(cluster, "replica", cfg, log)
     try:
         ready = _wait("the shards", lambda: [e for e in _events(run_dir) if e["kind"] == "shards_ready"], driver, log)[0]
         mirrors = _wait("both mirrors", lambda: len(m := [e for e in _events(run_dir) if e["kind"] == "mirror_ready"]) >= 2
