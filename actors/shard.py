@@ -277,6 +277,8 @@ class EmbeddingShard(MirrorRole, ShardSaving):
             chunk.grad = None  # not complete: the redo sends it again, to this shard alone
             return PushResult(applied=False, stale=True)
         self._complete = step
+        self._log({"event": "complete", "step": step,
+                   "microbatches": [m for c in self._pending.ordered(step) for m in c.microbatches]})
         return PushResult(applied=True)
 
     def _commit_before(self, step: float) -> None:

@@ -67,6 +67,11 @@ def walk_shard(k: int, files: list[AuditFile], m: int, total: int) -> tuple[list
             stretch[gen] = {}
             if e.get("why") != "recovery":
                 done = c
+        elif kind == "complete":
+            # A step whose gradients were all here, applied at its commit: a generation that
+            # dies between the two loses that step's update too (counted in its lost samples).
+            if holder is None or gen >= holder:
+                stretch.setdefault(gen, {}).setdefault(e["step"], e["microbatches"])
         elif kind == "apply":
             s = e["step"]
             if sorted(e["microbatches"]) != _expected(s, m):

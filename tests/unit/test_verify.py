@@ -280,3 +280,18 @@ def test_a_mirror_taking_a_shards_place_keeps_its_steps_and_loses_nothing():
     assert "its audit logs 0" in check_replicas({0: [dead]}, report)[0]
     report["failures"][0]["lost_samples"] = 3.0
     assert "3.0 lost samples" in check_replicas({0: [dead, mirror(8, 8)]}, report)[0]
+
+
+def test_a_generation_that_dies_holding_a_committed_step_it_had_not_applied_loses_that_step():
+    """A step applies at its commit: a shard that died after its trainers committed step 8 (its
+    gradients all there, its "complete" line written) and before the next step's request
+    never applied it. The step's update is lost with it, as the supervisor counts it."""
+    dead = shard_file(2, [("load", [5], "recovery", 1.0)])
+    dead.records.append({"t": 2.0, "gen": 2, "event": "complete", "step": 8, "microbatches": [16, 17],
+                         "_line": 3})
+    new = shard_file(3, [("load", [5], "recovery", 20.0)] + applies(range(9, 12), 21.0))
+    earlier = shard_file(1, applies(range(0, 8), -20.0))
+    v, spans = walk_shard(0, [earlier, dead, new], M, 12)
+    span = next(s for s in spans if s.generation == 2)
+    assert span.applied == {8: [16, 17]} and span.redo == 9 and span.chain == [5]
+    assert not [x for x in v if "generation 2" in x]
