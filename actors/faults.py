@@ -26,7 +26,7 @@ from core.books import KillRecord
 from core.faultlog import FaultLog
 from core.records import Target
 
-__all__ = ["sigkill_on_node", "kill_process", "InjectedFault", "FaultInjector", "Killer"]
+__all__ = ["sigkill_on_node", "sigkill_together", "kill_process", "kill_processes", "InjectedFault", "FaultInjector", "Killer"]
 
 logger = logging.getLogger(__name__)
 
@@ -37,42 +37,78 @@ def kill_process(supervisor, target: str, pid: int, trigger: str, log_dir: str) 
     is taken right before the kill, so detection latency starts there. None if ``pid`` is
     already dead (a zombie included); a recorded kill whose signal then finds no process is
     withdrawn from the supervisor's books and logged as aborted."""
-    if not process_alive(pid):
-        return None  # already dead (e.g. being recovered): nothing to record
+    return kill_processes(supervisor, [(target, pid)], trigger, log_dir)[0]
+
+
+def kill_processes(supervisor, victims: list[tuple[str, int]], trigger: str, log_dir: str) -> list[float | None]:
+    """``kill_process`` of several processes on this node at once (``all_trainers``): every
+    kill is written and recorded first, then all are signalled together, so that none of them
+    sees another's death (and exits, or is restarted by Ray Train) before its own signal. One
+    kill time (or None) per victim; the first error of a recording is raised once every kill
+    was sent or withdrawn."""
     log = FaultLog(log_dir)
-    now = time.time()
-    record = KillRecord(target, now, pid, trigger)
-    log.write("sending", "kill", target, pid, trigger, t=now)
-    recorded = False
-    try:
-        ray.get(supervisor.record_kill.remote(record), timeout=30)
-        recorded = True
-        if not process_alive(pid):  # it died while the kill was recorded: a zombie takes a signal without error
-            raise ProcessLookupError(f"process {pid} died before the signal")
-        os.kill(pid, signal.SIGKILL)
-    except BaseException as err:
-        log.write("aborted", "kill", target, pid, trigger, kill_time=now, error=repr(err))
-        if recorded:
+    recorded: list[KillRecord | None] = [None] * len(victims)
+    first_error: BaseException | None = None
+    for i, (target, pid) in enumerate(victims):
+        if not process_alive(pid):
+            continue  # already dead (e.g. being recovered): nothing to record
+        now = time.time()
+        record = KillRecord(target, now, pid, trigger)
+        log.write("sending", "kill", target, pid, trigger, t=now)
+        try:
+            ray.get(supervisor.record_kill.remote(record), timeout=30)
+            recorded[i] = record
+        except BaseException as err:  # noqa: BLE001 - raised below, once the others are sent
+            log.write("aborted", "kill", target, pid, trigger, kill_time=now, error=repr(err))
+            first_error = first_error or err
+    times: list[float | None] = [None] * len(victims)
+    for i, record in enumerate(recorded):
+        if record is None:
+            continue
+        try:
+            if not process_alive(record.pid):  # it died while the kill was recorded: a zombie takes a signal
+                raise ProcessLookupError(f"process {record.pid} died before the signal")
+            os.kill(record.pid, signal.SIGKILL)
+        except ProcessLookupError as err:
+            log.write("aborted", "kill", record.target, record.pid, trigger, kill_time=record.time, error=repr(err))
             try:
                 ray.get(supervisor.withdraw_kill.remote(record), timeout=30)
-            except Exception as withdraw_err:  # noqa: BLE001 - the original error is the one to tell
-                logger.warning("could not withdraw the kill of %s from the books: %s", target, withdraw_err)
-        if isinstance(err, ProcessLookupError):
-            return None  # it died between the check and the signal
-        raise
-    log.write("sent", "kill", target, pid, trigger, kill_time=now)
-    return now
+            except Exception as withdraw_err:  # noqa: BLE001 - the kill did not happen either way
+                logger.warning("could not withdraw the kill of %s from the books: %s", record.target, withdraw_err)
+            continue
+        times[i] = record.time
+    for i, record in enumerate(recorded):
+        if times[i] is not None:
+            log.write("sent", "kill", record.target, record.pid, trigger, kill_time=record.time)
+    if first_error is not None:
+        raise first_error
+    return times
 
 
 def sigkill_on_node(supervisor, target: str, info: Target, trigger: str, log_dir: str,
                     timeout_s: float = 30.0) -> float | None:
-    """SIGKILLs ``info.pid`` on ``info.node_id``; returns the kill time. From this process
-    when the target runs on this node: a task may first need a new worker process (1-3 s on a
-    busy node), and a kill tied to a training step would land many steps late."""
-    if info.node_id == ray.get_runtime_context().get_node_id():
-        return kill_process(supervisor, target, info.pid, trigger, log_dir)
-    killer = pinned(kill_process, info.node_id)
-    return ray.get(killer.remote(supervisor, target, info.pid, trigger, log_dir), timeout=timeout_s)
+    """SIGKILLs ``info.pid`` on ``info.node_id``; returns the kill time."""
+    return sigkill_together(supervisor, {target: info}, trigger, log_dir, timeout_s)[target]
+
+
+def sigkill_together(supervisor, targets: dict[str, Target], trigger: str, log_dir: str,
+                     timeout_s: float = 30.0) -> dict[str, float | None]:
+    """SIGKILLs the process of every target at once (``kill_processes`` on each node, the
+    nodes in parallel); returns each target's kill time (None: it had no live process). On
+    this node from this process: a task may first need a new worker process (1-3 s on a busy
+    node), and a kill tied to a training step would land many steps late."""
+    here = ray.get_runtime_context().get_node_id()
+    by_node: dict[str, list[tuple[str, int]]] = {}
+    for target, info in targets.items():
+        by_node.setdefault(info.node_id, []).append((target, info.pid))
+    refs = {node: pinned(kill_processes, node).remote(supervisor, victims, trigger, log_dir)
+            for node, victims in by_node.items() if node != here}
+    out: dict[str, float | None] = {}
+    if here in by_node:
+        out.update(zip((t for t, _ in by_node[here]), kill_processes(supervisor, by_node[here], trigger, log_dir)))
+    for node, ref in refs.items():
+        out.update(zip((t for t, _ in by_node[node]), ray.get(ref, timeout=timeout_s)))
+    return out
 
 
 class InjectedFault(RuntimeError):
@@ -123,12 +159,11 @@ class Killer:
         me = ray.get_runtime_context().current_actor
         targets = self.targets()
         names = sorted(t for t in targets if t.startswith("trainer:")) if target == "all_trainers" else [target]
-        for name in names:
-            if name in targets and targets[name].pid is not None:
-                try:
-                    sigkill_on_node(me, name, targets[name], trigger, self.log_dir, timeout_s=self.timeout_s)
-                except Exception as err:  # noqa: BLE001 - a target already gone is not an error of the run
-                    logger.warning("injected kill of %s failed: %s", name, err)
+        victims = {n: targets[n] for n in names if n in targets and targets[n].pid is not None}
+        try:
+            sigkill_together(me, victims, trigger, self.log_dir, timeout_s=self.timeout_s)
+        except Exception as err:  # noqa: BLE001 - a target already gone is not an error of the run
+            logger.warning("injected kill of %s failed: %s", sorted(victims), err)
 
 
 class FaultInjector(RunHooks):

@@ -17,13 +17,13 @@ import numpy as np
 import ray
 
 from actors.client import SupervisorClient
-from actors.faults import sigkill_on_node
+from actors.faults import sigkill_together
 from actors.supervisor.actor import supervisor_name
 from app.rayenv import join_ray
 from core.deadlines import Deadlines
 from core.errors import ConfigError
 
-__all__ = ["FaultSchedule", "kill_target", "run_schedule", "find_supervisor", "write_run_info", "as_client"]
+__all__ = ["FaultSchedule", "kill_target", "kill_targets", "run_schedule", "find_supervisor", "write_run_info", "as_client"]
 
 logger = logging.getLogger(__name__)
 
@@ -71,19 +71,32 @@ def kill_target(supervisor, target: str, timeout_s: float = 30.0, trigger: str =
     latency is measured from the kill. A (target, node, pid) in ``killed`` (this caller killed it
     already; the supervisor has not yet seen it die) is never signalled again. Returns what was killed.
     """
+    landed = kill_targets(supervisor, [target], timeout_s, trigger, log_dir, killed)
+    if not landed:
+        raise ConfigError(f"{target} is already dead")
+    return landed[0]
+
+
+def kill_targets(supervisor, names: list[str], timeout_s: float = 30.0, trigger: str = "chaos",
+                 log_dir: str | None = None, killed: frozenset[tuple] | set[tuple] = frozenset()) -> list[dict]:
+    """``kill_target`` of several targets at once (every trainer, ``all_trainers``): all are
+    recorded, then all signalled together (``actors.faults.sigkill_together``). Returns the
+    kills that landed (a target that was already dead is left out)."""
     client = as_client(supervisor, timeout_s)
     targets = client.targets()
-    if target not in targets:
-        raise ConfigError(f"unknown target {target!r}; this run has {sorted(targets)}")
-    info = targets[target]
-    if info.pid is None or (target, info.node_id, info.pid) in killed:
-        raise ConfigError(f"{target} is being recovered; it has no process to kill yet")
-    now = sigkill_on_node(client.handle, target, info, trigger, log_dir or client.fault_log_dir(), timeout_s)
-    if now is None:
-        raise ConfigError(f"{target} (pid {info.pid}) is already dead")
-    # The console's line for the kill is the supervisor's fault_injected event ([chaos] killing ...).
-    logger.info("killed %s (pid %d) at %.3f", target, info.pid, now)
-    return {"target": target, "pid": info.pid, "node_id": info.node_id, "time": now}
+    for target in names:
+        if target not in targets:
+            raise ConfigError(f"unknown target {target!r}; this run has {sorted(targets)}")
+        info = targets[target]
+        if info.pid is None or (target, info.node_id, info.pid) in killed:
+            raise ConfigError(f"{target} is being recovered; it has no process to kill yet")
+    times = sigkill_together(client.handle, {t: targets[t] for t in names}, trigger,
+                             log_dir or client.fault_log_dir(), timeout_s)
+    landed = [t for t in names if times[t] is not None]
+    # The console's line for each kill is the supervisor's fault_injected event ([chaos] killing ...).
+    for t in landed:
+        logger.info("killed %s (pid %d) at %.3f", t, targets[t].pid, times[t])
+    return [{"target": t, "pid": targets[t].pid, "node_id": targets[t].node_id, "time": times[t]} for t in landed]
 
 
 _KILL_ATTEMPTS = 10
@@ -163,10 +176,9 @@ def _kill_retrying(supervisor: SupervisorClient, target: str, stop: threading.Ev
                 landed.append(kill_target(supervisor, target, trigger="schedule", log_dir=log_dir, killed=killed))
                 return landed
             # Every trainer at once: Ray Train restarts the whole group from the checkpoint.
-            for t in sorted(x for x in supervisor.targets() if x.startswith("trainer:")):
-                if t not in {k["target"] for k in landed}:
-                    landed.append(kill_target(supervisor, t, trigger="schedule", log_dir=log_dir,
-                                              killed=killed))
+            names = [t for t in sorted(supervisor.targets()) if t.startswith("trainer:")]
+            landed.extend(kill_targets(supervisor, [t for t in names if t not in {k["target"] for k in landed}],
+                                       trigger="schedule", log_dir=log_dir, killed=killed))
             return landed
         except (ConfigError, ray.exceptions.RayError, TimeoutError) as err:
             # Being replaced, already dead from an earlier kill, or the run ending: the next try

@@ -12,7 +12,7 @@ import sys
 
 import ray
 
-from actors.faults import kill_process
+from actors.faults import kill_process, kill_processes
 from verify.files import load_run
 from verify.kills import landed_kills
 
@@ -79,3 +79,25 @@ def test_a_live_process_is_killed_once_and_logged_as_sent(ray_local, tmp_path):
     assert [k.time for k in books.recorded] == [when] and books.withdrawn == []
     kills, problems = landed_kills(_run_dir(tmp_path))
     assert [(k.target, k.pid) for k in kills] == [("shard:1", child.pid)] and problems == []
+
+
+def test_every_trainer_is_recorded_first_and_then_all_are_signalled_together(ray_local, tmp_path):
+    """``all_trainers``: no victim dies before every kill is recorded, so none sees another's
+    death (and exits, or is restarted) before its own signal (a flaky fault test lost the
+    second trainer's kill that way)."""
+    children = [_sleeper(), _sleeper()]
+    alive_at_record = []
+
+    class _Watching(_Books):
+        def _record(self, kill):
+            alive_at_record.append([c.poll() is None for c in children])
+            super()._record(kill)
+
+    books = _Watching()
+    log_dir = str(tmp_path / "faults")
+    times = kill_processes(books, [("trainer:0", children[0].pid), ("trainer:1", children[1].pid)], "test", log_dir)
+    assert [c.wait(timeout=10) for c in children] == [-signal.SIGKILL] * 2
+    assert alive_at_record == [[True, True], [True, True]]
+    assert times == [k.time for k in books.recorded] and books.withdrawn == []
+    kills, problems = landed_kills(_run_dir(tmp_path))
+    assert sorted(k.target for k in kills) == ["trainer:0", "trainer:1"] and problems == []
