@@ -19,7 +19,7 @@ from core.checkpoint import warm_up
 from core.logs import configure_process_logging
 from core.errors import StaleLease
 from core.plan import TableSlice
-from core.records import PushResult, ShardInfo, ShardState
+from core.records import PushResult, ShardFacts, ShardInfo, ShardState
 from actors.lease import LeaseSpec, shard_place
 from actors.shard_chunks import (
     PendingSteps, at_idle_priority, init_weights, load_kernel, merge_chunks, offsets, table_bytes, tables_wanted, writable,
@@ -123,6 +123,7 @@ class EmbeddingShard(MirrorRole, ShardSaving):
         self.tracking_s = 0.0
         self.steps_dropped = 0
         self.first_step_after_load: int | None = None
+        self._promoted = False  # a mirror that took its primary's place: its rows hold the primary's steps
         self.applied_microbatches: list[tuple[int, tuple[int, ...]]] = []
         self._pending = PendingSteps(self.microbatches_per_step)
         self._complete: int | None = None  # a step whose gradients are all here, applied at its commit
@@ -311,6 +312,21 @@ class EmbeddingShard(MirrorRole, ShardSaving):
         # shard that died, or were redone): its update to this shard is lost, not delayed.
         self.steps_dropped += self._pending.drop_through(step)
         self.compute_s += time.perf_counter() - t0
+
+    @exclusive
+    def facts(self) -> ShardFacts:
+        """What this process confirms when a recovery asks (``actors.supervisor.survey``): the
+        shard and generation it serves, the steps in its rows and the first it applied since it
+        was created or loaded (None for a promoted mirror: its rows hold its primary's steps
+        too); a mirror says which shard it mirrors, the steps it holds and whether it is in sync."""
+        m, applied = self._mirror, getattr(self, "applied_step", -1) + 1
+        return ShardFacts(
+            shard_id=self.shard_id, generation=self.generation, pid=os.getpid(), applied_steps=applied,
+            first_step=None if getattr(self, "_promoted", False) else getattr(self, "first_step_after_load", None),
+            complete_step=getattr(self, "_complete", None), mirror_of=m.shard_id if m is not None else None,
+            held_steps=self._last_held() + 1 if m is not None and m.based else applied,
+            in_sync=m is not None and m.based and not m.broken,
+        )
 
     @exclusive
     def state(self) -> ShardState:

@@ -217,6 +217,7 @@ class MirrorRole:
         held = self._pending.steps()
         self._complete = held[-1] if held else None  # applied at its commit, as on the primary
         self._mirror = None
+        self._promoted = True
         m.work.set()
         self._activate(shard_id, generation)
         self._log({"event": "load", "chain": [], "why": "replica", "step": self.applied_step + 1,

@@ -37,6 +37,7 @@ class ShardSaving:
         self.applied_step = done - 1
         self.applied_microbatches = [x for x in self.applied_microbatches if x[0] < done]
         self.first_step_after_load = None
+        self._promoted = False
         self._ckpt.restart()
         self._log({"event": "load", "chain": list(chain), "why": why})
         self._ckpt.prepare_snapshot_buffer()

@@ -31,11 +31,11 @@ from app.logs import LOG_DIR, configure_driver_logging, link_ray_session_logs, p
 from app.rayenv import check_cluster_fits, choose_recovery, cluster_address, connect_ray, metrics_url
 from app.report import build_report, rebuild_report, write_report
 from app.storage import check_every_node, expected_files
-from core.checkpoint import CheckpointStore
 from core.codec import encode
 from core.config import RunConfig, load_config
 from core.deadlines import Deadlines
 from core.errors import CheckpointNotFound, ConfigError, RunFailed
+from core.journal import refuse_another_run
 from core.books import RunSummary
 from core.schedule import StepSchedule
 
@@ -105,9 +105,8 @@ class TrainingJob:
         start, so that ``fit()`` starts Ray Train's worker group meanwhile (trainers wait
         for the shards in ``trainer_setup``); a resumed run always waits (it restores first)."""
         cfg = self.cfg
-        if cfg.checkpoint.stored and not self.resume and (existing := CheckpointStore(cfg.checkpoint_uri).list_committed()):
-            raise ConfigError(f"{cfg.checkpoint_uri} already holds checkpoints of steps {existing[:3]}...; continue that "
-                              f"run with `cpr train --resume {cfg.run_dir}`, or leave run_dir out: each run then gets its own")
+        if not self.resume:
+            refuse_another_run(self.run_dir, cfg.checkpoint_uri if cfg.checkpoint.stored else None)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         point_latest(self.run_dir)
         configure_driver_logging(self.run_dir, self.verbose)

@@ -56,6 +56,13 @@ class Deadlines:
         return 4 * self.shard_call_s
 
     @property
+    def survey_s(self) -> float:
+        """A recovery's round of questions to the live processes (``actors.supervisor.survey``):
+        each answers from memory; one that does not answer in half a shard call is slow, and
+        the decision goes on without it."""
+        return self.shard_call_s / 2
+
+    @property
     def save_drain_s(self) -> float:
         """The save in flight: its shards' files, the dense state, the manifest."""
         return 2 * self.shard_call_s

@@ -16,9 +16,12 @@ import json
 import os
 from pathlib import Path
 
+from core.checkpoint import CheckpointStore
 from core.codec import encode
+from core.errors import ConfigError
 
-__all__ = ["Journal", "AppendLog", "RunLog", "flat_view", "STATE_FILE", "BOOK_FILE", "EVENTS_FILE", "PROGRESS_FILE"]
+__all__ = ["Journal", "AppendLog", "RunLog", "flat_view", "refuse_another_run", "STATE_FILE", "BOOK_FILE",
+           "EVENTS_FILE", "PROGRESS_FILE"]
 
 STATE_FILE = "supervisor_state.json"
 BOOK_FILE = "trainer_book.jsonl"
@@ -40,6 +43,22 @@ class Journal:
     def write(self, doc: dict) -> None:
         self._tmp.write_text(json.dumps(doc, default=str))
         os.replace(self._tmp, self.path)
+
+
+def refuse_another_run(run_dir: Path, checkpoint_uri: str | None) -> None:
+    """A new run does not start over another run's checkpoints or journal (``--resume``
+    continues that run): one ConfigError naming what is there, before anything is written."""
+    again = f"continue that run with `cpr train --resume {run_dir}`, or leave run_dir out: each run then gets its own"
+    if checkpoint_uri is not None and (existing := CheckpointStore(checkpoint_uri).list_committed()):
+        raise ConfigError(f"{checkpoint_uri} already holds checkpoints of steps {existing[:3]}...; {again}")
+    journal = Journal(run_dir)
+    if not journal.exists():
+        return
+    try:
+        other = f"run {journal.load().get('run_id')}"
+    except (OSError, ValueError):
+        other = "another run (unreadable)"
+    raise ConfigError(f"{run_dir} holds the journal of {other} ({STATE_FILE}); {again}")
 
 
 def flat_view(doc: dict) -> dict:

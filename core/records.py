@@ -24,8 +24,8 @@ from core.plan import ShardingPlan
 from core.schedule import StepSchedule
 
 __all__ = [
-    "ShardInfo", "Target", "Snapshot", "WrittenPart", "CheckpointFallback", "LoadResult", "ShardState", "PushResult",
-    "StartMarks", "TrainerStart", "CommitRecord", "StepFailure", "Heal", "PhaseTimes", "Progress", "SaveRequest",
+    "ShardInfo", "ShardFacts", "Target", "Snapshot", "WrittenPart", "CheckpointFallback", "LoadResult", "ShardState",
+    "PushResult", "StartMarks", "TrainerStart", "TrainerFacts", "CommitRecord", "StepFailure", "Heal", "PhaseTimes", "Progress", "SaveRequest",
     "SaveResult",
     "EvalResult", "ResumePoint", "TrainerSetup", "RunStatus", "Rollback", "FleetView", "FinalView",
 ]
@@ -51,6 +51,27 @@ class ShardInfo:
     tables_ready_bytes: int = 0  # a warm spare's tables allocated ahead (embeddings.spare_tables)
     mirror_of: int | None = None  # the shard this process mirrors (recovery: replica), until promoted
     applied_steps: int = 0  # the steps in its rows (a promoted mirror's tell how far it was)
+
+
+@dataclass(frozen=True)
+class ShardFacts:
+    """What a shard or mirror process confirms about itself when a recovery asks (one round,
+    ``actors.supervisor.survey``): the facts a recovery decides from, not the books.
+
+    ``first_step``: the first step this process applied since it was created or last loaded a
+    checkpoint (None: none yet, or a promoted mirror, whose rows hold its primary's steps too);
+    ``held_steps``: a mirror's steps, applied or held complete (for a serving shard, its
+    applied steps); ``in_sync``: a mirror that has its base and never missed a step."""
+
+    shard_id: int | None
+    generation: int
+    pid: int
+    applied_steps: int
+    first_step: int | None
+    complete_step: int | None = None
+    mirror_of: int | None = None
+    held_steps: int = 0
+    in_sync: bool = False
 
 
 @dataclass(frozen=True)
@@ -149,10 +170,26 @@ class StartMarks:
 
 @dataclass(frozen=True)
 class TrainerStart:
+    """A trainer process is ready; ``worker``: its Ray Train worker actor, through which a
+    recovery asks it for its ``TrainerFacts``."""
+
     rank: int
     pid: int
     node_id: str
     marks: StartMarks = StartMarks()
+    worker: object = None
+
+
+@dataclass(frozen=True)
+class TrainerFacts:
+    """What a trainer process confirms when a recovery asks: its rank and process, the steps
+    its dense model holds (torchft's committed step count) and whether it trained or healed
+    since it started (a replacement that did neither holds only its checkpoint's state)."""
+
+    rank: int
+    pid: int
+    steps: int
+    established: bool
 
 
 @dataclass(frozen=True)
@@ -167,6 +204,8 @@ class CommitRecord:
     participants: int
     time: float
     generation: int | None = None
+    pid: int | None = None  # the trainer process; with ``seq``, what makes a report retried twice count once
+    seq: int | None = None  # the process's report number (commits and failed steps)
 
 
 @dataclass(frozen=True)
@@ -179,6 +218,8 @@ class StepFailure:
     time: float
     cause: str
     broken_quorum: int | None = None
+    pid: int | None = None
+    seq: int | None = None
 
 
 @dataclass(frozen=True)

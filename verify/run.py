@@ -110,6 +110,7 @@ def verify_run(run_dir: str | Path, wait_s: float = 10.0) -> Verdict:
     store = Store(_checkpoint_uri(run))
     lost = _check_lost(run, report, spans, store, cache, schedule, v)
     v += check_replicas(run.shards, report)
+    v += _contradictions(report)
     committed = store.committed()
     damage = planted_damage(run)
     planted = {(d.step, d.file) for d in damage}
@@ -123,6 +124,15 @@ def verify_run(run_dir: str | Path, wait_s: float = 10.0) -> Verdict:
                      "checkpoints_verified": len(committed), "damaged_checkpoints": len(damage), "stalls": len(stalled),
                      "host_faults": len(hosts)}
     return verdict
+
+
+def _contradictions(report: dict) -> list[str]:
+    """Where a recovery found the supervisor's books saying something else than the processes
+    confirmed (its ``books_corrected`` events of kind contradiction): the run went on from the
+    processes' answers, but books that contradict them are a defect to find."""
+    return [f"the supervisor's books contradicted what the processes confirmed ({e.get('subject')}): {e.get('detail')}"
+            for e in report.get("events", []) if e.get("kind") == "books_corrected"
+            and e.get("finding") == "contradiction"]
 
 
 def _check_lost(run: RunFiles, report: dict, spans, store: Store, cache: DataCache, schedule, v: list[str]) -> float:

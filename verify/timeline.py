@@ -49,8 +49,10 @@ def walk_shard(k: int, files: list[AuditFile], m: int, total: int) -> tuple[list
             c = e["step"]
             if not done - 1 <= c <= done:
                 v.append(f"shard {k} generation {gen}: a mirror with {c} steps replaced one with {done}")
+            # Its rows hold every step its predecessor applied since that one's last load: a
+            # later partial recovery of this generation loses those too.
+            stretch[gen] = dict(stretch.get(holder, {})) if holder is not None else {}
             holder, pending, done = gen, None, c
-            stretch[gen] = {}
             continue
         if kind == "load":
             c = e["chain"][-1] if e["chain"] else 0

@@ -34,13 +34,25 @@ from core.records import (
 )
 from core.schedule import StepSchedule
 
-__all__ = ["Supervisor", "supervisor_name"]
+__all__ = ["Supervisor", "supervisor_name", "history_to_use"]
 
 logger = logging.getLogger(__name__)
 
 
 def supervisor_name(run_id: str) -> str:
     return f"cpr-supervisor-{run_id}"
+
+
+def history_to_use(journal_run_id: str | None, run_id: str, resume: bool, reconstructed: bool) -> str | None:
+    """What a new supervisor process does with the journal it finds in the run directory:
+    "rebuild" its own run's (Ray restarted it), "continue" the attempt before a resumed one's,
+    or None: start afresh. Another run's journal is never this run's history, nor is this run's
+    first process's own (not yet written) when Ray restarts it before its first write."""
+    if journal_run_id is None:
+        return None
+    if journal_run_id == run_id:
+        return "rebuild" if reconstructed else None
+    return "continue" if resume else None
 
 
 class Supervisor:
@@ -64,11 +76,15 @@ class Supervisor:
             logger.warning("the journal in %s has another format (%s); its history is left out", run_dir,
                            previous.get("format"))
             previous = None
-        restarted = ray.get_runtime_context().was_current_actor_reconstructed and previous is not None
-        self._p: Parts = assemble(inputs, self._crashed, fresh_files=not (restarted or (resume and previous)))
-        if restarted:
+        use = history_to_use(previous and previous.get("run_id"), run_id, resume,
+                             ray.get_runtime_context().was_current_actor_reconstructed)
+        if previous is not None and use is None:
+            logger.warning("the journal in %s is run %s's, not this run's (%s): it is not used", run_dir,
+                           previous.get("run_id"), run_id)
+        self._p: Parts = assemble(inputs, self._crashed, fresh_files=use is None)
+        if use == "rebuild":
             self._rebuild(previous)
-        elif resume and previous is not None:
+        elif use == "continue":
             continue_history(self._p, previous)
         self._p.controller.start_executor()
 
@@ -113,7 +129,7 @@ class Supervisor:
             p.events.record("shards_ready", shards=len(handles), sharding=p.inputs.plan.kind,
                             rows=[p.inputs.plan.shard_rows(k) for k in range(len(handles))],
                             nodes=[i.node_ip for i in infos], startup_s=round(time.perf_counter() - t0, 3))
-        return StartInfo(p.controller.infos_now(), time.perf_counter() - t0,
+        return StartInfo(p.controller.served.infos_now(), time.perf_counter() - t0,
                          p.inputs.schedule.total_steps)
 
     def restore(self) -> int | None:

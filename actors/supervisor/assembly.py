@@ -21,7 +21,7 @@ from actors.faults import FaultInjector, Killer
 from actors.fleet import ShardFleet, shard_name
 from actors.lease import Fences, LeaseSpec, trainer_place
 from actors.metrics import MetricsHook, RunMetrics
-from actors.nodes import HostWatch, pids_alive
+from actors.nodes import HostWatch
 from actors.shm import remove_process_files_on
 from actors.supervisor.books import Books
 from actors.supervisor.checkpoints import CheckpointCoordinator
@@ -37,6 +37,7 @@ from actors.supervisor.hosts import HostLossReporter
 from actors.supervisor.ledger import FailureLedger
 from actors.supervisor.machine import RECOVERING, TERMINAL, Running
 from actors.supervisor.spares import SparePool
+from actors.supervisor.survey import Surveyor
 from actors.supervisor.mirrors import MirrorSet
 from actors.supervisor.trainers import TrainerBook
 from core.accounting import LostSpan, chain_rows, count_lost_samples
@@ -116,17 +117,11 @@ def assemble(inputs: RunInputs, on_crash: Callable[[str, BaseException], None], 
                                         reschedule_cost_s=ck.reschedule_cost_s, start_s=time.time()))
     n = inputs.plan.num_shards
     # The callables below name parts built further down: closures find them when called.
-    def count_lost(f: FailureRecord) -> float:
-        span = LostSpan(f.shard, f.chain, f.first_step, f.failed_at_step)
-        with checkpoints.timeline():  # no rollback fences the chain's files meanwhile
-            rows = chain_rows(inputs.plan, checkpoints.store, span)
-        return count_lost_samples(cfg, inputs.plan, inputs.schedule, inputs.train_cache, span, rows)
-
-    ledger = FailureLedger(lock, events, persist, count_lost, start_thread, hooks)
+    ledger = FailureLedger(lock, events, persist, lambda f: _count_lost(inputs, checkpoints, f), start_thread, hooks)
     fences = Fences(LeaseSpec(run_id, cfg.ray.lease_s))
     trainers = TrainerBook(
         lock, events, persist, hooks, policy, fail=lambda reason: controller.fail(reason),
-        kills=_TrainerKills(ledger, events), alive=pids_alive, num_trainers=cfg.training.num_trainers,
+        kills=_TrainerKills(ledger, events), num_trainers=cfg.training.num_trainers,
         on_commit=lambda step, generation: controller.settle(-1, step, upto_generation=generation),
         book=AppendLog(inputs.run_dir / BOOK_FILE, fresh=fresh_files),
         samples_per_step=cfg.training.microbatches_per_step * cfg.training.microbatch_rows,
@@ -140,7 +135,7 @@ def assemble(inputs: RunInputs, on_crash: Callable[[str, BaseException], None], 
 
     def occupied(exclude=()) -> list:
         c = controller
-        return c.shard_nodes(exclude) + spares.nodes(spares.ready() + c.assigned_spares()) + mirrors.nodes()
+        return c.served.shard_nodes(exclude) + spares.nodes(spares.ready() + c.assigned_spares()) + mirrors.nodes()
 
     hosts = HostWatch(lambda: _actor_nodes(controller, spares, trainers) | mirrors.known_nodes(), lambda info: _host_lost(info, reporter, trainers),
                       start_thread=start_thread, tick=lambda: hooks.at_point("thread.host-watch"))
@@ -154,32 +149,49 @@ def assemble(inputs: RunInputs, on_crash: Callable[[str, BaseException], None], 
     mirrors = _mirrors(inputs, lock, events, persist, fleet, lambda: controller, occupied, deadlines, start_thread, hooks,
                        lambda: spares)
     executor = RecoveryExecutor(fleet, checkpoints.restart_timeline, cfg.checkpoint_uri, deadlines.shard_call_s, hooks,
-                                committed=lambda: _steps_committed(trainers))
+                                committed=trainers.committed_steps, read_dense=checkpoints.read_dense)
+    surveyor = Surveyor(lambda: controller.served.serving(), mirrors.handles, trainers.workers, deadlines.survey_s)
     controller = _controller(inputs, lock, events, persist, Collaborators(
         executor=executor, fleet=fleet, ledger=ledger, spares=spares, prune_commits=trainers.prune, observe=costs,
         decide=lambda: _decide(cfg, costs, n),
         host_down_since=hosts.since, suspects=hosts.suspects, partial_chain=checkpoints.chain_candidates,
         consistent_chain=checkpoints.consistent_chain, policy=policy, hooks=hooks, start_thread=start_thread,
         retried=RETRIED_ERRORS + (ray.exceptions.RayError,), refuse=checkpoints.refuse, full_upto=checkpoints.full_upto,
-        mirrors=mirrors,
+        mirrors=mirrors, survey=lambda skip: surveyor.ask(skip), committed_steps=trainers.committed_steps,
+        protect=checkpoints.protect, release=checkpoints.release,
     ))
-    reporter = HostLossReporter(events, controller.shards_on, trainers.ranks_on, spares.on_node)
+    reporter = HostLossReporter(events, controller.served.shards_on, trainers.ranks_on, spares.on_node)
     setup = TrainerSetup(
         finished=False, plan=inputs.plan, schedule=inputs.schedule, train_cache=inputs.train_cache,
         eval_cache=inputs.eval_cache, audit_dir=audit,
     )
     desk = TrainerDesk(lock, controller, checkpoints, trainers, events, policy, deadlines, setup,
-                       lambda step: _position(cfg, inputs.schedule, step), ck.final, run_id, mirrors.wait_first)
+                       lambda step: _position(cfg, inputs.schedule, step), ck.final, run_id, mirrors.wait_first,
+                       survey=lambda: surveyor.ask(trainers_only=True))
     killer = Killer(lambda: _targets(controller, trainers, spares) | mirrors.targets(), lambda kill: record_kill(ledger, events, kill),
                     deadlines.shard_call_s, fault_log_dir(inputs.run_dir), cfg.checkpoint_uri)
-    faults = None
-    if cfg.faults is not None and (cfg.faults.at_points or cfg.faults.at_steps or cfg.faults.inject):
-        faults = FaultInjector(cfg.faults, lock, persist, killer, start_thread, n, cfg.training.num_trainers, killer.inject)
-        hooks.add(faults)
+    faults = _faults(cfg, lock, persist, killer, start_thread, hooks)
     parts = Parts(inputs, lock, books, hooks, events, ledger, trainers, spares, mirrors, checkpoints, controller, desk, fleet,
                   hosts, costs, policy, deadlines, run_log, faults, killer, _Value())
     _register_books(parts)
     return parts
+
+
+def _count_lost(inputs: RunInputs, checkpoints: CheckpointCoordinator, f: FailureRecord) -> float:
+    span = LostSpan(f.shard, f.chain, f.first_step, f.failed_at_step)
+    with checkpoints.timeline():  # no rollback fences the chain's files meanwhile
+        rows = chain_rows(inputs.plan, checkpoints.store, span)
+    return count_lost_samples(inputs.cfg, inputs.plan, inputs.schedule, inputs.train_cache, span, rows)
+
+
+def _faults(cfg: RunConfig, lock, persist, killer: Killer, start_thread, hooks: HookList) -> FaultInjector | None:
+    """The run's fault schedule as a hook (none without one)."""
+    if cfg.faults is None or not (cfg.faults.at_points or cfg.faults.at_steps or cfg.faults.inject):
+        return None
+    faults = FaultInjector(cfg.faults, lock, persist, killer, start_thread, cfg.embeddings.num_shards,
+                           cfg.training.num_trainers, killer.inject)
+    hooks.add(faults)
+    return faults
 
 
 def _start_thread(on_crash: Callable[[str, BaseException], None], name: str, fn: Callable, *args) -> threading.Thread:
@@ -209,7 +221,7 @@ def _register_books(p: Parts) -> None:
 def _spares(inputs: RunInputs, lock, events, persist, fleet, hosts, controller, occupied, deadlines, start_thread,
             hooks) -> SparePool:
     return SparePool(
-        lock, events, persist, fleet, hosts.usable, occupied, lambda: set(controller().shard_nodes()),
+        lock, events, persist, fleet, hosts.usable, occupied, lambda: set(controller().served.shard_nodes()),
         lambda: not isinstance(controller().state_now(), TERMINAL), inputs.cfg.embeddings.spares, inputs.run_id,
         deadlines.shard_call_s, start_thread, hooks, start_timeout_s=deadlines.shard_start_s,
         recovering=lambda: isinstance(controller().state_now(), RECOVERING),
@@ -219,7 +231,7 @@ def _spares(inputs: RunInputs, lock, events, persist, fleet, hosts, controller, 
 def _mirrors(inputs: RunInputs, lock, events, persist, fleet, controller, occupied, deadlines, start_thread,
              hooks, spares) -> MirrorSet:
     return MirrorSet(
-        lock, events, persist, fleet, lambda k: _primary(controller(), k), occupied,
+        lock, events, persist, fleet, lambda k: controller().served.primary(k), occupied,
         lambda: isinstance(controller().state_now(), Running), inputs.plan.num_shards,
         inputs.cfg.recovery == "replica", inputs.run_id, deadlines.shard_call_s, deadlines.shard_start_s,
         start_thread, hooks, spare=spares().claim,
@@ -232,17 +244,6 @@ def _decide(cfg: RunConfig, costs: SharedCosts, n: int):
     ck, replica = cfg.checkpoint, cfg.recovery == "replica"
     inputs = dataclasses.replace(costs.inputs(n, ck.pls_target), replica_step_frac=ck.replica_step_frac if replica else None)
     return decide_recovery(RecoveryMode(cfg.recovery), inputs)
-
-
-def _steps_committed(trainers: TrainerBook) -> int | None:
-    last = trainers.last_step_committed()
-    return None if last is None else last + 1
-
-
-def _primary(controller: RecoveryController, k: int) -> tuple[object, object]:
-    """Shard ``k``'s serving actor and its identity, (None, None) while it is being replaced."""
-    with controller.changed:
-        return controller.handles[k], controller.infos[k]
 
 
 def _position(cfg: RunConfig, schedule: StepSchedule, step: int) -> DataPosition:
@@ -282,12 +283,12 @@ class _TrainerKills:
 
 
 def _actor_nodes(controller: RecoveryController, spares: SparePool, trainers: TrainerBook) -> set:
-    return set(controller.shard_nodes()) | spares.known_nodes() | trainers.nodes()
+    return set(controller.served.shard_nodes()) | spares.known_nodes() | trainers.nodes()
 
 
 def _targets(controller: RecoveryController, trainers: TrainerBook, spares: SparePool) -> dict[str, Target]:
     """Every killable actor of the run: its process id and node."""
-    out = {f"shard:{k}": Target(pid, node) for k, (pid, node) in controller.targets().items()}
+    out = {f"shard:{k}": Target(pid, node) for k, (pid, node) in controller.served.targets().items()}
     out.update(trainers.targets())
     out.update(spares.targets())
     out["supervisor"] = Target(os.getpid(), ray.get_runtime_context().get_node_id())

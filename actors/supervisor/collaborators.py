@@ -8,6 +8,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from actors.supervisor.facts import Survey
 from actors.supervisor.hooks import RunHooks
 from actors.supervisor.ledger import FailureLedger
 from core.errors import CprError
@@ -42,7 +43,12 @@ class Collaborators:
     retried: tuple[type[BaseException], ...] = RETRIED_ERRORS
     refuse: Callable[[tuple], None] = lambda fallbacks: None  # checkpoints a shard found corrupt: chains skip them
     full_upto: Callable[[int], tuple[int, ...]] = lambda step: ()  # the newest valid full checkpoint <= step, alone
-    mirrors: object = None  # candidate(k, avoid), take(names), replaced(shards, promoted): recovery: replica
+    mirrors: object = None  # candidate(k, avoid), take(names), ready(), drop(shards, promoted), kill_dropped(dropped)
+    # One round of questions to the live processes (actors.supervisor.survey): skip those shards.
+    survey: Callable[[set], Survey] = lambda skip: Survey({}, {}, {})
+    committed_steps: Callable[[], int] = lambda: 0  # steps the trainers' commit reports say are committed
+    protect: Callable[[str, tuple], None] = lambda owner, steps: None  # keep steps from retention for owner
+    release: Callable[[str], None] = lambda owner: None
 
     def __post_init__(self):
         if self.mirrors is None:
@@ -58,5 +64,11 @@ class _NoMirrors:
     def take(self, names) -> None:
         pass
 
-    def replaced(self, shards, promoted) -> None:
+    def ready(self) -> dict[int, str]:
+        return {}
+
+    def drop(self, shards, promoted) -> list:
+        return []
+
+    def kill_dropped(self, dropped) -> None:
         pass

@@ -14,12 +14,15 @@ import ray
 
 from actors.supervisor.checkpoints import CheckpointCoordinator
 from actors.supervisor.controller import RecoveryController
-from actors.supervisor.machine import TERMINAL, RollingBack, Running, TrainersAllDied, TrainersCause, replacement_at_checkpoint
+from actors.supervisor.facts import Survey, decide_replacement
+from actors.supervisor.machine import TERMINAL, DenseRefused, RollingBack, Running, TrainersAllDied, TrainersCause
 from actors.supervisor.trainers import TrainerBook
 from core.checkpoint import DataPosition
 from core.deadlines import Deadline, Deadlines
-from core.errors import ShardUnavailable, TrainerConflict
-from core.records import FinalView, FleetView, ResumePoint, Rollback, RunStatus, SaveRequest, SaveResult, TrainerSetup
+from core.errors import CheckpointCorrupt, CheckpointNotFound, ShardUnavailable, TrainerConflict
+from core.records import (
+    CheckpointFallback, FinalView, FleetView, ResumePoint, Rollback, RunStatus, SaveRequest, SaveResult, TrainerSetup,
+)
 from policies import Budget, FailurePolicy
 
 __all__ = ["TrainerDesk"]
@@ -27,6 +30,7 @@ __all__ = ["TrainerDesk"]
 logger = logging.getLogger(__name__)
 
 _PROBE_ERRORS = (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError)
+_REFUSED = object()  # a dense state that cannot be read (``TrainerDesk._dense``)
 
 
 class TrainerDesk:
@@ -44,7 +48,9 @@ class TrainerDesk:
         final_checkpoint: bool,
         run_id: str,
         first_mirrors: Callable[[float], bool] = lambda timeout_s: True,
+        survey: Callable[[], Survey] = lambda: Survey({}, {}, {}),
     ):
+        self._survey = survey  # the live trainers' answers (actors.supervisor.survey, trainers only)
         self._run_id = run_id
         self._lock = lock
         self._c = controller
@@ -72,8 +78,7 @@ class TrainerDesk:
             return TrainerSetup(finished=True)  # the driver raises the error from start()
         if not self._trainers.has_started():  # recovery: replica: every step on a mirror from the first
             self._first_mirrors(wait_s / 2)
-        start = self._start_step(rank)
-        dense = self._ckpt.read_dense(start) if start is not None else None
+        start, dense = self._start(rank)
         generation, shards = self._c.fleet()
         with self._lock:
             return TrainerSetup(
@@ -83,6 +88,35 @@ class TrainerDesk:
                 **{k: getattr(self._setup, k) for k in ("plan", "schedule", "train_cache", "eval_cache",
                                                          "audit_dir")},
             )
+
+    def _start(self, rank: int) -> tuple[int | None, bytes | None]:
+        """The start step and its dense state. A dense file damaged since it was verified is
+        refused (marked corrupt, an event) and the trainer starts from the checkpoint before."""
+        for _ in range(3):
+            start = self._start_step(rank)
+            if start is None:
+                return None, None
+            dense = self._dense(start)
+            if dense is not _REFUSED:
+                return start, dense
+            self._c.wait_settled(self._deadlines.supervisor_wait_s)  # a rollback to it goes further back first
+        raise ShardUnavailable(f"no checkpoint with a readable dense state for trainer {rank} to start from")
+
+    def _dense(self, step: int, roll_back: bool = False):
+        """The dense state of checkpoint ``step`` (None at step 0), or ``_REFUSED`` when its file
+        cannot be read: the checkpoint is marked corrupt and, with ``roll_back`` (the shards are
+        at that step already), everything goes further back (``DenseRefused``)."""
+        try:
+            return self._ckpt.read_dense(step)
+        except (CheckpointCorrupt, CheckpointNotFound) as err:
+            reason = str(err)[:300]
+            logger.warning("the dense state of checkpoint %d cannot be read: %s", step, reason)
+            self._ckpt.refuse((CheckpointFallback(step, reason),))
+            self._events.record("checkpoint_fallback", step=step, reason=reason, file="dense")
+            if roll_back:
+                chain = self._ckpt.full_upto(step - 1)
+                self._c.transition(DenseRefused(step, chain[-1] if chain else 0, tuple(chain), reason))
+            return _REFUSED
 
     def _start_step(self, rank: int) -> int | None:
         """A replacement starts at the newest full checkpoint (or the step a rollback in flight
@@ -135,7 +169,9 @@ class TrainerDesk:
                 return view
             if isinstance(state, Running) and generation > known_generation:
                 if rollback is not None:
-                    dense = self._ckpt.read_dense(rollback.step)
+                    dense = self._dense(rollback.step, roll_back=True)
+                    if dense is _REFUSED:
+                        continue  # everything goes further back: wait for that rollback
                     view = FleetView(generation, shards, Rollback(rollback.generation, rollback.step, dense), False,
                                      view.next_checkpoint)
                 # A trainer that lagged (stalled, or slow to notice) may report an older step than
@@ -162,10 +198,13 @@ class TrainerDesk:
         trainers are at ``step`` (``machine.replacement_at_checkpoint``)."""
         deadline = Deadline(self._deadlines.inner_s("fallback_to_checkpoint"))
         # Replacements can form a torchft quorum of their own before the survivors join it;
-        # "nobody ahead in my quorum" then does not mean every trainer died.
-        decision = replacement_at_checkpoint(
-            step, self._trainers.live_established(rank, deadline.remaining(self._deadlines.shard_call_s))
-        )
+        # "nobody ahead in my quorum" then does not mean every trainer died. The live trainers
+        # say where they are (one round of questions), not the books.
+        survey = self._survey()
+        decision = decide_replacement(step, rank, survey.trainers)
+        self._events.record("replacement_decided", rank=rank, step=step, action=decision.action, reason=decision.reason,
+                            answers={str(r): (None if f is None else [f.steps, f.established])
+                                     for r, f in survey.trainers.items() if r != rank})
         if decision.action == "heal":
             caught_up = self._final_state()
             if caught_up is not None:
@@ -208,7 +247,9 @@ class TrainerDesk:
         if rollback is None or stop:
             return FleetView(now_generation, shards, stop=stop)
         # A shard refused a file of checkpoint `step`: the new trainers go further back too.
-        dense = self._ckpt.read_dense(rollback.step)
+        dense = self._dense(rollback.step, roll_back=True)
+        if dense is _REFUSED:
+            raise ShardUnavailable(f"the dense state of checkpoint {rollback.step} cannot be read; rolling back further")
         return FleetView(now_generation, shards, Rollback(rollback.generation, rollback.step, dense))
 
     def _final_state(self) -> FleetView | None:
@@ -218,8 +259,11 @@ class TrainerDesk:
         last = self._trainers.last_step_committed()
         if total is None or last is None or last + 1 < total or not self._ckpt.full_checkpoint_of(total):
             return None
+        dense = self._dense(total)
+        if dense is _REFUSED:
+            return None
         generation, shards = self._c.fleet()
-        return FleetView(generation, shards, Rollback(generation, total, self._ckpt.read_dense(total)))
+        return FleetView(generation, shards, Rollback(generation, total, dense))
 
     def _rolled_back_already(self, step: int, ahead: int, generation: int, shards: tuple) -> FleetView:
         """Nothing to roll back: another trainer of this incident did it already, or every
@@ -227,7 +271,10 @@ class TrainerDesk:
         taken further back by a refused rollback of this incident: this trainer follows them."""
         rollback = self._c.rollback_after(-1)
         if ahead < step and rollback is not None and rollback.step == ahead:
-            return FleetView(generation, shards, Rollback(rollback.generation, ahead, self._ckpt.read_dense(ahead)))
+            dense = self._dense(ahead, roll_back=True)
+            if dense is _REFUSED:
+                raise ShardUnavailable(f"the dense state of checkpoint {ahead} cannot be read; rolling back further")
+            return FleetView(generation, shards, Rollback(rollback.generation, ahead, dense))
         with self._lock:
             if not self._same_fallback(step):
                 self._events.record("all_trainers_failed", fallback_step=step, steps_lost=0, fenced=[],

@@ -17,7 +17,8 @@ from actors.fleet import ShardFleet
 from actors.supervisor.hooks import RunHooks
 from actors.supervisor.machine import RecoveringShards, RollingBack
 from actors.supervisor.outcome import ChainMismatch, Outcome, ShardsLost
-from core.records import LoadResult
+from core.errors import CheckpointCorrupt, CheckpointNotFound
+from core.records import CheckpointFallback, LoadResult
 
 __all__ = ["RecoveryExecutor", "Outcome", "ShardsLost", "ChainMismatch"]
 
@@ -25,7 +26,9 @@ __all__ = ["RecoveryExecutor", "Outcome", "ShardsLost", "ChainMismatch"]
 class RecoveryExecutor:
     def __init__(self, fleet: ShardFleet, restart_timeline: Callable[[int, list[int]], list[int]], uri: str,
                  timeout_s: float, hooks: RunHooks, wait=ray.wait, get=ray.get,
-                 committed: Callable[[], int | None] = lambda: None):
+                 committed: Callable[[], int | None] = lambda: None,
+                 read_dense: Callable[[int], object] = lambda step: None):
+        self.read_dense = read_dense  # the dense state of a checkpoint (raises if it cannot be read)
         self._wait, self._get = wait, get  # Ray's, or a test's
         self.fleet = fleet
         self.restart_timeline = restart_timeline
@@ -41,15 +44,18 @@ class RecoveryExecutor:
             return self.rollback(state, committed)
         raise TypeError(f"nothing to execute in state {state!r}")
 
-    def _respawn(self, targets: dict[int, int], spares: dict[int, str], causes: tuple) -> tuple[dict, float]:
+    def _respawn(self, targets: dict[int, int], spares: dict[int, str], causes: tuple,
+                 committed: int | None = None) -> tuple[dict, float]:
         """The new actors of ``targets``; their predecessors' leases are waited out unless Ray
-        saw every one of their processes exit (``causes``)."""
+        saw every one of their processes exit (``causes``). A mirror promoted among them must
+        hold ``committed`` steps (what the survivors confirmed; the books' count otherwise)."""
         t0 = time.time()
         exited = {c.shard for c in causes if c.exited}
         handles, lost = ({}, [])
         if targets:
+            known = [c for c in (committed, self.committed()) if c is not None]
             handles, lost = self.fleet.adopt_or_spawn(targets, spares, predecessors_exited=set(targets) <= exited,
-                                                      committed=self.committed())
+                                                      committed=max(known) if known else None)
         if lost:
             raise ShardsLost(lost)
         return handles, time.time() - t0
@@ -81,12 +87,23 @@ class RecoveryExecutor:
         names one) and loaded, each from its own files of the chain (a shard may fall back
         past a corrupt file of its own: its failure record says which chain it used). A
         shard's mirror (``state.mirrors``) is promoted instead, with its rows: nothing is loaded."""
-        handles, reschedule_s = self._respawn(state.targets, state.spares, state.causes)
+        handles, reschedule_s = self._respawn(state.targets, state.spares, state.causes, state.committed_steps)
         self.hooks.at_point("recovery.spawned")
         loading = {k: h for k, (h, _) in handles.items() if k not in state.mirrors}
         loaded, load_s = self._load(loading, state.chain, "recovery") if loading else ({}, 0.0)
         self.hooks.at_point("recovery.loaded")
         return Outcome(handles, loaded, reschedule_s, load_s)
+
+    def _dense_readable(self, state: RollingBack) -> None:
+        """The dense model follows a rollback: its state at the step must be readable before the
+        rollback commits, or the checkpoint is refused like a shard's corrupt file."""
+        if state.step == 0:
+            return
+        try:
+            self.read_dense(state.step)
+        except (CheckpointCorrupt, CheckpointNotFound) as err:
+            raise ChainMismatch(f"rollback to step {state.step}: its dense state cannot be read ({err})",
+                                (CheckpointFallback(state.step, f"dense state: {err}"[:300]),)) from None
 
     def rollback(self, state: RollingBack, committed: list) -> Outcome:
         """Every shard goes back to ``state.step`` (dead ones respawned first), exactly on
@@ -112,6 +129,7 @@ class RecoveryExecutor:
                 f"rollback to step {state.step} ({state.why}): shards {sorted(other)} loaded chains "
                 f"{list(other.values())} instead of {list(state.chain)} ({reasons or 'no reason given'})", fallbacks,
             )
+        self._dense_readable(state)
         self.hooks.at_point("rollback.loaded")
         fenced = self.restart_timeline(state.step, list(state.chain))
         return Outcome(handles, loaded, reschedule_s, load_s, fenced)

@@ -64,17 +64,23 @@ class FailureLedger:
                     return True
             return False
 
-    def kill_of(self, target: str, before: float) -> KillRecord | None:
-        """The latest kill of ``target`` in this attempt, at or before ``before``: when its
-        failure began."""
+    def kill_of(self, target: str, pid: int | None) -> KillRecord | None:
+        """The latest kill of ``target``'s process ``pid`` in this attempt: when its failure
+        began. Matched by the process, not by comparing the killer's clock with this one's."""
         with self._lock:
-            return next((k for k in reversed(self._kills[self._first_kill:]) if k.target == target and k.time <= before),
+            return next((k for k in reversed(self._kills[self._first_kill:]) if k.target == target and k.pid == pid),
                         None)
 
-    def begin_attempt(self) -> None:
-        """A new attempt of the run (--resume): what came before is history."""
+    def begin_attempt(self, last_steps: int | None) -> None:
+        """A new attempt of the run (--resume): what came before is history. Its failures that
+        never closed close at the steps the earlier attempt reached (``last_steps``: committed
+        steps): their count ends there, not at this attempt's last step."""
         with self._lock:
+            end = last_steps or 0
+            todo = [i for i, f in enumerate(self._failures)
+                    if f.failed_at_step is None and self._close(i, max(end, f.restored_step))]
             self._first_failure, self._first_kill = len(self._failures), len(self._kills)
+        self.count_later(todo)
 
     def kills(self) -> tuple[KillRecord, ...]:
         with self._lock:
@@ -116,19 +122,21 @@ class FailureLedger:
                       upto_generation: float = float("inf")) -> tuple[list[int], list[int]]:
         """Trainers redo ``redo_step`` on a fleet newer than ``known_generation`` (up to
         ``upto_generation``): the failures recovered since are complete now. Returns the
-        shards whose partial recoveries closed here and the failures whose lost samples are
-        to count (``count_later``). The caller journals the change (a supervisor restarted
-        later must not close them again at a later step: seen in the soak, 80 steps on)."""
+        shards of every failure closed here (whatever its recovery) and the failures whose
+        lost samples are to count (``count_later``). The caller journals the change (a
+        supervisor restarted later must not close them again at a later step: seen in the
+        soak, 80 steps on)."""
         with self._lock:
             closing = [i for i, f in enumerate(self._failures)
                        if known_generation < f.generation_after <= upto_generation and f.failed_at_step is None]
             todo = [i for i in closing if self._close(i, redo_step)]
-            return [self._failures[i].shard for i in todo], todo
+            return [self._failures[i].shard for i in closing], todo
 
-    def reopen_after_rollback(self, step: int, before: int) -> None:
+    def reopen_after_rollback(self, step: int, before: int) -> list[int]:
         """Everything went back to ``step`` and trainers redo every step from there: a partial
         recovery among the first ``before`` failures loses only updates before ``step``, so
-        it closes (or closes again) there and is counted again. Part of a transition."""
+        it closes (or closes again) there. Part of a transition: returns the failures to count
+        again once it is journaled (``count_later``)."""
         todo = []
         with self._lock:
             for i, f in enumerate(self._failures[:before]):
@@ -136,7 +144,7 @@ class FailureLedger:
                     self._failures[i] = dataclasses.replace(f, failed_at_step=None)
                     if self._close(i, step):
                         todo.append(i)
-        self.count_later(todo)
+        return todo
 
     def close_from(self, first: int, step: int) -> None:
         """Closes every failure from index ``first`` on at ``step`` (the new trainers of a
@@ -146,10 +154,10 @@ class FailureLedger:
                 self._close(i, step)
 
     def close_all(self, final_step: int) -> None:
-        """The run is over: failures whose redo step never came close at its last step, and
-        their lost samples are counted now (before the summary reads them)."""
+        """The run is over: this attempt's failures whose redo step never came close at its last
+        step, and their lost samples are counted now (before the summary reads them)."""
         with self._lock:
-            todo = [i for i in range(len(self._failures)) if self._close(i, final_step)]
+            todo = [i for i in range(self._first_failure, len(self._failures)) if self._close(i, final_step)]
         self._count(todo, errors=(Exception,))  # for the report: an error is recorded with the failure
 
     def recount_open_counts(self) -> None:

@@ -6,7 +6,7 @@ persists the result (write-ahead) before its executor acts on it, so a restarted
 finds the intent in its journal and finishes it.
 
     Running ──shard died (partial)──> RecoveringShards ──done──> Running
-    Running ──shard died (full) / every trainer died / resume──> RollingBack ──done──> Running
+    Running ──shard died (full) / every trainer died / resume / dense refused──> RollingBack ──done──> Running
     RecoveringShards ──another shard died──> RecoveringShards (merged)
     RecoveringShards ──every trainer died──> RollingBack (the rollback respawns them too)
     RollingBack ──shard died──> RollingBack (merged)
@@ -24,7 +24,7 @@ from policies import Budget, FailurePolicy, RecoveryDecision
 __all__ = [
     "Running", "RecoveringShards", "RollingBack", "Finished", "Failed", "State", "RECOVERING", "TERMINAL",
     "TrainersCause", "ShardDied", "RespawnRetry", "WorkDone", "TrainersAllDied", "ResumeRequested", "StopRequested",
-    "RollbackRefused",
+    "RollbackRefused", "DenseRefused",
     "Fail", "Transition", "transition", "state_to_dict", "state_from_dict", "FULL_RECOVERY", "EVERY_TRAINER_DIED",
     "RESUME", "ReplacementAtCheckpoint", "replacement_at_checkpoint",
 ]
@@ -55,6 +55,9 @@ class RecoveringShards:
     decision: RecoveryDecision | None
     spares: dict[int, str] = field(default_factory=dict)  # shard -> warm spare adopted as its new actor
     mirrors: tuple[int, ...] = ()  # shards whose ``spares`` entry is their mirror: promoted, nothing loaded
+    # Steps the survivors confirmed committed when the deaths were decided: a mirror holding
+    # fewer is refused at its promotion (it missed a step).
+    committed_steps: int | None = None
     name = "recovering_shards"
 
 
@@ -138,6 +141,8 @@ class ShardDied:
     consistent_chain: tuple[int, ...]  # the newest full checkpoint alone, for a rollback
     spare: str | None = None  # a warm spare to adopt as the shard's new actor (None: start one)
     mirror: bool = False  # ``spare`` is the shard's mirror (recovery: replica): promoted, nothing loaded
+    committed_steps: int | None = None  # steps the survivors confirmed committed (actors.supervisor.facts)
+    mirror_reason: str = ""  # recovery: replica: why its mirror may, or may not, take its place
 
 
 @dataclass(frozen=True)
@@ -168,6 +173,17 @@ class RollbackRefused:
     """A shard found a file of the rollback's chain corrupt: go back to ``step`` on ``chain``
     (the newest chain that passes over it) instead, dense model included."""
 
+    step: int
+    chain: tuple[int, ...]
+    reason: str
+
+
+@dataclass(frozen=True)
+class DenseRefused:
+    """The dense state of checkpoint ``refused`` (the one a rollback went to, or is going to)
+    cannot be read: everything goes back to ``step`` on ``chain`` instead, dense model included."""
+
+    refused: int
     step: int
     chain: tuple[int, ...]
     reason: str
@@ -224,6 +240,14 @@ def transition(
         first = state.step if state.refused_from is None else state.refused_from
         return Transition(replace(state, step=event.step, chain=tuple(event.chain), refused_from=first),
                           f"rollback to step {state.step} refused ({event.reason}): roll back to step {event.step}")
+    if isinstance(event, DenseRefused):
+        if isinstance(state, RollingBack):
+            return transition(state, RollbackRefused(event.step, event.chain, event.reason))
+        if not isinstance(state, Running) or event.step >= event.refused:
+            return None
+        return Transition(RollingBack(event.step, FULL_RECOVERY, tuple(event.chain), refused_from=event.refused),
+                          f"the dense state of checkpoint {event.refused} cannot be read ({event.reason}): "
+                          f"roll back to step {event.step}")
     if isinstance(event, ResumeRequested):
         return Transition(
             RollingBack(event.step, RESUME, tuple(event.chain)), f"--resume from checkpoint step {event.step}"
@@ -283,18 +307,21 @@ def _on_shard_died(state: State, e: ShardDied, recoveries: int, policy: FailureP
     causes = (state.causes if isinstance(state, RecoveringShards) else ()) + (e.cause,)
     if e.partial:
         mirrors = (state.mirrors if isinstance(state, RecoveringShards) else ()) + ((e.shard,) if e.mirror else ())
+        known = [c for c in (getattr(state, "committed_steps", None), e.committed_steps) if c is not None]
+        committed = max(known) if known else None
         if isinstance(state, RecoveringShards):
             return Transition(
-                replace(state, targets=targets, causes=causes, spares=spares, mirrors=mirrors),
+                replace(state, targets=targets, causes=causes, spares=spares, mirrors=mirrors, committed_steps=committed),
                 f"{who} during the recovery of shards {sorted(state.targets)}; recovering them together{onto}",
             )
         if e.mirror:
-            return Transition(RecoveringShards(targets, tuple(e.chain), causes, e.decision, spares, mirrors),
-                              f"{who}; replica recovery{onto}, nothing lost (chain {list(e.chain)} if it cannot)")
+            return Transition(RecoveringShards(targets, tuple(e.chain), causes, e.decision, spares, mirrors, committed),
+                              f"{who}; replica recovery{onto}, nothing lost (chain {list(e.chain)} if it cannot): "
+                              f"{e.mirror_reason}")
         if e.decision is not None and e.decision.mode.value == "replica":
-            why = "replica recovery without a mirror in sync (dead, or still being built): the checkpoint instead"
+            why = f"replica recovery without a mirror in sync ({e.mirror_reason or 'none was ready'}): the checkpoint instead"
         return Transition(
-            RecoveringShards(targets, tuple(e.chain), causes, e.decision, spares, mirrors),
+            RecoveringShards(targets, tuple(e.chain), causes, e.decision, spares, mirrors, committed),
             f"{who}; partial recovery{onto} from chain {list(e.chain)}: {why}",
         )
     step = e.consistent_chain[-1] if e.consistent_chain else 0

@@ -64,17 +64,25 @@ class MirrorSet:
             for k in [k for k, name in self._ready.items() if name in set(names)]:
                 del self._ready[k]
 
-    def replaced(self, shards, promoted) -> None:
+    def drop(self, shards, promoted) -> list[tuple[int, str]]:
         """Shards whose new actor is not their mirror (a recovery from a checkpoint, or a
-        rollback): their mirrors no longer match and are killed; new ones are built."""
+        rollback): their mirrors no longer match. Part of the controller's transition (no
+        journal write here); ``kill_dropped`` kills them once it is journaled."""
         with self._lock:
-            stale = {k: self._ready.pop(k) for k in list(self._ready) if k in set(shards) and self._ready[k] not in promoted}
-            if stale:
-                self._persist()
-        for k, name in stale.items():
+            stale = [(k, self._ready.pop(k)) for k in list(self._ready) if k in set(shards)
+                     and self._ready[k] not in promoted]
+            for k, name in stale:
+                self._events.append("mirror_dropped", shard=k, mirror=name, reason="its shard was restored from a checkpoint")
+        return stale
+
+    def kill_dropped(self, dropped: list[tuple[int, str]]) -> None:
+        for _, name in dropped:
             self._fleet.kill(self._fleet.find_name(name))
-            self._events.record("mirror_dropped", shard=k, mirror=name, reason="its shard was restored from a checkpoint")
         self._wake.set()
+
+    def handles(self) -> dict[int, object]:
+        """Shard -> its ready mirror's actor (None: the named actor is gone), for a recovery's questions."""
+        return {k: self._fleet.find_name(name) for k, name in self.ready().items()}
 
     def nodes(self) -> list:
         with self._lock:

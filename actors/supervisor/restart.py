@@ -69,8 +69,10 @@ def continue_history(p: Parts, doc: dict) -> None:
     p.books.header.update(attempt=doc["attempt"] + 1, supervisor_restarts=doc["supervisor_restarts"],
                           attempt_restarts=0)
     _load_history(p, doc)
-    p.ledger.begin_attempt()
     p.trainers.load(doc["trainers"], AppendLog.read(p.inputs.run_dir / BOOK_FILE), history_only=True)
+    last = p.trainers.last_step_committed()
+    p.ledger.begin_attempt(None if last is None else last + 1)
+    p.trainers.begin_attempt()
     p.events.record("attempt_started", attempt=doc["attempt"] + 1, previous_run_id=doc["run_id"],
                     previous_state=doc["controller"]["state"]["state"])
 

@@ -1,51 +1,46 @@
-"""The supervisor's book of trainers: registrations, committed steps, failed steps, heals and
-progress, and the step-redo budget. Commits and failed steps come at every step, so they are
-appended to ``trainer_book.jsonl`` (replayed after a restart or a resume) instead of being
-rewritten with the journal; the rest is journaled with the other parts."""
+"""The supervisor's book of trainers: registrations (with the worker actor a recovery asks for
+the trainer's facts), committed steps, failed steps, heals and progress, and the step-redo
+budget. Commits and failed steps come at every step, so they are appended to
+``trainer_book.jsonl`` (replayed after a restart or a resume) instead of being rewritten with
+the journal; the rest is journaled with the other parts.
+
+The book is a cache of reports the trainers send without waiting: a report retried across a
+supervisor restart counts once (each carries its process and number), and every attempt of
+the run (``--resume``) keeps its own commits, failed steps and heals, so that a trainer failure
+is matched with what happened in its own attempt."""
 
 from __future__ import annotations
 
+import base64
 import bisect
 import dataclasses
 import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+
+import ray
 
 from actors.supervisor.events import EventLog
 from actors.supervisor.hooks import RunHooks
-from core.accounting import trainer_failures
+from actors.supervisor.step_records import StepRecords
 from core.codec import decode, encode
 from core.journal import AppendLog
 from core.books import KillRecord, StepCommit, TrainerFailure
 from core.records import CommitRecord, Heal, Progress, StepFailure, Target, TrainerStart
 from policies import Budget, FailurePolicy
 
-__all__ = ["TrainerBook", "LivenessProbe"]
+__all__ = ["TrainerBook"]
 
 logger = logging.getLogger(__name__)
-
-# {rank: (pid, node id)}, timeout -> {rank: True (alive) / False (gone, or its node) / None (no answer)}
-LivenessProbe = Callable[[dict, float], dict]
-
 
 @dataclass
 class _Trainer:
     pid: int | None
     node_id: str | None
-    registered: float
     starts: int
-    committed_at: float = 0.0
-    committed_step: int | None = None
-
-
-@dataclass
-class _Commit:
-    microbatches: list[int] = field(default_factory=list)
-    total: int = 0
-    participants: int = 0
-    time: float = 0.0
+    worker: object = None  # its Ray Train worker actor (not journaled as such: pickled, see doc())
 
 
 class TrainerBook:
@@ -59,7 +54,6 @@ class TrainerBook:
         fail: Callable[[str], None],
         kills: Callable[[], Sequence[KillRecord]],
         on_commit: Callable[[int, int], None],
-        alive: LivenessProbe,
         book: AppendLog,
         num_trainers: int,
         samples_per_step: int,
@@ -76,19 +70,13 @@ class TrainerBook:
         self._fail = fail
         self._kills = kills
         self._on_commit = on_commit
-        self._alive = alive
         self._book = book
         self.num_trainers = num_trainers
         self.samples_per_step = samples_per_step
         self._trainers: dict[int, _Trainer] = {}
-        self._commits: dict[int, _Commit] = {}
-        self._failed: list[StepFailure] = []
-        self._heals: list[Heal] = []
+        self._steps = StepRecords(book)
         self._progress: list[Progress] = []
         self._started = False
-        self._redos: dict[int, dict[int, int]] = {}
-        # (quorum id, step) whose all-reduce failed on some trainer: its group cannot finish.
-        self._broken: set[tuple[int, int]] = set()
         # Kill times of trainer failures whose detection is already in the metrics.
         self._exported: set[float] = set()
         # rank -> the checkpoint step trainer_setup handed it to start from (kept from retention).
@@ -107,7 +95,7 @@ class TrainerBook:
                 if known is not None and known.pid is not None:
                     self._on_replaced(known.pid, known.node_id)  # what the dead process left (its slabs)
                 starts = (known.starts if known else 0) + 1
-                self._trainers[start.rank] = _Trainer(start.pid, start.node_id, time.time(), starts)
+                self._trainers[start.rank] = _Trainer(start.pid, start.node_id, starts, start.worker)
                 self._events.append("trainer_started", rank=start.rank, pid=start.pid, starts=starts,
                                     marks=encode(start.marks))
                 self._persist()
@@ -117,6 +105,11 @@ class TrainerBook:
             # write); a failure fails this call, and the trainer's next process registers again.
             self._place(start.rank, start.pid, start.node_id)
         return ready
+
+    def workers(self) -> dict[int, object]:
+        """Rank -> the worker actor of its current process (None: not known), for a recovery's questions."""
+        with self._lock:
+            return {r: t.worker for r, t in self._trainers.items() if t.pid is not None}
 
     def on_node(self, node_id: str) -> int:
         with self._lock:
@@ -138,38 +131,37 @@ class TrainerBook:
 
     def healed(self, rank: int, step: int, heal_s: float, wall_time: float) -> None:
         with self._lock:
-            self._heals.append(Heal(rank, step, heal_s, wall_time))
+            self._steps.heal(Heal(rank, step, heal_s, wall_time))
             self._pins.pop(rank, None)
         self._events.record("trainer_healed", rank=rank, step=step, heal_s=round(heal_s, 3))
+
+    def begin_attempt(self) -> None:
+        """A new attempt of the run (``--resume``): its commits, failed steps and heals start
+        afresh; the earlier attempts' stay for the report."""
+        with self._lock:
+            self._steps.begin_attempt(time.time())
 
     # ------------------------------------------------------------------ steps
 
     def commit(self, c: CommitRecord) -> None:
-        """A trainer's share of a committed step. A commit on fleet ``generation`` settles the
-        recoveries up to it that no ``await_shards`` settled (trainers that learned the fleet
-        from trainer_setup or a fallback)."""
+        """A trainer's share of a committed step (counted once, however often it is delivered).
+        A commit on fleet ``generation`` settles the recoveries up to it that no
+        ``await_shards`` settled (trainers that learned the fleet from trainer_setup or a fallback)."""
+        with self._lock:
+            if not self._steps.commit(c):
+                return
+            self._pins.pop(c.rank, None)
         if c.generation is not None:
             self._on_commit(c.step, c.generation)
-        with self._lock:
-            self._add_commit(c)
-            self._book.append({"kind": "commit", **encode(c)})
-            me = self._trainers.get(c.rank)
-            if me is not None:
-                me.committed_at = c.time
-                me.committed_step = max(c.step, me.committed_step if me.committed_step is not None else -1)
-            self._pins.pop(c.rank, None)
         if c.participants < self.num_trainers:
             self._export_detections()
         self._hooks.after_commit(c.step)
 
-    def _add_commit(self, c: CommitRecord) -> None:
-        entry = self._commits.setdefault(c.step, _Commit(total=c.total, participants=c.participants, time=c.time))
-        entry.microbatches.extend(c.microbatches)
-
     def step_failed(self, f: StepFailure) -> None:
         with self._lock:
-            redos = self._add_failure(f)
-            self._book.append({"kind": "failed", **encode(f)})
+            redos = self._steps.step_failed(f)
+        if redos is None:
+            return  # counted already
         self._export_detections()
         over = self._policy.exceeded(
             Budget.STEP_REDOS, redos, f"step {f.step} failed {redos} times (last on trainer {f.rank}: {f.cause[:200]})"
@@ -177,30 +169,15 @@ class TrainerBook:
         if over is not None:
             self._fail(over)
 
-    def _add_failure(self, f: StepFailure) -> int:
-        self._failed.append(f)
-        if f.broken_quorum is not None:
-            self._broken.add((f.broken_quorum, f.step))
-        per_rank = self._redos.setdefault(f.step, {})
-        per_rank[f.rank] = per_rank.get(f.rank, 0) + 1
-        return max(per_rank.values())
-
     def group_broken(self, quorum: int, step: int) -> bool:
         with self._lock:
-            return (quorum, step) in self._broken
+            return self._steps.broken(quorum, step)
 
     def prune(self, step: int) -> None:
-        """Everything went back to ``step``: commits from there on belong to an abandoned
-        timeline, and a live trainer that had committed them is at ``step - 1`` again."""
+        """Everything went back to ``step``: this attempt's commits from there on belong to an
+        abandoned timeline. Part of a rollback's transition: journaled with it."""
         with self._lock:
-            self._prune(step)
-            self._book.append({"kind": "pruned", "step": step})
-
-    def _prune(self, step: int, trainers: bool = True) -> None:
-        self._commits = {s: c for s, c in self._commits.items() if s < step}
-        for t in self._trainers.values() if trainers else ():
-            if t.committed_step is not None and t.committed_step >= step:
-                t.committed_step = step - 1
+            self._steps.prune(step)
 
     # ------------------------------------------------------------------ progress
 
@@ -227,29 +204,13 @@ class TrainerBook:
             rates = [p.samples_per_s for p in self._progress[-5:] if p.samples_per_s]
         return self.samples_per_step / (sum(rates) / len(rates)) if rates else None
 
-    # ------------------------------------------------------------------ liveness and failures
-
-    def live_established(self, exclude: int, timeout_s: float) -> dict[int, int | None]:
-        """Ranks other than ``exclude`` whose current process has committed a step and is alive,
-        with the last step each committed. A trainer whose node is gone is not alive (before, the
-        probe's error reached the replacement trainer asking, which crash-looped); one whose
-        probe did not answer in time counts as alive: the replacement then waits to heal from
-        it rather than roll the shards back under a trainer that may be ahead."""
-        with self._lock:
-            candidates = {r: t for r, t in self._trainers.items()
-                          if r != exclude and t.committed_at > t.registered and t.pid is not None}
-        answers = self._alive({r: (t.pid, t.node_id) for r, t in candidates.items()}, timeout_s) if candidates else {}
-        for r, alive in answers.items():
-            if alive is None:
-                logger.warning("trainer %d (pid %s) did not answer a liveness probe in %.1fs; counted as alive",
-                               r, candidates[r].pid, timeout_s)
-        return {r: candidates[r].committed_step for r, alive in answers.items() if alive is not False}
+    # ------------------------------------------------------------------ failures
 
     def failures(self) -> list[TrainerFailure]:
+        """One record per killed trainer, matched with what happened in its own attempt."""
+        kills = list(self._kills())
         with self._lock:
-            commits = {s: StepCommit(tuple(c.microbatches), c.total, c.participants, c.time) for s, c in self._commits.items()}
-            failed, heals = list(self._failed), list(self._heals)
-        return trainer_failures(self._kills(), failed, commits, heals, self.num_trainers)
+            return self._steps.failures(kills, self.num_trainers)
 
     def failure_of(self, healed: dict) -> dict | None:
         """The trainer failure a ``trainer_healed`` event ended, if its kill is known."""
@@ -273,17 +234,23 @@ class TrainerBook:
     # ------------------------------------------------------------------ views
 
     def commits(self) -> dict[int, StepCommit]:
+        """Every committed step of the run's final timeline."""
         with self._lock:
-            return {s: StepCommit(tuple(sorted(c.microbatches)), c.total, c.participants, c.time)
-                    for s, c in sorted(self._commits.items())}
+            return self._steps.commits()
 
     def last_step_committed(self) -> int | None:
+        """The last step committed in this attempt."""
         with self._lock:
-            return max(self._commits) if self._commits else None
+            return self._steps.last_step()
+
+    def committed_steps(self) -> int:
+        """Steps this attempt's commit reports say are committed (0: none yet)."""
+        last = self.last_step_committed()
+        return 0 if last is None else last + 1
 
     def committed_since(self, step: int) -> bool:
         with self._lock:
-            return any(s >= step for s in self._commits)
+            return self._steps.committed_since(step)
 
     def nodes(self) -> set:
         with self._lock:
@@ -326,35 +293,38 @@ class TrainerBook:
 
     def doc(self) -> dict:
         return {
-            "trainers": {str(r): encode(t) for r, t in self._trainers.items()},
-            "heals": encode(self._heals), "progress": encode(self._progress[-200:]), "started": self._started,
-            "exported": sorted(self._exported), "pins": {str(r): s for r, s in self._pins.items()},
+            "trainers": {str(r): {"pid": t.pid, "node_id": t.node_id, "starts": t.starts, "worker": _pickled(t.worker)}
+                         for r, t in self._trainers.items()},
+            "progress": encode(self._progress[-200:]), "started": self._started, "exported": sorted(self._exported),
+            "pins": {str(r): s for r, s in self._pins.items()}, **self._steps.doc(),
         }
 
     def load(self, doc: dict, book: list[dict], history_only: bool = False) -> None:
         """The journaled book and the replayed records. ``history_only``: an earlier attempt
         of the run (``--resume``): its commits, failed steps, heals and progress, not its
         trainer processes, which are gone."""
-        self._heals = [decode(Heal, h) for h in doc["heals"]]
         self._progress = [decode(Progress, p) for p in doc["progress"]]
         self._exported = set(doc["exported"])
         if not history_only:
-            self._trainers = {int(r): _Trainer(**t) for r, t in doc["trainers"].items()}
+            self._trainers = {int(r): _Trainer(t["pid"], t["node_id"], t["starts"], _unpickled(t.get("worker")))
+                              for r, t in doc["trainers"].items()}
             self._started = doc["started"]
             self._pins = {int(r): s for r, s in doc.get("pins", {}).items()}
-        # The journaled trainers are already as every prune left them; replaying a prune must
-        # not lower the committed step of trainers that committed later steps since. An earlier
-        # attempt's failed steps are history: they count in the report, not in this attempt's
-        # redo budget.
-        for record in book:
-            kind = record.pop("kind")
-            if kind == "commit":
-                self._add_commit(decode(CommitRecord, record))
-            elif kind == "failed":
-                failure = decode(StepFailure, record)
-                if history_only:
-                    self._failed.append(failure)
-                else:
-                    self._add_failure(failure)
-            elif kind == "pruned":
-                self._prune(record["step"], trainers=False)
+        self._steps.load(doc, book, history_only)
+
+
+def _pickled(worker) -> str | None:
+    """A worker actor's handle, for the journal: a restarted supervisor asks the same process."""
+    if worker is None:
+        return None
+    return base64.b64encode(ray.cloudpickle.dumps(worker)).decode()
+
+
+def _unpickled(blob: str | None):
+    if blob is None:
+        return None
+    try:
+        return ray.cloudpickle.loads(base64.b64decode(blob))
+    except Exception as err:  # noqa: BLE001 - without it the trainer is asked nothing: its answer is unknown
+        logger.warning("a trainer's worker handle could not be read back from the journal: %s", err)
+        return None

@@ -21,6 +21,7 @@ from actors.client import SupervisorClient
 from actors.lease import Lease, LeaseSpec, trainer_place
 from actors.trainer.collective import sum_over_trainers, use_node_interface
 from actors.trainer.evaluate import evaluate
+from actors.trainer.facts import answer_for
 from actors.trainer.pipeline import Prefetcher, microbatch_loader
 from actors.trainer.shards import ShardCallFailed, ShardClient
 from actors.trainer.step import Trainer
@@ -55,11 +56,13 @@ def train_loop(loop_config: dict) -> None:
     if setup.finished:
         return  # Ray Train replaced a trainer that died after the run was over: nothing to do
     trainer = _make_trainer(rank, cfg, supervisor, setup, loop_config, marks)
+    answer_for(trainer)
     try:
         # A full recovery during the evaluation rolls the run back: rank 0 redoes the steps.
         while not _train(trainer) and rank == 0 and not _evaluate_and_report(trainer, setup):
             pass
     finally:
+        answer_for(None)
         if trainer.audit is not None:
             trainer.audit.close()
         trainer.shards.close()
@@ -155,7 +158,9 @@ def _register(rank: int, cfg: RunConfig, supervisor: SupervisorClient, marks: St
     idle while trainers run the dense model)."""
     node_id = ray.get_runtime_context().get_node_id()
     deadline = time.monotonic() + cfg.training.collective_timeout_s
-    while not supervisor.register_trainer(TrainerStart(rank, os.getpid(), node_id, marks)):
+    # Its Ray Train worker actor: a recovery asks the trainer for its facts through it.
+    worker = ray.get_runtime_context().current_actor
+    while not supervisor.register_trainer(TrainerStart(rank, os.getpid(), node_id, marks, worker)):
         if time.monotonic() > deadline:
             break
         time.sleep(0.05)

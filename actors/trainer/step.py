@@ -22,6 +22,7 @@ from __future__ import annotations
 import io
 import json
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 
@@ -85,6 +86,7 @@ class Trainer:
     first_quorum: bool = True
     last_participant: int | None = None
     conflicts: int = 0
+    reports: int = 0
     loss_sum: float = 0.0
     loss_rows: int = 0
     steps_since: int = 0
@@ -230,12 +232,13 @@ class Trainer:
             attempt.committed = True
             self.supervisor.record_commit(CommitRecord(
                 attempt.step, self.rank, attempt.chunk, attempt.total, self.manager.num_participants(), time.time(),
-                self.generation,
+                self.generation, os.getpid(), self._next_report(),
             ))
             self._audit_commit(attempt)
             return True
         self.supervisor.record_step_failed(StepFailure(
-            attempt.step, self.rank, time.time(), str(attempt.error or self.manager.errored()), attempt.broken_quorum
+            attempt.step, self.rank, time.time(), str(attempt.error or self.manager.errored()), attempt.broken_quorum,
+            os.getpid(), self._next_report(),
         ))
         fleet = self.supervisor.await_shards(self.generation, attempt.step)
         if fleet.stop:
@@ -243,6 +246,12 @@ class Trainer:
         self.next_checkpoint = fleet.next_checkpoint
         self.use_fleet(fleet)
         return True
+
+    def _next_report(self) -> int:
+        """This process's next report number: a report Ray delivers twice (a call retried
+        across a supervisor restart) counts once."""
+        self.reports += 1
+        return self.reports
 
     def _audit_commit(self, attempt: Attempt) -> None:
         if self.audit is not None:

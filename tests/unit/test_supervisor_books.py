@@ -11,16 +11,16 @@ import pytest
 
 from actors.faults import FaultInjector
 from actors.supervisor.events import EventLog
+from actors.supervisor.facts import Survey
 from actors.supervisor.guard import start_guarded
 from actors.supervisor.hooks import HookList, RunHooks
 from actors.supervisor.ledger import FailureLedger
-from actors.supervisor.machine import replacement_at_checkpoint
 from actors.supervisor.trainers import TrainerBook
 from core.books import FailureRecord, KillRecord
 from core.config_failures import FaultPoint, FaultsConfig
 from core.checkpoint import FULL, CheckpointStore, ShardRows, write_blob, write_shard_file
 from core.journal import AppendLog
-from core.records import CommitRecord, StepFailure, TrainerStart
+from core.records import CommitRecord, StepFailure, TrainerFacts, TrainerStart
 from policies import BudgetLimits, FailurePolicy
 
 pytestmark = pytest.mark.timeout(30)
@@ -34,15 +34,13 @@ class Detections(RunHooks):
         self.seen.append(detection_s)
 
 
-def _book(tmp_path, kills=(), alive=lambda procs, timeout_s: {r: True for r in procs}, hooks=None, fails=None,
-          limits=BudgetLimits(),
-          lock=None):
+def _book(tmp_path, kills=(), hooks=None, fails=None, limits=BudgetLimits(), lock=None):
     lock = lock or threading.RLock()
     hooks = hooks or HookList()
     events = EventLog(lock, hooks, lambda: None)
     book = TrainerBook(
         lock, events, lambda: None, hooks, FailurePolicy(limits), fail=(fails if fails is not None else []).append,
-        kills=lambda: list(kills), on_commit=lambda step, generation: None, alive=alive,
+        kills=lambda: list(kills), on_commit=lambda step, generation: None,
         book=AppendLog(tmp_path / "trainer_book.jsonl"), num_trainers=2, samples_per_step=1024,
     )
     return book
@@ -77,19 +75,6 @@ def test_a_torn_last_record_is_read_past_and_a_torn_middle_one_is_an_error(tmp_p
         AppendLog.read(path)
 
 
-def test_a_trainer_whose_node_is_gone_is_not_alive_and_the_caller_goes_on(tmp_path):
-    # Before, the probe of a dead node raised into the replacement trainer, which crash-looped.
-    # A probe that did not answer cannot tell: that trainer may be ahead, so it counts.
-    def alive(procs, timeout_s):
-        return {r: {"gone": False, "here": True, "slow": None}[node] for r, (pid, node) in procs.items()}
-
-    book = _book(tmp_path, alive=alive)
-    for rank, node in enumerate(("gone", "here", "slow")):
-        book.register(TrainerStart(rank, 11 + rank, node))
-        book.commit(_commit(3, rank, time=1e12))
-    assert book.live_established(exclude=3, timeout_s=1.0) == {1: 3, 2: 3}
-
-
 def test_the_redo_budget_stops_the_run_with_one_message_format(tmp_path):
     fails: list[str] = []
     book = _book(tmp_path, fails=fails, limits=BudgetLimits(max_step_redos=2))
@@ -116,9 +101,9 @@ def test_a_trainer_failure_is_exported_when_detected_not_when_healed(tmp_path):
     assert again.seen == []
 
 
-def test_a_rollback_lowers_the_last_committed_step_of_live_trainers(tmp_path):
-    # After a rollback to 100, a survivor that had committed 130 is at 100 again: a replacement
-    # starting from the checkpoint of 100 must join it, not wait to heal from it.
+def test_a_rollback_abandons_the_commits_after_its_step_and_a_restart_agrees(tmp_path):
+    # The prune is journaled with the rollback (where in the book it applies), so a restarted
+    # supervisor replays the commits made after the rollback on top of it.
     book = _book(tmp_path)
     for rank, pid in ((0, 10), (1, 11)):
         book.register(TrainerStart(rank, pid, "n"))
@@ -126,10 +111,11 @@ def test_a_rollback_lowers_the_last_committed_step_of_live_trainers(tmp_path):
         book.commit(_commit(step, 0, time=1e12))
     book.commit(_commit(90, 1, time=1e12))
     book.prune(100)
-    assert sorted(book.commits()) == [90, 98, 99]
-    live = book.live_established(exclude=2, timeout_s=1.0)
-    assert live == {0: 99, 1: 90}
-    assert replacement_at_checkpoint(100, live).action == "join"
+    book.commit(_commit(100, 0, time=2e12))  # redone on the new timeline
+    assert sorted(book.commits()) == [90, 98, 99, 100] and book.last_step_committed() == 100
+    restarted = _book(tmp_path)
+    restarted.load(book.doc(), AppendLog.read(tmp_path / "trainer_book.jsonl"))
+    assert sorted(restarted.commits()) == [90, 98, 99, 100] and restarted.last_step_committed() == 100
 
 
 def _failure(recovery, failed_at_step, restored_step, generation_after=1, shard=0):
@@ -159,7 +145,7 @@ def test_a_rollback_closes_earlier_partial_recoveries_at_its_step():
         _failure("partial", 12, 10, shard=2),  # redone before it: unchanged
         _failure("full", None, 40, shard=3),  # this rollback's own
     ])
-    ledger.reopen_after_rollback(40, 3)
+    ledger.count_later(ledger.reopen_after_rollback(40, 3))
     assert [f.failed_at_step for f in ledger.records()] == [40, 40, 12, None]
     assert counted == ["shard:0", "shard:1"]
     assert [f.lost_samples for f in ledger.records()[:2]] == [5.0, 5.0]
@@ -307,8 +293,8 @@ def test_a_late_replacement_takes_the_final_checkpoint_once_its_peers_finished()
     class Trainers:
         last = 140
 
-        def live_established(self, exclude, timeout_s):
-            return {1: self.last + 1}  # trainer 1 is alive and ahead of the replacement's step
+        def survey(self):  # trainer 1 is alive and ahead of the replacement's step (it says so)
+            return Survey({}, {}, {1: TrainerFacts(1, 77, self.last + 1, True)})
 
         def last_step_committed(self):
             return self.last
@@ -328,7 +314,8 @@ def test_a_late_replacement_takes_the_final_checkpoint_once_its_peers_finished()
     lock, trainers, checkpoints = threading.RLock(), Trainers(), Checkpoints()
     setup = TrainerSetup(finished=False, schedule=StepSchedule(600, 4, 150, 0))
     desk = TrainerDesk(lock, Controller(), checkpoints, trainers, EventLog(lock, HookList(), lambda: None),
-                       FailurePolicy(BudgetLimits()), Deadlines(30.0), setup, lambda s: None, True, "r")
+                       FailurePolicy(BudgetLimits()), Deadlines(30.0), setup, lambda s: None, True, "r",
+                       survey=trainers.survey)
     with pytest.raises(TrainerConflict):  # the peer is still training: heal from it
         desk.fallback_to_checkpoint(124, 0)
     trainers.last = 149
@@ -390,5 +377,5 @@ def test_a_withdrawn_kill_leaves_the_books_and_only_that_one():
     ledger.record_kill(second)
     assert ledger.withdraw_kill(second) and not ledger.withdraw_kill(second)
     assert ledger.kills() == (first,)
-    assert ledger.kill_of("shard:0", before=13.0) == first
+    assert ledger.kill_of("shard:0", pid=7) == first and ledger.kill_of("shard:0", pid=8) is None
 

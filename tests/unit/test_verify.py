@@ -295,3 +295,26 @@ def test_a_generation_that_dies_holding_a_committed_step_it_had_not_applied_lose
     span = next(s for s in spans if s.generation == 2)
     assert span.applied == {8: [16, 17]} and span.redo == 9 and span.chain == [5]
     assert not [x for x in v if "generation 2" in x]
+
+
+def test_a_promoted_mirror_recovered_from_a_checkpoint_loses_its_predecessors_steps_too():
+    """Its rows held its primary's steps: killed again before a new mirror existed and restored
+    from the checkpoint of step 4, it lost every step since 4, not only those since its
+    promotion (before, the recount restarted at the promotion: 0 instead of the report's count)."""
+    primary = shard_file(0, applies(range(0, 8), 0.0))
+    promoted = shard_file(1, [("load", [], "replica", 20.0)] + applies(range(8, 10), 21.0))
+    promoted.records[1]["step"] = 8
+    restored = shard_file(2, [("load", [4], "recovery", 30.0)] + applies(range(10, 12), 31.0))
+    v, spans = walk_shard(0, [primary, promoted, restored], M, 12)
+    assert v == []
+    [span] = spans
+    assert (span.generation, span.chain, span.redo, sorted(span.applied)) == (1, [4], 10, list(range(10)))
+
+
+def test_books_that_contradict_what_the_processes_confirmed_are_a_finding():
+    from verify.run import _contradictions
+
+    events = [{"kind": "books_corrected", "finding": "lag", "subject": "commits", "detail": "behind"},
+              {"kind": "books_corrected", "finding": "contradiction", "subject": "mirror:1", "detail": "broken"}]
+    assert _contradictions({"events": events}) == [
+        "the supervisor's books contradicted what the processes confirmed (mirror:1): broken"]
