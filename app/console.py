@@ -59,6 +59,9 @@ def format_event(e: dict) -> str | None:
         after = f" {h['declared_dead_s']:.2f}s after it stopped answering" if h["declared_dead_s"] is not None else ""
         return (f"[failure] host {h['node_ip']} lost, with {', '.join(h['actors']) or 'none of this run'}; "
                 f"Ray declared its node dead{after}")
+    if kind == "mirrors_missing":
+        return (f"[mirrors] training starts without a mirror in sync for shards {e['shards']}: until one is built, "
+                "their recovery is from a checkpoint (lost samples counted)")
     if kind == "spare_moved":
         return f"[spares] the warm spare moved to host {e['to_ip']}, which holds no shard ({e['to'].rsplit('-', 1)[-1]})"
     if kind == "spare_lost":

@@ -126,6 +126,10 @@ def _trainers(report: dict) -> list[str]:
             + (f"{h['declared_dead_s']:.2f}s after it stopped answering" if h.get("declared_dead_s") is not None
                else "(no failed probe before that)")
         )
+    unprotected = (report.get("mirrors") or {}).get("unprotected_at_start")
+    if unprotected:
+        lines.append(f"  mirrors           shards {unprotected} had no mirror in sync when training started (recovered "
+                     "from a checkpoint until one was built)")
     for e in report.get("all_trainers_failed") or []:
         lines.append(
             f"    every trainer died: dense state and shards fell back to checkpoint step {e['fallback_step']} "

@@ -24,6 +24,9 @@ def mirrors_section(cfg, summary: dict) -> dict | None:
         "lost": sum(e["kind"] == "mirror_lost" for e in events),
         "failed_to_build": sum(e["kind"] == "mirror_failed" for e in events),
         "promoted": sum(f.get("recovery") == "replica" for f in summary.get("failures", [])),
+        # Shards that had no mirror in sync when training started (recovered from a checkpoint
+        # until one was built).
+        "unprotected_at_start": next((e["shards"] for e in events if e["kind"] == "mirrors_missing"), []),
         "feed_steps": steps,
         "feed_s_per_step": sum(st["mirror_send_s"] for st in states) / steps if steps else None,
     }

@@ -28,6 +28,7 @@ __all__ = ["MirrorSet"]
 logger = logging.getLogger(__name__)
 
 _ERRORS = (ray.exceptions.RayError, ray.exceptions.GetTimeoutError)
+_RETRY_CAP_S = 30.0  # the longest a shard whose mirror keeps failing waits between builds
 
 
 class MirrorSet:
@@ -46,6 +47,11 @@ class MirrorSet:
         self._info: dict[str, Target] = {}
         self._next = 0
         self._tried: set[int] = set()  # shards whose first mirror is ready or failed once
+        # Per shard, builds failed in a row and when the next may begin (this process's clock):
+        # a shard whose mirror cannot be placed waits its turn, the others are built meanwhile.
+        self._failed: dict[int, int] = {}
+        self._retry_at: dict[int, float] = {}
+        self._warned = False
         self._changed = threading.Condition(lock)
         self._wake, self._stop = threading.Event(), threading.Event()
         self._keeper: threading.Thread | None = None
@@ -104,11 +110,22 @@ class MirrorSet:
 
     def wait_first(self, timeout_s: float) -> bool:
         """Waits until every shard's first mirror is ready (or failed once: training then
-        starts without it), so that every step is on a mirror from the first. False on timeout."""
+        starts without it), so that every step is on a mirror from the first. False on timeout.
+        Training that starts with shards unprotected says so, once (a ``mirrors_missing``
+        event: the console and the report show it)."""
         if not self.enabled:
             return True
         with self._changed:
-            return self._changed.wait_for(lambda: len(self._tried) >= self._n or self._stop.is_set(), timeout_s)
+            done = self._changed.wait_for(lambda: len(self._tried) >= self._n or self._stop.is_set(), timeout_s)
+            missing = sorted(set(range(self._n)) - set(self._ready))
+            warn = bool(missing) and not self._warned
+            self._warned = self._warned or warn
+        if warn:
+            self._events.record("mirrors_missing", shards=missing, building=sorted(self._building),
+                                failed_builds={str(k): n for k, n in sorted(self._failed.items())},
+                                reason="training starts before these shards have a mirror in sync: until one is "
+                                       "built, their recovery is from a checkpoint (lost samples counted)")
+        return done
 
     def _node(self, name: str) -> str | None:
         info = self._info.get(name)
@@ -137,26 +154,41 @@ class MirrorSet:
             self._wake.wait(1.0)
             self._wake.clear()
             with self._lock:
-                missing = [k for k in range(self._n) if k not in self._ready and k not in self._building]
-                if not missing or not self._running() or self._stop.is_set():
+                k = self._next_to_build(time.monotonic())
+                if k is None or not self._running() or self._stop.is_set():
                     continue
-                k, name = missing[0], mirror_name(self._run_id, self._next)
+                name, first_try = mirror_name(self._run_id, self._next), k not in self._failed
                 self._next += 1
                 self._building[k] = name
                 self._persist()
-            if not self._build(k, name):
-                time.sleep(1.0)  # do not spin on a cluster that cannot place one
+            built = self._build(k, name, use_spare=first_try)
+            with self._lock:
+                if built:
+                    self._failed.pop(k, None)
+                    self._retry_at.pop(k, None)
+                else:  # its turn comes again later; the other shards' mirrors are built meanwhile
+                    self._failed[k] = self._failed.get(k, 0) + 1
+                    self._retry_at[k] = time.monotonic() + min(_RETRY_CAP_S, 2.0 ** self._failed[k])
             self._wake.set()
 
-    def _build(self, k: int, name: str) -> bool:
+    def _next_to_build(self, now: float) -> int | None:
+        """The missing mirror to build next: among those whose retry is due, the one whose
+        builds failed least often (then the lowest shard), so that none waits on another."""
+        due = [k for k in range(self._n)
+               if k not in self._ready and k not in self._building and self._retry_at.get(k, 0.0) <= now]
+        return min(due, key=lambda k: (self._failed.get(k, 0), k)) if due else None
+
+    def _build(self, k: int, name: str, use_spare: bool = True) -> bool:
         """Makes a warm spare away from shard ``k``'s primary (its imports done: a mirror in well
-        under a second), else a new process ``name`` placed away from it, its mirror, and attaches it."""
+        under a second; only on a first try, so that a mirror that cannot be placed does not use
+        up the spares recoveries need), else a new process ``name`` placed away from it, its
+        mirror, and attaches it."""
         t0 = time.perf_counter()
         handle, (primary, pinfo) = None, self._primary(k)
         try:
             if primary is None or pinfo is None:
                 raise RuntimeError(f"shard {k} is being recovered")
-            spare = self._spare({pinfo.node_id} if len(cpu_nodes()) > 1 else set())
+            spare = self._spare({pinfo.node_id} if len(cpu_nodes()) > 1 else set()) if use_spare else None
             if spare is not None:
                 with self._lock:
                     self._building[k] = name = spare
