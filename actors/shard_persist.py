@@ -4,32 +4,35 @@ to the initial rows. The work itself is ``actors.shard_save``'s."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
-from core.checkpoint import CheckpointStore
+from core.checkpoint import CheckpointStore, restore_shard
 from core.records import CheckpointFallback, LoadResult, Snapshot, WrittenPart
 from actors.shard_link import exclusive
 
 __all__ = ["ShardSaving"]
 
+NO_CHAIN_GIVEN = "no checkpoint chain given: the initial rows"
+
 
 class ShardSaving:
     @exclusive
-    def reset_to_init(self, why: str = "recovery") -> LoadResult:
+    def reset_to_init(self, why: str = "recovery", reason: str = NO_CHAIN_GIVEN) -> LoadResult:
         """Back to the initial rows and empty Adagrad state: step 0's (an empty chain); ``why``
-        (recovery or rollback) goes to the audit log."""
+        (recovery or rollback) and ``reason`` (why the initial rows) go to the audit log."""
         self._pending.clear()
         self._init_weights(self.seed)
         with self._torch.no_grad():
             for st in self.tbe.split_optimizer_states():
                 st[0].zero_()
-        self._loaded([], why)
-        return LoadResult(rows=0, bytes=0, chain=())
+        self._loaded([], why, reason)
+        return LoadResult(rows=0, bytes=0, chain=(), initial_rows_reason=reason)
 
-    def _loaded(self, chain: list[int], why: str) -> None:
-        """The rows are now those of ``chain`` (the initial ones for an empty chain), so the
-        shard is at ``chain[-1]`` committed steps: it forgets any step in flight, and the
-        MFU/SSU access counts restart from these rows."""
+    def _loaded(self, chain: list[int], why: str, initial_rows_reason: str | None = None) -> None:
+        """The rows are now those of ``chain`` (the initial ones for an empty chain, for
+        ``initial_rows_reason``), so the shard is at ``chain[-1]`` committed steps: it forgets
+        any step in flight, and the MFU/SSU access counts restart from these rows."""
         done = chain[-1] if chain else 0
         self._pending.clear()
         self._complete = None
@@ -39,7 +42,7 @@ class ShardSaving:
         self.first_step_after_load = None
         self._promoted = False
         self._ckpt.restart()
-        self._log({"event": "load", "chain": list(chain), "why": why})
+        self._log({"event": "load", "chain": list(chain), "why": why, "initial_rows_reason": initial_rows_reason})
         self._ckpt.prepare_snapshot_buffer()
 
     @exclusive
@@ -81,25 +84,30 @@ class ShardSaving:
 
     @exclusive
     def load_checkpoint(self, uri: str, steps: list[int], why: str = "recovery") -> LoadResult:
-        """Restores this shard from the chain ``steps`` (a full checkpoint, then incrementals,
-        each applied over the last) and forgets any step in flight.
+        """Restores this shard from a chain (a full checkpoint, then incrementals, each applied
+        over the last) and forgets any step in flight.
 
-        It reads and verifies only its own file of each step (``CheckpointStore.shard_chain``
-        up to ``steps[-1]``), each once: a corrupt one is refused and the chain falls back
-        (an older full, or a shorter run of incrementals); with no valid full the shard goes
-        back to its initial rows. The shard is then exactly at ``chain[-1]`` committed steps.
-        Returns the chain used and which shard rows each incremental held, for per-row
-        lost-sample accounting.
+        It reads and verifies only its own file of each step, each once
+        (``core.checkpoint.restore_shard``): a partial recovery (``why`` "recovery") takes the
+        newest valid chain at load time, a rollback ``steps`` or older; a corrupt, unlisted or
+        removed file is a fallback (an older full, or a shorter run of incrementals), named in
+        the result. The initial rows only where no checkpoint exists yet (or a rollback goes to
+        step 0), saying so in the result and the audit log. The shard is then exactly at
+        ``chain[-1]`` committed steps. Returns the chain used and which shard rows each
+        incremental held, for per-row lost-sample accounting.
+
+        Raises:
+            NoValidChain: checkpoints exist but none holds a valid chain of this shard's files.
         """
         t0 = time.perf_counter()
         self._pending.clear()  # a restore that fails midway must leave no lookup to apply over it
         self._complete = None
-        store = CheckpointStore(uri)
-        used, parts = store.shard_chain(self.shard_id, steps[-1]) if steps else ([], [])
-        fallbacks = tuple(CheckpointFallback(step=s, reason=r) for s, r in store.fallbacks)
+        found = restore_shard(CheckpointStore(uri), self.shard_id, steps, why)
+        fallbacks = tuple(CheckpointFallback(step=s, reason=r, removed=gone) for s, r, gone in found.fallbacks)
+        used, parts = found.steps, found.parts
         if not used:
-            self.reset_to_init(why)
-            return LoadResult(rows=0, bytes=0, chain=(), fallbacks=fallbacks, duration_s=time.perf_counter() - t0)
+            reset = self.reset_to_init(why, found.initial_rows_reason)
+            return dataclasses.replace(reset, fallbacks=fallbacks, duration_s=time.perf_counter() - t0)
         rows, nbytes, incremental_rows = self._ckpt.restore(
             used, parts, self._initialized, lambda: self._init_weights(self.seed)
         )

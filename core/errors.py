@@ -13,6 +13,7 @@ __all__ = [
     "InsufficientData",
     "CheckpointCorrupt",
     "CheckpointNotFound",
+    "NoValidChain",
     "ShardUnavailable",
     "TrainerConflict",
     "RunFailed",
@@ -61,6 +62,29 @@ class CheckpointCorrupt(CprError):
 
 class CheckpointNotFound(CprError):
     """No valid checkpoint exists under the storage URI."""
+
+
+class NoValidChain(CprError):
+    """A shard found no restorable chain of its own files although the store holds committed
+    checkpoints (each of its files corrupt, unlisted or removed): it kept away from its initial
+    rows, and the supervisor decides what now (a rollback of everything further back).
+
+    Args:
+        shard_id: the shard that loaded.
+        upto_step: the newest step it could use (None: any).
+        tried: ``(step, reason)`` of every checkpoint passed over, newest first.
+    """
+
+    def __init__(self, shard_id: int, upto_step: int | None, tried: tuple[tuple[int, str], ...]):
+        super().__init__(shard_id, upto_step, tuple(tried))
+        self.shard_id = shard_id
+        self.upto_step = upto_step
+        self.tried = tuple(tried)
+
+    def __str__(self) -> str:
+        bound = "" if self.upto_step is None else f" at or before step {self.upto_step}"
+        tried = "; ".join(f"step {s}: {r}" for s, r in self.tried) or "no checkpoint was readable"
+        return f"shard {self.shard_id} has no valid checkpoint chain{bound} ({tried})"
 
 
 class ShardUnavailable(CprError):

@@ -105,16 +105,19 @@ class WrittenPart:
 
 @dataclass(frozen=True)
 class CheckpointFallback:
-    """A checkpoint refused while loading (``reason``), and so passed over for an older one."""
+    """A checkpoint refused while loading (``reason``), and so passed over for an older one;
+    ``removed``: not corrupt, its manifest was gone (retention or a fence) when it was read."""
 
     step: int
     reason: str
+    removed: bool = False
 
 
 @dataclass(frozen=True)
 class LoadResult:
-    """What a shard loaded: the chain it used (it may fall back past a corrupt file of its own)
-    and, per incremental, the shard rows it held (for lost-sample accounting)."""
+    """What a shard loaded: the chain it used (it may fall back past a corrupt file of its own,
+    and a partial recovery may use a newer chain than the one it was given) and, per
+    incremental, the shard rows it held (for lost-sample accounting)."""
 
     rows: int
     bytes: int
@@ -122,6 +125,7 @@ class LoadResult:
     incremental_rows: tuple[tuple[int, np.ndarray], ...] = ()
     fallbacks: tuple[CheckpointFallback, ...] = ()
     duration_s: float = 0.0
+    initial_rows_reason: str | None = None  # why an empty chain: the initial rows are the state to be at
 
 
 @dataclass(frozen=True)

@@ -14,11 +14,12 @@ manifest: it never looks like a checkpoint.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import re
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import ray
@@ -91,7 +92,11 @@ class CheckpointCoordinator:
     ):
         self.cfg = cfg
         ck = cfg.checkpoint
-        self.store = CheckpointStore(cfg.checkpoint_uri, keep_last=ck.keep_last, keep=keep) if ck.stored else None
+        self._protected: dict[str, frozenset[int]] = {}  # owner -> steps a restore of its may load
+        self._protected_lock = threading.Lock()
+        self.store = CheckpointStore(
+            cfg.checkpoint_uri, keep_last=ck.keep_last, keep=lambda: set(keep()) | self.protected(),
+        ) if ck.stored else None
         self.costs = costs
         self.controller = IntervalController(cfg.recovery, costs, num_shards, ck.pls_target)
         self.record_event = record_event
@@ -168,6 +173,30 @@ class CheckpointCoordinator:
     def start(self, step: int = 0) -> None:
         self.last_checkpoint_step = step
         self.next_checkpoint_step = self.after(step)
+
+    # ------------------------------------------------------------------ protection
+
+    def protect(self, owner: str, steps: Iterable[int]) -> None:
+        """Retention keeps ``steps`` (and what each builds on) until ``release(owner)``: a
+        restore chosen by ``owner`` (a recovery, a rollback) is loaded after its chain was
+        chosen, and a save committing meanwhile runs gc. ``owner`` protects exactly ``steps``
+        from now on (a second call replaces the first). Once this returns no gc deletes them;
+        one that finished before may have already: a shard's load then falls back, saying so.
+        In memory: after a supervisor restart the owner protects its journaled chain again."""
+        steps = frozenset(int(s) for s in steps)
+        with self.store.keep_changing() if self.store is not None else contextlib.nullcontext():
+            with self._protected_lock:
+                self._protected[owner] = steps
+
+    def release(self, owner: str) -> None:
+        """``owner``'s restore is done: its steps are retention's again (idempotent)."""
+        with self._protected_lock:
+            self._protected.pop(owner, None)
+
+    def protected(self) -> set[int]:
+        """Every step some owner protects (without what they build on, which gc adds)."""
+        with self._protected_lock:
+            return set().union(*self._protected.values())
 
     # ------------------------------------------------------------------ chains
 

@@ -21,6 +21,7 @@ from core.checkpoint.files import (
 )
 from core.checkpoint.position import DataPosition, read_position
 from core.checkpoint.rows import ShardRows, merge_shard_rows, warm_up
+from core.checkpoint.shard_restore import NO_CHECKPOINT_YET, ROLLBACK_TO_START, ShardRestore, restore_shard
 from core.checkpoint.store import CheckpointStore
 
 __all__ = [
@@ -30,14 +31,18 @@ __all__ = [
     "FULL",
     "INCREMENTAL",
     "MANIFEST_FILE",
+    "NO_CHECKPOINT_YET",
+    "ROLLBACK_TO_START",
     "CheckpointInfo",
     "CheckpointStore",
     "DataPosition",
     "FileEntry",
+    "ShardRestore",
     "ShardRows",
     "local_path",
     "merge_shard_rows",
     "read_position",
+    "restore_shard",
     "shard_file_name",
     "step_dir_name",
     "warm_up",

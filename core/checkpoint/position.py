@@ -38,10 +38,10 @@ def read_position(store: CheckpointReader, step: int) -> DataPosition:
     """The data position saved with checkpoint ``step`` of ``store``, checksum verified.
 
     Raises:
-        CheckpointCorrupt: the blob fails its checksum, or is not a JSON object holding
-            every field of DataPosition as an integer >= 0 (naming the step, the file and
-            what is wrong).
-        CheckpointNotFound: ``step`` is not committed, or was committed without the blob.
+        CheckpointCorrupt: the blob fails its checksum, was committed without it, or is not
+            a JSON object holding every field of DataPosition as an integer >= 0 (naming the
+            step, the file and what is wrong).
+        CheckpointNotFound: ``step`` is not committed (or was removed meanwhile).
     """
     raw = store.read_blob(step, DATA_POSITION_FILE)
     where = f"checkpoint step {step}: file {DATA_POSITION_FILE}"

@@ -12,7 +12,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.fs as pafs
 
-from core.checkpoint.chain import find_chain
+from core.checkpoint.chain import REMOVED, FoundChain, find_chain
 from core.checkpoint.files import (
     MANIFEST_FILE,
     STEP_DIR_RE,
@@ -33,6 +33,9 @@ __all__ = ["CheckpointReader"]
 logger = logging.getLogger(__name__)
 
 _VERIFY_CHUNK_BYTES = 16 << 20
+# A checkpoint removed between a listing and its read means the listing is stale: a fresh
+# one may hold a newer state (a save committed meanwhile). Bounded: retention never stops.
+_RELISTS = 2
 
 
 class CheckpointReader:
@@ -40,12 +43,14 @@ class CheckpointReader:
 
     Corrupt checkpoints skipped by ``latest_valid``, ``chain_steps``, ``verified_chain`` and
     ``shard_chain`` are logged and appended to ``fallbacks`` as ``(step, reason)``, each
-    (step, reason) once per instance.
+    (step, reason) once per instance; so are those whose manifest went while a chain was being
+    read (retention or a fence), which are also in ``removed_steps``.
     """
 
     def __init__(self, uri: str) -> None:
         self.uri = uri
         self.fallbacks: list[tuple[int, str]] = []
+        self.removed_steps: set[int] = set()
         self._reported: set[tuple[int, str]] = set()
         self._fs, self._root = resolve(uri)
         # Verdicts on whole checkpoints, each kept with the manifest it was reached on: a
@@ -206,10 +211,21 @@ class CheckpointReader:
     # ----------------------------------------------------------------- internals
 
     def _chain(self, upto_step: int | None, verify: Callable[[CheckpointInfo], object], record: bool) -> list[int]:
-        committed = [s for s in self.list_committed() if upto_step is None or s <= upto_step]
-        found = find_chain(committed, self.info, verify)
+        """``find_chain`` over a fresh listing, listed again (up to ``_RELISTS`` times) while a
+        checkpoint of the listing turns out removed; every removal is reported all the same."""
+        removed: list[int] = []
+        found: FoundChain | None = None
+        for _ in range(1 + _RELISTS):
+            if found is not None:
+                removed += found.removed
+            committed = [s for s in self.list_committed() if upto_step is None or s <= upto_step]
+            found = find_chain(committed, self.info, verify)
+            if not found.removed:
+                break
         if record:
-            self._report(found.skipped_fulls, found.steps[0] if found.steps else None)
+            self.removed_steps.update(removed + list(found.removed))
+            first = found.steps[0] if found.steps else None
+            self._report([(s, REMOVED) for s in removed if s not in found.removed] + found.skipped_fulls, first)
             if found.stopped_before is not None:
                 self._report([found.stopped_before], found.steps[-1])
         return found.steps
@@ -220,7 +236,10 @@ class CheckpointReader:
             if (step, reason) in self._reported:
                 continue
             self._reported.add((step, reason))
-            logger.warning("checkpoint step %d is corrupt: %s; %s", step, reason, target)
+            if reason.startswith(REMOVED):
+                logger.warning("checkpoint step %d was %s; %s", step, reason, target)
+            else:
+                logger.warning("checkpoint step %d is corrupt: %s; %s", step, reason, target)
             self.fallbacks.append((step, reason))
 
     def _verify_files(self, info: CheckpointInfo) -> CheckpointInfo:
@@ -241,6 +260,7 @@ class CheckpointReader:
                     raise CheckpointCorrupt(f"checkpoint step {step}: file {name} is missing") from None
                 self._check_checksum(step, entry, hasher)
         except CheckpointCorrupt as exc:
+            self._unless_removed(step)
             self._corrupt[step] = (info, str(exc))
             raise
         self._valid[step] = info
@@ -277,11 +297,25 @@ class CheckpointReader:
         uncommitted = [s for s, m in zip(steps, manifests) if m.type != pafs.FileType.File]
         return committed, uncommitted
 
+    def _unless_removed(self, step: int) -> None:
+        """Raises CheckpointNotFound if the manifest of ``step`` is gone: a file found missing
+        then went with its checkpoint (retention or a fence), which is not corrupt."""
+        if self._fs.get_file_info(self._path(step, MANIFEST_FILE)).type != pafs.FileType.File:
+            raise CheckpointNotFound(f"checkpoint step {step} under {self.uri} was {REMOVED}")
+
     def _read_verified(self, step: int, name: str) -> pa.Buffer:
+        try:
+            return self._read_listed(step, name)
+        except CheckpointCorrupt:
+            self._unless_removed(step)
+            raise
+
+    def _read_listed(self, step: int, name: str) -> pa.Buffer:
         info = self.info(step)
         entry = info.files.get(name)
         if entry is None:
-            raise CheckpointNotFound(f"checkpoint step {step} has no file {name}; it has {sorted(info.files)}")
+            # Committed without it: the checkpoint cannot restore what the file would hold.
+            raise CheckpointCorrupt(f"checkpoint step {step} lists no file {name}; it lists {sorted(info.files)}")
         try:
             if self._fs.type_name == "local":
                 # Mapped, not copied: the page cache's pages are used as they are (a fresh

@@ -1,16 +1,16 @@
 """What checkpoint retention may delete: all but the newest ``keep_last`` full checkpoints
-and what builds on them, never the newest valid state. Pure over the manifests; the store
-deletes.
+and what builds on them, never the newest valid state nor a step someone still restores
+from (and what it builds on). Pure over the manifests; the store deletes.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from core.checkpoint.files import FULL, CheckpointInfo
 from core.errors import CheckpointCorrupt
 
-__all__ = ["expired_steps", "protected_steps"]
+__all__ = ["expired_steps", "protected_steps", "with_bases"]
 
 
 def expired_steps(infos: dict[int, CheckpointInfo | None], keep_last: int) -> list[int]:
@@ -31,6 +31,23 @@ def expired_steps(infos: dict[int, CheckpointInfo | None], keep_last: int) -> li
     return [s for s in sorted(infos) if expired(s)]
 
 
+def with_bases(infos: dict[int, CheckpointInfo | None], steps: Iterable[int]) -> set[int]:
+    """``steps`` and everything each one's restore builds on: an incremental's base full and
+    the incrementals on that base before it (a chain restores them all, in order), and any
+    unreadable manifest in between, which might be one of them."""
+    kept = set(steps)
+    for step in list(kept):
+        info = infos.get(step)
+        if info is None or info.base_step is None:
+            continue
+        base = info.base_step
+        kept.add(base)
+        kept.update(
+            other for other, o in infos.items() if base < other < step and (o is None or o.base_step == base)
+        )
+    return kept
+
+
 def protected_steps(
     infos: dict[int, CheckpointInfo | None], chain: list[int], verify: Callable[[int], CheckpointInfo]
 ) -> set[int]:
@@ -38,20 +55,10 @@ def protected_steps(
 
     ``verify`` raises CheckpointCorrupt for a step that is not valid.
     """
-    protected = set(chain)
     for step in sorted(infos, reverse=True):
         try:
-            newest = verify(step)
+            verify(step)
         except CheckpointCorrupt:
             continue
-        protected.add(step)
-        if newest.base_step is not None:
-            # Unreadable manifests in between might be part of its chain: keep them too.
-            protected.update(
-                other
-                for other, info in infos.items()
-                if newest.base_step <= other < step and (info is None or info.base_step == newest.base_step)
-            )
-            protected.add(newest.base_step)
-        break
-    return protected
+        return with_bases(infos, [*chain, step])
+    return set(chain)

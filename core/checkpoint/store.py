@@ -5,10 +5,12 @@ retention, on top of CheckpointReader's verified reads and restore chains.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import threading
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from core.checkpoint.files import (
@@ -29,7 +31,7 @@ from core.checkpoint.files import (
 )
 from core.checkpoint.manifest import manifest_from_json, manifest_to_json
 from core.checkpoint.reader import CheckpointReader
-from core.checkpoint.retention import expired_steps, protected_steps
+from core.checkpoint.retention import expired_steps, protected_steps, with_bases
 from core.errors import CheckpointCorrupt, CheckpointNotFound, ConfigError
 
 __all__ = ["CheckpointStore"]
@@ -44,7 +46,10 @@ class CheckpointStore(CheckpointReader):
         uri: a local path, ``file://``, ``s3://``, ``gs://``, ``hdfs://`` ... URI.
         keep_last: number of newest FULL checkpoints that retention keeps (>= 1).
         keep: the steps a restore in flight may still load (a replacement trainer was told
-            to start there): retention keeps them whatever ``keep_last`` says.
+            to start there, a recovery or a rollback chose a chain): retention keeps them, and
+            what each builds on, whatever ``keep_last`` says. Whoever changes what ``keep``
+            returns does so inside ``keep_changing()`` for the change to bind a gc already
+            running.
 
     Corrupt checkpoints skipped by ``latest_valid``, ``chain_steps``, ``verified_chain`` and
     ``shard_chain`` are logged and appended to ``fallbacks`` as ``(step, reason)``, each
@@ -58,6 +63,19 @@ class CheckpointStore(CheckpointReader):
         super().__init__(uri)
         self.keep_last = keep_last
         self.keep = keep or set
+        # A gc deletes manifests only if ``keep`` did not change since it read it, so a step
+        # protected once ``keep_changing`` returns is never deleted by a gc under way. ``keep``
+        # may take its owner's lock: it is read without holding this one.
+        self._retention = threading.Lock()
+        self._keep_version = 0
+
+    @contextlib.contextmanager
+    def keep_changing(self) -> Iterator[None]:
+        """Wraps a change of what ``keep`` returns: waits for manifest deletions under way, and
+        makes a gc that read ``keep`` before read it again."""
+        with self._retention:
+            yield
+            self._keep_version += 1
 
     # ----------------------------------------------------------------- commit
 
@@ -158,7 +176,8 @@ class CheckpointStore(CheckpointReader):
         Keeps the newest ``keep_last`` full checkpoints (corrupt ones count: they are left
         for inspection, not deleted) and every later checkpoint except incrementals built on
         an older full; older checkpoints are deleted.
-        Never deletes the newest valid checkpoint nor the chain of the newest valid state.
+        Never deletes the newest valid checkpoint nor the chain of the newest valid state, nor
+        a step ``keep`` names or what it builds on (its base full, the incrementals before it).
         Uncommitted directories older than the newest committed step are crashed saves and
         are deleted; newer ones may be saves in progress and are left.
 
@@ -177,21 +196,34 @@ class CheckpointStore(CheckpointReader):
         candidates = expired_steps(infos, self.keep_last)
         if candidates:
             chain = self._chain(None, self._verify_once, record=False)
-            protected = protected_steps(infos, chain, lambda s: self._verify_once(self.info(s))) | set(self.keep())
-            doomed += [s for s in candidates if s not in protected]
-
+            protected = protected_steps(infos, chain, lambda s: self._verify_once(self.info(s)))
+            doomed += self._delete_manifests(candidates, protected, infos)
         for step in sorted(doomed):
-            directory = join(self._root, step_dir_name(step))
-            # Manifest first: a crash mid-delete leaves an uncommitted directory, not a
-            # committed checkpoint with files missing.
-            manifest_path = join(directory, MANIFEST_FILE)
-            if exists(self._fs, manifest_path):
-                self._fs.delete_file(manifest_path)
-            self._fs.delete_dir(directory)
+            self._fs.delete_dir(join(self._root, step_dir_name(step)))
             self._forget(step)
         if doomed:
             logger.info("checkpoint gc under %s deleted steps %s", self.uri, sorted(doomed))
         return sorted(doomed)
+
+    def _delete_manifests(self, candidates: list[int], protected: set[int], infos: dict) -> list[int]:
+        """Deletes the manifests of ``candidates`` that neither ``protected`` nor ``keep`` (with
+        what it builds on) holds, unless ``keep`` keeps changing; returns the steps deleted."""
+        for _ in range(3):
+            version = self._keep_version
+            kept = protected | with_bases(infos, self.keep())
+            doomed = [s for s in candidates if s not in kept]
+            with self._retention:
+                if version != self._keep_version:
+                    continue
+                for step in doomed:
+                    # Manifest first: a crash mid-delete leaves an uncommitted directory, not
+                    # a committed checkpoint with files missing.
+                    manifest_path = self._path(step, MANIFEST_FILE)
+                    if exists(self._fs, manifest_path):
+                        self._fs.delete_file(manifest_path)
+                return doomed
+        logger.info("checkpoint gc under %s deferred: the steps to keep kept changing", self.uri)
+        return []
 
     def _forget(self, step: int) -> None:
         self._valid.pop(step, None)

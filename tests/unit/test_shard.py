@@ -245,9 +245,11 @@ def test_mfu_incremental_checkpoint_restores_row_by_row(tmp_path):
 
 def test_a_corrupt_file_of_its_own_falls_back_and_says_why(tmp_path):
     """The newest full's file of this shard is corrupt: the shard loads the older full, and
-    the result names the chain it used and the refused step; with no valid full left, it
-    goes back to its initial rows (an empty chain), as ``reset_to_init`` does."""
+    the result names the chain it used and the refused step; with no valid full left it
+    refuses (NoValidChain, naming both), keeping away from its initial rows, which only
+    ``reset_to_init`` (a reason given) restores."""
     from core.checkpoint import FULL, CheckpointStore, shard_file_name, step_dir_name
+    from core.errors import NoValidChain
 
     plan = make_plan("table_wise", TABLE_ROWS, 1)
     uri = str(tmp_path / "ckpt")
@@ -266,11 +268,12 @@ def test_a_corrupt_file_of_its_own_falls_back_and_says_why(tmp_path):
     assert loaded.chain == (1,) and [f.step for f in loaded.fallbacks] == [2] and loaded.fallbacks[0].reason
     path.parent.parent.joinpath(step_dir_name(1), shard_file_name(0)).write_bytes(b"")
     fresh = _shard(plan, 0, m=1)
-    back = fresh.load_checkpoint(uri, [2])
-    assert (back.rows, back.bytes, back.chain) == (0, 0, ()) and {f.step for f in back.fallbacks} >= {2}
+    with pytest.raises(NoValidChain, match="step 2: .*checksum.*step 1: .*0 bytes") as refused:
+        fresh.load_checkpoint(uri, [2])
+    assert [s for s, _ in refused.value.tried] == [2, 1] and refused.value.shard_id == 0
     assert fresh.applied_step == -1 and fresh.state().applied_step == -1
-    assert all(np.array_equal(a[0], b[0]) for a, b in zip(initial, fresh.get_rows()))
-    assert shard.reset_to_init("rollback") == LoadResult(rows=0, bytes=0, chain=())
+    reset = shard.reset_to_init("rollback", "a test: the initial rows")
+    assert reset == LoadResult(rows=0, bytes=0, chain=(), initial_rows_reason="a test: the initial rows")
     assert shard.applied_step == -1 and shard.applied_log() == []
     assert all(np.array_equal(a[0], b[0]) and not b[1].any() for a, b in zip(initial, shard.get_rows()))
 
