@@ -158,6 +158,7 @@ class ShardFleet:
             audit_dir=self.audit_dir,
             log_dir=self.log_dir,
             lease=self.fences.spec if self.fences is not None else None,
+            call_timeout_s=emb.call_timeout_s,  # its own waits are shorter (core.deadlines)
         )
 
     @staticmethod

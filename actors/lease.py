@@ -17,7 +17,9 @@ fenced: it exits at once. A process that cannot reach the GCS stops acting withi
 The successor waits out the term after writing the key whenever the predecessor may still
 be alive (anything but Ray's word that its process exited), so the two never act at once.
 This holds while ``ray.lease_s`` is shorter than the time Ray takes to declare a silent host
-dead (``health_check_period_ms`` x ``health_check_failure_threshold``).
+dead (``health_check_period_ms`` x ``health_check_failure_threshold``), and while an act
+begun under ``hold()`` ends within the lease: ``check_act`` fences a process whose act outlasted
+it (the act may have overlapped its successor's).
 """
 
 from __future__ import annotations
@@ -79,8 +81,8 @@ def gcs_kv() -> tuple[Read, Write]:
     return read, write
 
 
-def _exit_fenced(holder: str, other: str) -> None:
-    logger.error("fenced: %s was replaced by %s; this process exits", holder, other)
+def _exit_fenced(holder: str, why: str) -> None:
+    logger.error("fenced: %s %s; this process exits", holder, why)
     for h in logging.getLogger().handlers:
         h.flush()
     os._exit(FENCED_EXIT)
@@ -100,8 +102,10 @@ class LeaseSpec:
 class Lease:
     """Held by ``holder`` while the key names it (or is unset) as of a read less than
     ``term_s`` ago. ``hold()`` returns once a quarter term of it is left at least (the act
-    that follows must end within it); a read of another holder calls ``on_fenced`` (which
-    exits the process) and every ``hold()`` raises ``Fenced`` from then on."""
+    that follows must end within it, which ``check_act`` enforces); a read of another holder,
+    or an act that outlasted the lease, calls ``on_fenced(holder, why)`` (which exits the
+    process) and every ``hold()`` raises ``Fenced`` from then on. Moments are this process's
+    own clock's (``now``): no other host's clock is compared with it."""
 
     def __init__(self, key: bytes, holder: str, term_s: float, read: Read | None = None,
                  on_fenced: Callable[[str, str], None] = _exit_fenced, clock: Callable[[], float] = time.monotonic):
@@ -111,7 +115,7 @@ class Lease:
         self._clock = clock
         self._until = float("-inf")
         self._changed = threading.Condition()
-        self.fenced_by: str | None = None
+        self.fenced: str | None = None  # why this process may no longer act
 
     def start(self) -> Lease:
         """One renewal now (the caller holds the lease when this returns, unless fenced), then
@@ -130,14 +134,17 @@ class Lease:
             logger.warning("lease %s not renewed: %s", self.key.decode(), err)
             return
         if value is not None and value.decode() != self.holder:
-            with self._changed:  # from now on no hold() returns; then the process exits
-                self.fenced_by = value.decode()
-            self._on_fenced(self.holder, self.fenced_by)
-            with self._changed:
-                self._changed.notify_all()
+            self._fence(f"was replaced by {value.decode()}")
             return
         with self._changed:
             self._until = max(self._until, sent + self.term_s)
+            self._changed.notify_all()
+
+    def _fence(self, why: str) -> None:
+        with self._changed:  # from now on no hold() returns; then the process exits
+            self.fenced = self.fenced or why
+        self._on_fenced(self.holder, why)
+        with self._changed:
             self._changed.notify_all()
 
     def _loop(self) -> None:  # for the process's lifetime (a shard or trainer holds one place)
@@ -145,17 +152,37 @@ class Lease:
             time.sleep(self.term_s / 4)
             self.renew()
 
+    def now(self) -> float:
+        """This lease's clock (this host's monotonic one): the moments ``held_through`` takes."""
+        return self._clock()
+
     def valid(self, margin_s: float = 0.0) -> bool:
-        return self.fenced_by is None and self._clock() + margin_s < self._until
+        return self.held_through(self._clock() + margin_s)
+
+    def held_through(self, moment: float) -> bool:
+        """Whether no successor can have acted before ``moment`` (a reading of ``now``): a read
+        that named this holder, sent at ``s``, leaves the successor (who writes the key, then
+        waits a term) no act before ``s + term_s``, whenever that read's answer came."""
+        return self.fenced is None and moment < self._until
+
+    def check_act(self, act: str, ended: float | None = None) -> None:
+        """``hold()``'s promise enforced: ``act``, begun under ``hold()``, ended (at ``ended``,
+        else now) while the lease held. If not, it may have overlapped a successor's: the
+        process is fenced (``on_fenced`` exits it) and ``Fenced`` raised."""
+        ended = self._clock() if ended is None else ended
+        if self.held_through(ended):
+            return
+        self._fence(f"held no lease when {act} ended (it may have overlapped a successor)")
+        raise Fenced(f"{self.key.decode()}: {self.holder} {self.fenced}")
 
     def hold(self, timeout_s: float | None = None) -> bool:
         """Waits until at least a quarter term of the lease is left; False if ``timeout_s``
-        passed first. Raises ``Fenced`` once another holder was read."""
+        passed first. Raises ``Fenced`` once the process is fenced."""
         deadline = None if timeout_s is None else self._clock() + timeout_s
         with self._changed:
             while not self.valid(self.term_s / 4):
-                if self.fenced_by is not None:
-                    raise Fenced(f"{self.key.decode()}: {self.holder} was replaced by {self.fenced_by}")
+                if self.fenced is not None:
+                    raise Fenced(f"{self.key.decode()}: {self.holder} {self.fenced}")
                 left = None if deadline is None else deadline - self._clock()
                 if left is not None and left <= 0:
                     return False

@@ -16,6 +16,7 @@ import numpy as np
 import ray
 
 from core.checkpoint import warm_up
+from core.deadlines import Deadline, Deadlines
 from core.logs import configure_process_logging
 from core.errors import StaleLease
 from core.plan import TableSlice
@@ -44,6 +45,9 @@ class EmbeddingShard(MirrorRole, ShardSaving):
     trainer computed which microbatch, a microbatch resent by a redo overwrites its earlier copy
     instead of being applied twice, and a step that failed elsewhere and is redone finds the
     rows it found the first time. A mirror (``actors.shard_mirror``) gets every complete step.
+
+    Its callers wait ``call_timeout_s`` (T); every wait of its own is shorter
+    (``core.deadlines``), so a slow mirror or slow storage fails, not this shard.
     """
 
     def __init__(
@@ -65,6 +69,7 @@ class EmbeddingShard(MirrorRole, ShardSaving):
         idle_warmup: bool = False,
         ready_rows: list[int] | None = None,
         spare_tables: str = "lazy",
+        call_timeout_s: float = 60.0,  # embeddings.call_timeout_s (its default); the fleet passes the run's
     ):
         """``shard_id`` None: a warm spare (``spare`` names it). It imports torch and fbgemm
         (``idle_warmup``: only on CPU time nobody else wants, not to slow a run's first steps)
@@ -72,6 +77,7 @@ class EmbeddingShard(MirrorRole, ShardSaving):
         rows per slice ahead (``tables_wanted``), until ``adopt`` makes it a shard."""
         role = spare.rsplit("-", 1)[-1] if spare else f"shard-{shard_id}"
         self._lock = threading.RLock()  # the default group's methods and the link's requests (exclusive)
+        self.deadlines = Deadlines(call_timeout_s)
         configure_process_logging(log_dir, role, ray.util.get_node_ip_address())
         warm = at_idle_priority if idle_warmup else lambda fn, *args: fn(*args)
         kernel = warm(load_kernel, threads)
@@ -260,6 +266,7 @@ class EmbeddingShard(MirrorRole, ShardSaving):
         here (and on the mirror), so its update happens once, at its commit."""
         if step <= self.applied_step:
             return PushResult(applied=True, duplicate=True)
+        deadline = Deadline(self.deadlines.lock_wait_s)
         chunk = self._pending.chunk(step, microbatches)
         if chunk is None:
             # A newer attempt of this step split it differently and replaced this chunk (or a
@@ -269,29 +276,43 @@ class EmbeddingShard(MirrorRole, ShardSaving):
         if not self._pending.completes(step, chunk):
             chunk.grad = self._shm.get(grad)  # kept until the step's other chunks arrive: a copy
             return PushResult(applied=False)
-        if self._lease is not None and not self._lease.hold(timeout_s=2 * self._lease.term_s):
+        if not self._hold_lease(deadline):
             # The cluster did not confirm this shard's place in time: not taken, the step is
             # redone (a process replaced meanwhile raises Fenced here and exits).
             return PushResult(applied=False, stale=True)
         chunk.grad = self._shm.get(grad)  # the trainer's slab is rewritten before the commit
-        if not self._send_to_mirror(step):
+        if not self._send_to_mirror(step):  # within mirror_feed_s: a slow mirror is killed, not this shard
             chunk.grad = None  # not complete: the redo sends it again, to this shard alone
             return PushResult(applied=False, stale=True)
+        self._check_act(f"completion of step {step}")
         self._complete = step
         self._log({"event": "complete", "step": step,
                    "microbatches": [m for c in self._pending.ordered(step) for m in c.microbatches]})
         return PushResult(applied=True)
 
-    def _commit_before(self, step: float) -> None:
+    def _commit_before(self, step: float, deadline: Deadline | None = None) -> None:
         """Steps before ``step`` are committed (a trainer asks for ``step``, a save of ``step``
-        steps comes): the complete step, if older, applies now."""
+        steps comes): the complete step, if older, applies now. ``deadline``: the call's bound
+        on its waits under the lock (``Deadlines.lock_wait_s`` from now by default)."""
         if self._complete is not None and self._complete < step:
-            if self._lease is not None and not self._lease.hold(timeout_s=2 * self._lease.term_s):
+            if not self._hold_lease(deadline or Deadline(self.deadlines.lock_wait_s)):
                 # Cut off from the cluster: its successor may hold the place and apply this step.
                 raise StaleLease(f"shard {self.shard_id}: its place was not confirmed in time; "
                                  f"step {self._complete} is not applied here")
             complete, self._complete = self._complete, None
             self._apply(complete)
+            self._check_act(f"apply of step {complete}")
+
+    def _hold_lease(self, deadline: Deadline) -> bool:
+        """The lease's confirmation (``Lease.hold``) for an act that follows, waited for at most
+        two terms and never past ``deadline``; True without a lease."""
+        return self._lease is None or self._lease.hold(timeout_s=deadline.remaining(2 * self._lease.term_s))
+
+    def _check_act(self, act: str) -> None:
+        """The act just done under ``_hold_lease`` ended while the lease held; else it may have
+        overlapped a successor's, and the process is fenced: it exits (``Lease.check_act``)."""
+        if self._lease is not None:
+            self._lease.check_act(f"shard {self.shard_id}'s {act}")
 
     def _apply(self, step: int) -> None:
         torch = self._torch

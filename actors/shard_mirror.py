@@ -9,8 +9,10 @@ merged in microbatch order exactly as it will apply them, to the mirror and answ
 only once the mirror has them: a step that trainers commit is on both. Both apply a step at its
 commit (when the next step's first request comes, or a save of it), with the same fbgemm kernel
 on the same inputs, so their rows stay bit-identical; a step redone after a failure replaces its
-inputs on both. A mirror that cannot take a step is killed by its primary before the step can
-commit (the step fails and is redone without it), so no mirror that missed a commit lives.
+inputs on both. A mirror that cannot take a step, or does not within ``Deadlines.mirror_feed_s``
+(shorter than the trainer's wait for the push), is killed by its primary before the step can
+commit (the step fails and is redone without it), so no mirror that missed a commit lives, and
+a stalled mirror never makes the trainer give up on its healthy primary.
 
 ``MirrorRole`` is mixed into ``EmbeddingShard``: the primary's side (``attach_mirror``, the feed)
 and the mirror's (``become_mirror``, ``sync_base``, ``replicate``, promotion in ``adopt``).
@@ -38,7 +40,8 @@ class MirrorMissed(RuntimeError):
 
 
 class MirrorFeed:
-    """The primary's end: sends each complete step to the mirror and waits for its receipt."""
+    """The primary's end: sends each complete step to the mirror and waits ``timeout_s`` (the
+    primary's ``Deadlines.mirror_feed_s``) for its receipt."""
 
     def __init__(self, handle, name: str, timeout_s: float):
         self.handle, self.name, self.timeout_s = handle, name, timeout_s
@@ -76,7 +79,7 @@ class _MirrorOf:
 
 class MirrorRole:
     """Mixed into EmbeddingShard (which provides ``_lock``, ``_pending``, ``_complete``,
-    ``_commit_before``, ``_allocate``, ``_activate`` and the tables)."""
+    ``_commit_before``, ``_allocate``, ``_activate``, ``deadlines`` and the tables)."""
 
     _feed: MirrorFeed | None = None
     _mirror: _MirrorOf | None = None
@@ -87,7 +90,9 @@ class MirrorRole:
     def attach_mirror(self, name: str, timeout_s: float) -> dict:
         """Makes the actor ``name`` this shard's mirror: copies the rows and Adagrad state as
         they stand (a step complete but not applied goes after them) and feeds it every step
-        from now on. Runs in the "mirror" concurrency group: only the copy holds training."""
+        from now on, waiting ``deadlines.mirror_feed_s`` for each step's receipt. ``timeout_s``
+        bounds the wait for the copy (outside the lock). Runs in the "mirror" concurrency
+        group: only the copy holds training."""
         handle = ray.get_actor(name, namespace=ray.get_runtime_context().namespace)
         t0 = time.perf_counter()
         with self._lock:
@@ -100,7 +105,7 @@ class MirrorRole:
             refs = [handle.sync_base.remote(self.shard_id, applied, weights, states)]
             if self._complete is not None:
                 refs.append(handle.replicate.remote(self._complete, *merge_chunks(self._pending.ordered(self._complete))))
-            self._feed = feed = MirrorFeed(handle, name, timeout_s)
+            self._feed = feed = MirrorFeed(handle, name, self.deadlines.mirror_feed_s)
             hold_s = time.perf_counter() - t0
         try:
             ray.get(refs, timeout=timeout_s)

@@ -8,6 +8,7 @@ import dataclasses
 import time
 
 from core.checkpoint import CheckpointStore, restore_shard
+from core.deadlines import Deadline
 from core.records import CheckpointFallback, LoadResult, Snapshot, WrittenPart
 from actors.shard_link import exclusive
 
@@ -58,23 +59,28 @@ class ShardSaving:
         (name, size, checksum) goes back to the supervisor, which commits the manifest once
         every part is durable. The rows count as saved (their MFU/SSU counts cleared) only
         when ``confirm_save`` names this step, i.e. its manifest committed.
+
+        Its waits under the lock (the previous write, the lease, the buffer) end within
+        ``deadlines.lock_wait_s``: slow storage fails this save (``TimeoutError``), not the shard.
         """
+        deadline = Deadline(self.deadlines.lock_wait_s)
         self._ckpt.confirm(confirmed_step)
-        self._ckpt.wait_written()
-        self._commit_before(step)
+        self._ckpt.wait_written(deadline)
+        self._commit_before(step, deadline)
         if self.applied_step != step - 1:
             raise RuntimeError(
                 f"shard {self.shard_id}: asked to save step {step} but has applied "
                 f"{self.applied_step + 1} steps; the checkpoint would be inconsistent"
             )
-        return self._ckpt.snapshot(uri, step, save_index, full)
+        return self._ckpt.snapshot(uri, step, save_index, full, deadline)
 
     def save_written(self, step: int) -> WrittenPart:
         """Phase one, part two (runs in its own concurrency group, beside training): waits
         until this shard's file of ``step`` is written and synced; returns its entry (name,
-        size, checksum) and the background write time. Raises if that write failed or no
-        save of ``step`` is in flight (this process did not take its snapshot)."""
-        return self._ckpt.written(step)
+        size, checksum) and the background write time. Raises if that write failed, did not end
+        within ``deadlines.written_s`` (slow storage) or no save of ``step`` is in flight (this
+        process did not take its snapshot)."""
+        return self._ckpt.written(step, self.deadlines.written_s)
 
     @exclusive
     def confirm_save(self, step: int | None) -> None:

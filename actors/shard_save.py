@@ -1,6 +1,7 @@
 """One embedding shard's side of checkpoints: which rows it saves (MFU/SSU access counts), its
 two-phase save (a snapshot at the step boundary, a background write, a confirmation once the
-manifest commits) and the load of its own files of a chain into its tables.
+manifest commits) and the load of its own files of a chain into its tables. Its waits for a
+write (slow storage) are bounded: the save fails, not the shard (``core.deadlines``).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Callable
 import numpy as np
 
 from core.checkpoint import ShardRows, write_shard_file
+from core.deadlines import Deadline
 from core.plan import TableSlice, shard_row_ids, slice_offsets
 from core.records import Snapshot, WrittenPart
 from actors.shard_chunks import this_thread_idle
@@ -120,14 +122,19 @@ class ShardCheckpoints:
 
     # ----------------------------------------------------------------- saving
 
-    def wait_written(self) -> None:
-        """Waits for the previous save's write (long done, normally)."""
-        if self._write is not None:
-            self._write.done.wait()
+    def wait_written(self, deadline: Deadline) -> None:
+        """Waits for the previous save's write (long done, normally) until ``deadline``; one
+        still running then (slow storage) raises ``TimeoutError``: this save is not taken (the
+        supervisor abandons it and saves again later) and the shard serves on."""
+        w = self._write
+        if w is not None and not w.done.wait(deadline.remaining()):
+            raise TimeoutError(f"shard {self.shard_id}: the write of checkpoint step {w.step} is still running "
+                               f"after {deadline.total_s:g}s (slow storage); no new save is taken before it ends")
 
-    def snapshot(self, uri: str, step: int, save_index: int, full: bool) -> Snapshot:
+    def snapshot(self, uri: str, step: int, save_index: int, full: bool, deadline: Deadline) -> Snapshot:
         """Copies the rows to save (all of them with ``full``, else the policy's selection
-        for save ``save_index``) and starts writing them as ``step`` in the background."""
+        for save ``save_index``) and starts writing them as ``step`` in the background. The
+        full snapshot's buffer is waited for until ``deadline`` (``TimeoutError`` after it)."""
         self._tracker.drain()
         t0 = time.perf_counter()
         if full or self.full_next:
@@ -136,7 +143,7 @@ class ShardCheckpoints:
         else:
             selection = self.priority.select(save_index)
         chosen = np.asarray(selection.rows, dtype=np.int64)
-        data = self._snapshot_full() if selection.full else self._snapshot_rows(chosen)
+        data = self._snapshot_full(deadline) if selection.full else self._snapshot_rows(chosen)
         self._unconfirmed = (step, chosen)
         self._write = _Write(step)
         threading.Thread(
@@ -152,12 +159,15 @@ class ShardCheckpoints:
             snapshot_s=time.perf_counter() - t0,
         )
 
-    def written(self, step: int) -> WrittenPart:
-        """Waits for the write of ``step``'s snapshot; raises if it failed or none is in flight."""
+    def written(self, step: int, timeout_s: float) -> WrittenPart:
+        """Waits for the write of ``step``'s snapshot, ``timeout_s`` at most (``TimeoutError``:
+        slow storage); raises if it failed or none is in flight."""
         w = self._write
         if w is None or w.step != step:
             raise RuntimeError(f"shard {self.shard_id}: no save of step {step} in flight here")
-        w.done.wait()
+        if not w.done.wait(timeout_s):
+            raise TimeoutError(f"shard {self.shard_id}: writing checkpoint step {step} took over {timeout_s:g}s "
+                               f"(slow storage)")
         if w.error is not None:
             raise RuntimeError(f"shard {self.shard_id}: writing checkpoint step {step} failed: {w.error}")
         return WrittenPart(entry=w.entry, write_s=w.write_s)
@@ -177,11 +187,13 @@ class ShardCheckpoints:
         self._unconfirmed = None
         self._since_save = []
 
-    def _snapshot_full(self) -> ShardRows:
+    def _snapshot_full(self, deadline: Deadline) -> ShardRows:
         """Every row, copied once into a buffer kept between saves (a fresh 100 MB allocation
         costs more in page faults than the copy; the previous write is done with it)."""
         self.prepare_snapshot_buffer()
-        self._buf_thread.join()
+        self._buf_thread.join(deadline.remaining())
+        if self._buf_thread.is_alive():  # made at idle priority on a busy host: the next save takes it
+            raise TimeoutError(f"shard {self.shard_id}: the snapshot buffer was not ready within {deadline.total_s:g}s")
         buf = self._buf
         weights_all, states_all = self._tbe.split_embedding_weights(), self._tbe.split_optimizer_states()
         for i in range(len(self.slices)):

@@ -1,7 +1,15 @@
 """Nested timeouts: every blocking call on a failure path has a deadline, and a caller always
-waits longer than the longest wait inside the method it calls.
+waits longer than the longest wait inside the method it calls, so that the slow party (a
+mirror, the storage, a shard) is the one declared slow, not the healthy one waiting for it.
 
-    shard call                T = embeddings.call_timeout_s
+    shard call                T = embeddings.call_timeout_s: a trainer's lookup and push_grads,
+                              the supervisor's save_checkpoint and save_written
+      under the shard's lock  lock_wait_s = T/4 for the lease's confirmation, the previous save's
+                              write and the snapshot buffer together (one deadline per call)
+      a primary's mirror      mirror_feed_s = T/2 for the mirror's receipt of a step: a mirror
+                              that does not answer is killed and the push answered (the step is
+                              redone without it) by 3/4 T, before its trainer gives up at T
+      its own write           written_s = T/2 (save_written): slow storage fails the save
     a recovery                supervisor_wait_s = 4 T (a respawn T, a load T, one retry of each)
     the save in flight        save_drain_s = 2 T (its background write and commit)
     a supervisor method       inner_s(method): what it waits for, at most (the table below)
@@ -9,7 +17,8 @@ waits longer than the longest wait inside the method it calls.
                               restarts meanwhile answers the retried call once rebuilt)
 
 ``SupervisorClient`` (``actors.client``) passes ``caller_s`` to every call; the supervisor's
-methods bound their own waits by ``inner_s``.
+methods bound their own waits by ``inner_s``; a shard is given T when it starts and bounds its
+own waits as above (``nesting`` lists every pair).
 """
 
 from __future__ import annotations
@@ -66,6 +75,39 @@ class Deadlines:
     def save_drain_s(self) -> float:
         """The save in flight: its shards' files, the dense state, the manifest."""
         return 2 * self.shard_call_s
+
+    @property
+    def lock_wait_s(self) -> float:
+        """What one shard call may wait under the shard's lock, its mirror aside: the lease's
+        confirmation, the previous save's write, the snapshot buffer. A trainer's call queued
+        behind it still has most of T."""
+        return self.shard_call_s / 4
+
+    @property
+    def mirror_feed_s(self) -> float:
+        """A primary's wait for its mirror's receipt of a step: with ``lock_wait_s`` before it,
+        the primary kills a mirror that does not answer and answers its trainer within T."""
+        return self.shard_call_s / 2
+
+    @property
+    def written_s(self) -> float:
+        """A shard's wait for its own background write, asked by the supervisor (which waits T)."""
+        return self.shard_call_s / 2
+
+    def nesting(self) -> tuple[tuple[str, float, str, float], ...]:
+        """(a wait, its deadline, who waits for it, their deadline) for every nested wait of a
+        shard call: each inner deadline must be the shorter."""
+        t = self.shard_call_s
+        return (
+            ("a push's lease confirmation and mirror feed", self.lock_wait_s + self.mirror_feed_s,
+             "the trainer's push_grads", t),
+            ("a lookup's lease confirmation", self.lock_wait_s, "the trainer's lookup", t),
+            ("a snapshot's waits for the lease, the previous write and the buffer", self.lock_wait_s,
+             "the supervisor's save_checkpoint", t),
+            ("a shard's wait for its own write", self.written_s, "the supervisor's save_written", t),
+            ("one shard call", t, "a recovery's wait", self.supervisor_wait_s),
+            ("a save's wait for its shards' files (save_written)", t, "the save in flight's drain", self.save_drain_s),
+        )
 
     def inner_s(self, method: str) -> float:
         """The longest a supervisor method waits before it answers (0: it answers at once)."""

@@ -136,3 +136,21 @@ def test_a_supervisor_method_gives_up_before_its_caller_does(method, call):
     caller_s = caller_timeouts(Deadlines(T))[method]
     assert blocked_s <= Deadlines(T).inner_s(method) + 0.05, (method, blocked_s)
     assert caller_s > blocked_s, (method, caller_s, blocked_s)
+
+
+@pytest.mark.parametrize("t", [0.05, 2.0, 10.0, 60.0, 3600.0])
+def test_every_wait_inside_a_shard_call_is_shorter_than_what_its_caller_waits(t):
+    """Issue 39: a primary waited for its mirror as long as its trainer waited for the primary,
+    and a save waited for the previous write with no deadline at all; the healthy caller's
+    callee was declared dead, not the slow party behind it. Every pair nests strictly now."""
+    d = Deadlines(shard_call_s=t)
+    pairs = d.nesting()
+    callers = {outer for _, _, outer, _ in pairs}
+    assert {"the trainer's push_grads", "the trainer's lookup", "the supervisor's save_checkpoint",
+            "the supervisor's save_written"} <= callers
+    for inner, inner_s, outer, outer_s in pairs:
+        assert 0 < inner_s < outer_s, (inner, inner_s, outer, outer_s)
+    # A push waits for its lease, then its mirror: together still inside the trainer's wait,
+    # with room for a call queued behind another's waits under the lock.
+    assert d.lock_wait_s + d.mirror_feed_s < d.shard_call_s
+    assert d.written_s < d.shard_call_s and d.mirror_feed_s < d.shard_call_s

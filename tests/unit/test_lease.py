@@ -80,7 +80,7 @@ def test_a_successor_named_in_the_key_fences_the_predecessor_even_inside_its_ter
     assert old.valid()
     fences.grant([shard_place(3, 2)], wait=False)
     old.renew()
-    assert fenced == [("g1", "g2")]
+    assert fenced == [("g1", "was replaced by g2")]
     assert not old.valid()
     with pytest.raises(Fenced):  # however it is called: no caller can go on
         old.hold(timeout_s=5.0)
@@ -98,7 +98,7 @@ def test_a_trainer_on_a_lost_host_is_fenced_and_its_replacement_holds_the_rank()
     assert zombie.valid()
     fences.grant([trainer_place(0, None, "nodeA")], wait=False)  # its host was declared dead
     zombie.renew()
-    assert fenced == [("111@nodeA", "lost@nodeA")]
+    assert fenced == [("111@nodeA", "was replaced by lost@nodeA")]
     fences.grant([trainer_place(0, 222, "nodeB")], wait=False)
     replacement, fenced_r = _lease(kv, clock, trainer_place(0, 222, "nodeB"))
     replacement.renew()
@@ -148,7 +148,44 @@ def test_a_fence_read_while_a_caller_waits_raises_in_that_caller():
     lease.renew()
     with pytest.raises(Fenced):
         lease.hold(timeout_s=1.0)
-    assert fenced == [("g1", "g2")]
+    assert fenced == [("g1", "was replaced by g2")]
+
+
+def test_an_act_that_ended_after_the_lease_ran_out_fences_the_process():
+    """hold()'s promise enforced: the act that follows it must end while the lease holds; one
+    that ended later may have overlapped a successor's, so the process is fenced (it exits)."""
+    kv, clock = KV(), Clock()
+    lease, fenced = _lease(kv, clock, term=1.0)
+    lease.renew()  # held until 101.0 on this process's clock
+    assert lease.hold(timeout_s=0)
+    kv.reachable = False  # cut off from here on
+    clock.now = 100.9
+    lease.check_act("a short act")  # ended inside the lease
+    assert lease.held_through(100.99) and not lease.held_through(101.0)
+    assert fenced == []
+    clock.now = 101.2
+    with pytest.raises(Fenced, match="held no lease when a long act ended"):
+        lease.check_act("a long act")
+    assert fenced == [("g1", "held no lease when a long act ended (it may have overlapped a successor)")]
+    with pytest.raises(Fenced):  # it never acts again, even once the GCS is back
+        kv.reachable = True
+        lease.renew()
+        lease.hold(timeout_s=0)
+
+
+def test_an_act_longer_than_a_quarter_term_holds_while_the_lease_is_renewed():
+    """What counts is the lease at the act's end, not the quarter term: renewals that named this
+    holder meanwhile keep a long act (a slow mirror's receipt) inside the lease."""
+    kv, clock = KV(), Clock()
+    lease, fenced = _lease(kv, clock, term=1.0)
+    lease.renew()
+    assert lease.hold(timeout_s=0)
+    for _ in range(8):  # 2 s of act, renewed every quarter term
+        clock.now += 0.25
+        lease.renew()
+    ended = lease.now()
+    lease.check_act("a long act", ended)
+    assert lease.held_through(ended) and fenced == []
 
 
 def test_keys_are_per_run():

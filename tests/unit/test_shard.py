@@ -199,6 +199,45 @@ def test_save_refuses_an_inconsistent_step(tmp_path):
         shard.save_checkpoint(str(tmp_path), 5)
 
 
+@pytest.mark.timeout(60)  # before issue 39 the second save hung under the shard's lock
+def test_a_stuck_write_fails_the_next_save_within_its_deadline_and_the_shard_trains_on(tmp_path, monkeypatch):
+    """Defect 5 of issue 39: a save waited for the previous save's write with no deadline, under
+    the shard's lock, so slow storage stalled every trainer's call until they reported the
+    healthy shard. Now the waits end within the shard's own deadlines, shorter than T: the
+    save fails (the supervisor abandons it and saves again later) and training goes on."""
+    import threading
+
+    import actors.shard_save
+
+    storage_back = threading.Event()
+    write = actors.shard_save.write_shard_file
+
+    def stalled_write(*args):
+        storage_back.wait()
+        return write(*args)
+
+    monkeypatch.setattr(actors.shard_save, "write_shard_file", stalled_write)
+    T = 2.0  # embeddings.call_timeout_s: what the supervisor waits for each of these calls
+    plan = make_plan("table_wise", TABLE_ROWS, 1)
+    shard = EmbeddingShard(0, list(plan.shards[0]), DIM, 0.1, 1e-8, 3, microbatches_per_step=1, call_timeout_s=T)
+    uri = str(tmp_path / "ckpt")
+    shard.save_checkpoint(uri, 0)  # its write hangs in the storage
+    with pytest.raises(TimeoutError, match="slow storage"):
+        shard.save_written(0)
+    rows = _batch(0, batch=16)
+    sb = plan.route(rows, 0)
+    shard.lookup(0, (0,), sb.lengths, sb.indices)
+    assert shard.push_grads(0, (0,), np.ones((16, 26 * DIM), dtype=np.float32)).applied
+    with pytest.raises(TimeoutError, match="write of checkpoint step 0 is still running"):
+        shard.save_checkpoint(uri, 1)
+    shard.lookup(1, (1,), sb.lengths, sb.indices)  # the lock is free: training goes on
+    assert shard.applied_step == 0
+    storage_back.set()
+    assert shard._ckpt._write.done.wait(30)
+    snapshot, written = _save(shard, uri, 1)  # the next save is taken and written
+    assert snapshot.full and written.entry is not None
+
+
 def test_mfu_incremental_checkpoint_restores_row_by_row(tmp_path):
     """MFU: a full save, more training, an incremental save of the top r rows; a fresh shard
     restored from the chain holds the incremental's rows as trained and the others as in

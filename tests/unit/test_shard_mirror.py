@@ -1,14 +1,18 @@
 """A shard's step applies at its commit, and a mirror fed the primary's complete steps holds
 the same rows and Adagrad state bit for bit, takes its place with nothing lost, and refuses to
-when it missed a step (``actors.shard_mirror``). Without Ray: the feed is called by hand."""
+when it missed a step (``actors.shard_mirror``). Without Ray: the feed is called by hand, or
+through a fake handle. A stalled mirror is the one killed, and an act that outlasts the
+shard's lease fences the shard."""
 
 import time
 
 import numpy as np
 import pytest
+import ray
 
 from core.plan import make_plan
 from core.records import PushResult
+from actors.lease import Fenced, LeaseSpec, shard_place
 from actors.shard import EmbeddingShard
 from actors.shard_chunks import merge_chunks
 from actors.shard_mirror import MirrorMissed
@@ -24,8 +28,8 @@ def _no_ray(monkeypatch):
     monkeypatch.setattr("ray.get_runtime_context", lambda: type("C", (), {"get_node_id": lambda self: "n"})())
 
 
-def _shard():
-    return EmbeddingShard(0, list(PLAN.shards[0]), DIM, 0.1, 1e-8, 3, microbatches_per_step=M)
+def _shard(**kw):
+    return EmbeddingShard(0, list(PLAN.shards[0]), DIM, 0.1, 1e-8, 3, microbatches_per_step=M, **kw)
 
 
 def _mirror(primary):
@@ -117,6 +121,9 @@ def test_a_shard_cut_off_from_the_cluster_applies_no_committed_step():
         def hold(self, timeout_s=None):
             return self.ok
 
+        def check_act(self, act, ended=None):
+            pass
+
     shard = _shard()
     _step(shard, 0)
     lease = shard._lease = Lease()
@@ -129,3 +136,119 @@ def test_a_shard_cut_off_from_the_cluster_applies_no_committed_step():
     lease.ok = True
     _step(shard, 2)
     assert shard.applied_step == 1
+
+
+def _lookups(shard, step, seed=None):
+    rng = np.random.default_rng(step if seed is None else seed)
+    for mb in (0, 1):
+        sb = PLAN.route(rng.integers(0, 60, size=(8, 26)), 0)
+        shard.lookup(step, (step * M + mb,), sb.lengths, sb.indices)
+    return [rng.standard_normal((8, len(PLAN.shards[0]) * DIM)).astype(np.float32) for _ in (0, 1)]
+
+
+class _StalledMirror:
+    """A mirror's handle whose replicate calls are never answered (a stalled process)."""
+
+    class _Method:
+        def __init__(self, name):
+            self.name = name
+
+        def remote(self, *args):
+            return self.name
+
+    sync_base, replicate = _Method("sync_base"), _Method("replicate")
+
+
+def test_a_stalled_mirror_is_killed_before_its_trainer_gives_up_on_the_primary(monkeypatch):
+    """Defect 5 of issue 39: the primary waited for its mirror as long as its trainer waits for
+    the push (T), and the trainer's wait began first: the trainer gave up and reported the
+    healthy primary. Now the primary gives up on the mirror well within T, kills it and answers
+    the push (stale: the step is redone without the mirror), and the redo applies here alone."""
+    T = 8.0  # embeddings.call_timeout_s: the trainer's wait for push_grads
+    mirror, waited, killed = _StalledMirror(), [], []
+
+    def get(refs, timeout=None):
+        if refs == "replicate":
+            waited.append(timeout)  # Ray waits this long, then gives up
+            raise ray.exceptions.GetTimeoutError(f"no answer in {timeout}s")
+        return None  # the base's copy arrived
+
+    context = type("C", (), {"namespace": "ns", "get_node_id": lambda self: "n"})()
+    monkeypatch.setattr("ray.get_runtime_context", lambda: context)
+    monkeypatch.setattr("ray.get_actor", lambda name, namespace=None: mirror)
+    monkeypatch.setattr("ray.get", get)
+    monkeypatch.setattr("ray.kill", lambda handle, no_restart=True: killed.append(handle))
+    primary, alone = _shard(call_timeout_s=T), _shard(call_timeout_s=T)
+    primary.attach_mirror("mirror", T)
+    for shard in (primary, alone):
+        grads = _lookups(shard, 0)
+        assert shard.push_grads(0, (1,), grads[1]) == PushResult(applied=False)
+    assert primary.push_grads(0, (0,), grads[0]) == PushResult(applied=False, stale=True)
+    assert killed == [mirror] and len(waited) == 1
+    # What the push waited at most (its lease's confirmation, then the mirror) is under T.
+    assert waited[0] + primary.deadlines.lock_wait_s < T, (waited, T)
+    for shard in (primary, alone):  # the step redone: applied here, without the mirror
+        grads = _lookups(shard, 0)
+        assert shard.push_grads(0, (1,), grads[1]) == PushResult(applied=False)
+        assert shard.push_grads(0, (0,), grads[0]) == PushResult(applied=True)
+        _step(shard, 1)
+    assert len(waited) == 1 and primary.applied_step == 0 and _same(primary, alone)
+
+
+def _cut_off_lease(shard, clock):
+    """A real lease on shard 0's place, renewed once at ``clock[0]`` (held one term from then),
+    then cut off from the GCS; returns the fences it calls (the process would exit)."""
+    fenced, reachable = [], [True]
+
+    def read(key, timeout_s):
+        if not reachable[0]:
+            raise TimeoutError("GCS unreachable")
+        return None  # the key unset: held by this reader
+
+    shard._lease = LeaseSpec("run", 1.0).lease(shard_place(0, 0), read=read, clock=lambda: clock[0],
+                                               on_fenced=lambda holder, why: fenced.append(why))
+    shard._lease.renew()
+    reachable[0] = False
+    return fenced
+
+
+def test_an_apply_that_outlasts_its_lease_fences_the_shard_instead_of_serving_on(monkeypatch):
+    """Defect 7 of issue 39: hold() promised that the apply after it ends within the lease, and
+    nothing checked it. An apply that ends after the lease ran out may have overlapped the
+    successor's: the shard is fenced (it exits) instead of answering and serving on."""
+    clock, shard = [100.0], _shard()
+    _step(shard, 0)
+    fenced = _cut_off_lease(shard, clock)  # held until 101.0
+    apply = shard._apply
+
+    def slow_apply(step):
+        apply(step)
+        clock[0] += 1.5  # the apply outlasted the lease
+
+    monkeypatch.setattr(shard, "_apply", slow_apply)
+    with pytest.raises(Fenced):
+        _step(shard, 1)  # step 1's first lookup commits step 0
+    assert fenced == ["held no lease when shard 0's apply of step 0 ended (it may have overlapped a successor)"]
+    with pytest.raises(Fenced):
+        shard._lease.hold(timeout_s=0)
+
+
+def test_a_push_whose_mirror_outlasted_the_lease_is_not_answered_complete():
+    """The other act under hold(): answering a push as complete. A mirror's receipt that came
+    after the lease ran out fences the shard; the trainer never hears the step is complete."""
+    clock, shard = [100.0], _shard()
+    fenced = _cut_off_lease(shard, clock)
+
+    class _SlowFeed:
+        name = "mirror"
+
+        def send(self, step, *inputs):
+            clock[0] += 1.5  # the mirror answered after the lease ran out
+            return True
+
+    shard._feed = _SlowFeed()
+    grads = _lookups(shard, 0)
+    assert shard.push_grads(0, (1,), grads[1]) == PushResult(applied=False)
+    with pytest.raises(Fenced):
+        shard.push_grads(0, (0,), grads[0])
+    assert fenced == ["held no lease when shard 0's completion of step 0 ended (it may have overlapped a successor)"]
