@@ -117,7 +117,9 @@ def assemble(inputs: RunInputs, on_crash: Callable[[str, BaseException], None], 
                                         reschedule_cost_s=ck.reschedule_cost_s, start_s=time.time()))
     n = inputs.plan.num_shards
     # The callables below name parts built further down: closures find them when called.
-    ledger = FailureLedger(lock, events, persist, lambda f: _count_lost(inputs, checkpoints, f), start_thread, hooks)
+    ledger = FailureLedger(lock, events, persist, lambda f: _count_lost(inputs, checkpoints, f), start_thread, hooks,
+                           protect=lambda owner, steps: checkpoints.protect(owner, steps),
+                           release=lambda owner: checkpoints.release(owner))
     fences = Fences(LeaseSpec(run_id, cfg.ray.lease_s))
     trainers = TrainerBook(
         lock, events, persist, hooks, policy, fail=lambda reason: controller.fail(reason),

@@ -61,15 +61,14 @@ class RecoveryExecutor:
         return handles, time.time() - t0
 
     def _load(self, handles: dict, chain: tuple[int, ...], why: str) -> tuple[dict[int, LoadResult], float]:
-        """Loads ``chain`` into every handle (the initial rows without a chain). A shard that
+        """Loads ``chain`` into every handle. A shard that
         died or did not answer within the call timeout is killed (a slow call counts as a
         death, and a slow actor must not live on beside its replacement), and ShardsLost
         names every such shard. ``why`` goes to the audit log."""
         t0 = time.time()
-        refs = {
-            k: (h.load_checkpoint.remote(self.uri, list(chain), why) if chain else h.reset_to_init.remote(why))
-            for k, h in handles.items()
-        }
+        # An empty chain too: the shard itself says whether no checkpoint exists yet (its initial
+        # rows, saying so) or a partial recovery finds a newer chain of its own files.
+        refs = {k: h.load_checkpoint.remote(self.uri, list(chain), why) for k, h in handles.items()}
         self._wait(list(refs.values()), num_returns=len(refs), timeout=self.timeout_s)
         loaded, lost = {}, []
         for k, ref in refs.items():

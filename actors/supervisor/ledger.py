@@ -34,7 +34,12 @@ class FailureLedger:
         count_lost: Callable[[FailureRecord], float],
         start_thread: Callable[..., threading.Thread],
         hooks: RunHooks,
+        protect: Callable[[str, tuple], None] = lambda owner, steps: None,
+        release: Callable[[str], None] = lambda owner: None,
     ):
+        # A partial recovery's chain is read again to count its lost samples: kept from
+        # retention from its record until that count is done.
+        self._protect, self._release = protect, release
         self._lock = lock
         self._events = events
         self._persist = persist
@@ -105,7 +110,17 @@ class FailureLedger:
     def add(self, records: list[FailureRecord]) -> None:
         """Part of a transition (the caller persists)."""
         with self._lock:
+            first = len(self._failures)
             self._failures.extend(records)
+        for i, f in enumerate(records, start=first):
+            if f.recovery == "partial" and f.lost_samples is None:
+                self._protect(_owner(i), f.chain)
+
+    def _keep_chains(self, indices: list[int]) -> None:
+        with self._lock:
+            chains = [(i, self._failures[i].chain) for i in indices]
+        for i, chain in chains:
+            self._protect(_owner(i), chain)
 
     def _close(self, i: int, redo_step: int) -> bool:
         """Closes open failure ``i`` at ``redo_step``: a full recovery's recomputed steps are
@@ -169,6 +184,7 @@ class FailureLedger:
 
     def count_later(self, indices: list[int]) -> None:
         if indices:
+            self._keep_chains(indices)
             self._start_thread("lost-samples", self._count_in_thread, indices)
 
     def _count_in_thread(self, indices: list[int]) -> None:
@@ -190,6 +206,7 @@ class FailureLedger:
                 if now.failed_at_step != f.failed_at_step:
                     continue  # a rollback moved the redo step meanwhile and counts it again
                 self._failures[i] = dataclasses.replace(now, lost_samples=lost, lost_samples_error=error)
+            self._release(_owner(i))
             self._events.record("lost_samples_counted", actor=f.actor, lost_samples=lost,
                                 first_step=f.first_step, failed_at_step=f.failed_at_step)
 
@@ -200,6 +217,12 @@ class FailureLedger:
                 "first_failure": self._first_failure, "first_kill": self._first_kill}
 
     def load(self, doc: dict) -> None:
+        """The journaled books; the chains of counts still to come are kept from retention again."""
         self._failures = [decode(FailureRecord, f) for f in doc["failures"]]
+        self._keep_chains([i for i, f in enumerate(self._failures) if f.recovery == "partial" and f.lost_samples is None])
         self._kills = [decode(KillRecord, k) for k in doc["kills"]]
         self._first_failure, self._first_kill = doc.get("first_failure", 0), doc.get("first_kill", 0)
+
+
+def _owner(index: int) -> str:
+    return f"lost samples of failure {index}"

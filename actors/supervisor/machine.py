@@ -24,7 +24,7 @@ from policies import Budget, FailurePolicy, RecoveryDecision
 __all__ = [
     "Running", "RecoveringShards", "RollingBack", "Finished", "Failed", "State", "RECOVERING", "TERMINAL",
     "TrainersCause", "ShardDied", "RespawnRetry", "WorkDone", "TrainersAllDied", "ResumeRequested", "StopRequested",
-    "RollbackRefused", "DenseRefused",
+    "RollbackRefused", "DenseRefused", "NoChainForShard",
     "Fail", "Transition", "transition", "state_to_dict", "state_from_dict", "FULL_RECOVERY", "EVERY_TRAINER_DIED",
     "RESUME", "ReplacementAtCheckpoint", "replacement_at_checkpoint",
 ]
@@ -190,6 +190,17 @@ class DenseRefused:
 
 
 @dataclass(frozen=True)
+class NoChainForShard:
+    """A shard being recovered found no valid chain of its own files though checkpoints exist:
+    everything (dense model included) goes back to ``step`` on ``chain`` instead."""
+
+    shard: int
+    step: int
+    chain: tuple[int, ...]
+    reason: str
+
+
+@dataclass(frozen=True)
 class ResumeRequested:
     step: int
     chain: tuple[int, ...]
@@ -240,6 +251,15 @@ def transition(
         first = state.step if state.refused_from is None else state.refused_from
         return Transition(replace(state, step=event.step, chain=tuple(event.chain), refused_from=first),
                           f"rollback to step {state.step} refused ({event.reason}): roll back to step {event.step}")
+    if isinstance(event, NoChainForShard):
+        if not isinstance(state, RecoveringShards):
+            return None
+        return Transition(
+            RollingBack(event.step, FULL_RECOVERY, tuple(event.chain), dict(state.targets), state.causes,
+                        state.decision, dict(state.spares)),
+            f"shard {event.shard} has no valid checkpoint chain ({event.reason}): roll everything back to step "
+            f"{event.step}",
+        )
     if isinstance(event, DenseRefused):
         if isinstance(state, RollingBack):
             return transition(state, RollbackRefused(event.step, event.chain, event.reason))

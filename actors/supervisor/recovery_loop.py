@@ -11,8 +11,10 @@ import time
 from collections.abc import Sequence
 
 from actors.supervisor.events import EventLog
-from actors.supervisor.machine import RECOVERING, RollingBack, State
+from actors.supervisor.machine import RECOVERING, NoChainForShard, RollingBack, State
 from actors.supervisor.outcome import ChainMismatch, ShardsLost, refusal
+from core.errors import NoValidChain
+from core.records import CheckpointFallback
 from policies import Budget
 
 __all__ = ["RecoveryLoop"]
@@ -48,6 +50,9 @@ class RecoveryLoop:
         except ChainMismatch as err:
             self._refused(state, err)
             return attempts
+        except NoValidChain as err:
+            self._no_chain(state, err)
+            return attempts
         except self._p.retried as err:
             attempts += 1
             self._events.record("recovery_error", state=state.name, error=repr(err)[:300], attempt=attempts)
@@ -66,6 +71,20 @@ class RecoveryLoop:
             if self._c.transition(refusal(err, self._p.full_upto)):
                 return
         self._c.fail(f"invariant: {err}")
+
+    def _no_chain(self, state: State, err: NoValidChain) -> None:
+        """A shard found no valid chain of its own files (each corrupt, unlisted or removed)
+        though checkpoints exist: never its initial rows under a later model. A partial
+        recovery becomes a rollback of everything to the newest consistent checkpoint; a
+        rollback passes over the checkpoints it refused, like a corrupt file."""
+        if isinstance(state, RollingBack):
+            fallbacks = tuple(CheckpointFallback(s, r) for s, r in err.tried if s <= state.step)
+            self._refused(state, ChainMismatch(str(err), fallbacks))
+            return
+        self._p.refuse(tuple(CheckpointFallback(s, r) for s, r in err.tried))
+        chain = tuple(self._p.consistent_chain())
+        if not self._c.transition(NoChainForShard(err.shard_id, chain[-1] if chain else 0, chain, str(err)[:300])):
+            self._c.fail(f"invariant: {err}")
 
     def _on_lost(self, state: State, lost: Sequence[int], attempts: int) -> int:
         """Shards the executor lost: a replacement that did not answer is respawned under a new
