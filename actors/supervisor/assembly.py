@@ -105,8 +105,8 @@ def assemble(inputs: RunInputs, on_crash: Callable[[str, BaseException], None], 
     lock = threading.RLock()
     deadlines = Deadlines.of(cfg)
     policy = FailurePolicy(cfg.budgets.limits())
-    books = Books(Journal(inputs.run_dir), lock,
-                  {"run_id": run_id, "attempt": 1, "supervisor_restarts": 0, "attempt_restarts": 0})
+    header = {"run_id": run_id, "attempt": 1, "supervisor_restarts": 0, "attempt_restarts": 0}
+    books = Books(Journal(inputs.run_dir), lock, header, on_unwritable=lambda reason: controller.fail(reason))
     persist, hooks, run_log = books.persist, HookList(), RunLog(inputs.run_dir, fresh=fresh_files)
     events = EventLog(lock, hooks, persist)
 
@@ -136,7 +136,7 @@ def assemble(inputs: RunInputs, on_crash: Callable[[str, BaseException], None], 
     hooks.add(RunLogHook(run_log))
     hooks.add(MetricsHook(RunMetrics(run_id, trainers.samples_per_step), trainers.failure_of))
     checkpoints = CheckpointCoordinator(cfg, n, costs, events.record, trainers.step_time_s, hooks, start_thread,
-                                        keep=trainers.pinned)
+                                        keep=trainers.pinned, policy=policy, fail=lambda reason: controller.fail(reason))
 
     def occupied(exclude=()) -> list:
         c = controller

@@ -71,6 +71,7 @@ def continue_history(p: Parts, doc: dict) -> None:
     _load_history(p, doc)
     p.ledger.begin_attempt()
     p.trainers.load(doc["trainers"], AppendLog.read(p.inputs.run_dir / BOOK_FILE), history_only=True)
+    p.checkpoints.failures.carry(doc.get("checkpoints") or {})
     p.events.record("attempt_started", attempt=doc["attempt"] + 1, previous_run_id=doc["run_id"],
                     previous_state=doc["controller"]["state"]["state"])
 
