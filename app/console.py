@@ -53,7 +53,9 @@ def format_event(e: dict) -> str | None:
             f"{e['duration_s']:.2f}s{background}"
         )
     if kind == "checkpoint_failed":
-        return f"[checkpoint] step {e['step']} not saved ({e['error']}); abandoned, saving again at a later step"
+        again = f"trying again at step {e['retry_step']}" if e.get("retry_step") is not None else "saving again later"
+        in_a_row = f", {e['failed_in_a_row']} failed in a row" if e.get("failed_in_a_row") else ""
+        return f"[checkpoint] step {e['step']} not saved ({e['error']}); abandoned{in_a_row}, {again}"
     if kind == "host_lost":
         (h,) = hosts_lost([e])
         after = f" {h['declared_dead_s']:.2f}s after it stopped answering" if h["declared_dead_s"] is not None else ""

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from app.tallies import hosts_lost, overhead_seconds, save_split
+from app.tallies import hosts_lost, overhead_seconds, save_failures, save_split
 from core import accounting
 from core.config import RunConfig, load_config
 from core.errors import CprError
@@ -208,16 +208,21 @@ def _failures(
 
 
 def _checkpoints(cfg: RunConfig | None, journal: dict, events: list[dict]) -> dict:
-    """The saves, and the checkpoint interval last in use."""
+    """The saves, the failed ones, and the checkpoint interval last in use."""
     saves = _of(events, "checkpoint_saved")
     intervals = _of(events, "interval_changed")
+    schedule = journal.get("schedule") or {}
     interval_steps = (
         intervals[-1].get("interval_steps") if intervals
-        else (journal.get("schedule") or {}).get("interval_steps_in_use") or (cfg.checkpoint.every_steps if cfg else None)
+        else schedule.get("interval_steps_in_use") or (cfg.checkpoint.every_steps if cfg else None)
     )
     return {
         "checkpoints_saved": len(saves),
         "incremental_checkpoints": sum(1 for e in saves if e.get("checkpoint_kind") == "incremental"),
+        "failed_saves": (
+            {"failed": schedule["failed_saves"], "longest_in_a_row": schedule.get("longest_failed_in_a_row") or 0}
+            if schedule.get("failed_saves") is not None else save_failures(events)
+        ),
         "checkpoint_policy": {"policy": cfg.checkpoint.policy if cfg else None, "interval_steps": interval_steps},
         "interval_changes": intervals,
     }

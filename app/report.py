@@ -11,7 +11,7 @@ from pathlib import Path
 
 from app.rebuild import REPORT_FILE, ReportError, load_run, rebuild_report
 from app.summary import format_summary
-from app.tallies import hosts_lost, mirrors_section, overhead_seconds, save_split
+from app.tallies import hosts_lost, mirrors_section, overhead_seconds, save_failures, save_split
 from core.config import RunConfig
 from core.journal import EVENTS_FILE
 from policies import expected_pls
@@ -88,6 +88,8 @@ def build_report(cfg: RunConfig, summary: dict, data: dict, wall: dict) -> dict:
         "pls": lost_samples / samples if samples else 0.0,
         "checkpoints_saved": len(saves),
         "incremental_checkpoints": sum(1 for e in saves if e.get("checkpoint_kind") == "incremental"),
+        # Saves that failed (storage, a shard), each retried after a backoff while training went on.
+        "failed_saves": summary.get("save_failures") or save_failures(summary.get("events", [])),
         "checkpoint_policy": policy,
         "interval_changes": [e for e in summary.get("events", []) if e["kind"] == "interval_changed"],
         "trainer_failures": summary.get("trainer_failures", []),

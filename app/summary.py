@@ -52,8 +52,8 @@ def _data_line(data: dict | None) -> str:
 
 
 def _overview(report: dict) -> list[str]:
-    """The run's name, then one line each: quality, samples, bad lines, failures, recovery,
-    overhead and wall time."""
+    """The run's name, then one line each: quality, samples, bad lines, failures, failed saves
+    (if any), recovery, overhead and wall time."""
     w = report.get("wall_time_s") or {}
     ceiling = report.get("ceiling_auc")
     policy = report.get("checkpoint_policy") or {}
@@ -79,6 +79,7 @@ def _overview(report: dict) -> list[str]:
         f"policy {_fmt(policy.get('policy'), '')}, every {_fmt(policy.get('interval_steps'), '')} steps"
         + (f", expected PLS {policy['expected_pls']:.5f}" if policy.get("expected_pls") is not None else "")
         + ")",
+        *_failed_saves(report),
         f"  recovery          requested {(report.get('recovery') or {}).get('requested') or 'n/a'}; used {_modes(report)}",
         "  overhead          "
         + ", ".join(f"{k.replace('_', ' ')} {_fmt(v, '.2f', '%')}" for k, v in overhead_pct.items())
@@ -92,6 +93,15 @@ def _overview(report: dict) -> list[str]:
         f"training {_fmt(w.get('training_s'), '.1f', 's')}, evaluation {_fmt(w.get('evaluation_s'), '.1f', 's')}, "
         f"total {_fmt(w.get('total_s'), '.1f', 's')}",
     ]
+
+
+def _failed_saves(report: dict) -> list[str]:
+    """A line for the checkpoint saves that failed, only when some did."""
+    failed = report.get("failed_saves") or {}
+    if not failed.get("failed"):
+        return []
+    return [f"  failed saves      {failed['failed']} checkpoint saves failed (at most {failed['longest_in_a_row']} in a "
+            "row); training went on, each retried after a backoff"]
 
 
 def _emulation(report: dict) -> list[str]:

@@ -1,13 +1,14 @@
 """The numbers a run's report derives from its records in the same way whether the run
 finished (``app.report.build_report``) or crashed and is rebuilt from its files
-(``app.rebuild``): the hosts it lost, the seconds each fault-tolerance cost took, the saves' split, the mirrors.
+(``app.rebuild``): the hosts it lost, the seconds each fault-tolerance cost took, the saves' split and
+failures, the mirrors.
 """
 
 from __future__ import annotations
 
 from core.memory import memory_estimate
 
-__all__ = ["hosts_lost", "mirrors_section", "overhead_seconds", "save_split"]
+__all__ = ["hosts_lost", "mirrors_section", "overhead_seconds", "save_split", "save_failures"]
 
 
 def mirrors_section(cfg, summary: dict) -> dict | None:
@@ -67,3 +68,11 @@ def save_split(saves: list[dict]) -> dict:
         "training_path": round(sum(e.get("hold_s", e.get("duration_s")) or 0.0 for e in saves), 3),
         "background": round(sum(e.get("background_s") or 0.0 for e in saves), 3),
     }
+
+
+def save_failures(events: list[dict]) -> dict:
+    """Failed checkpoint saves from the events, for a run rebuilt without the supervisor's
+    journal (which counts them itself): each ``checkpoint_failed`` that counted against
+    ``budgets.max_failed_saves`` carries its count in a row (one a rollback abandoned does not)."""
+    counted = [e["failed_in_a_row"] for e in events if e.get("kind") == "checkpoint_failed" and "failed_in_a_row" in e]
+    return {"failed": len(counted), "longest_in_a_row": max(counted, default=0)}

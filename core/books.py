@@ -11,7 +11,7 @@ from policies import CostInputs, RecoveryDecision
 
 __all__ = [
     "StartInfo", "KillRecord", "DeathCause", "FailureRecord", "TrainerFailure", "StateView", "StepCommit",
-    "RecoveryModes", "CheckpointPolicyView", "RunSummary",
+    "RecoveryModes", "SaveFailures", "CheckpointPolicyView", "RunSummary",
 ]
 
 
@@ -121,6 +121,15 @@ class RecoveryModes:
 
 
 @dataclass(frozen=True)
+class SaveFailures:
+    """Checkpoint saves that failed over the run (every attempt), and the most of them in a row
+    (what ``budgets.max_failed_saves`` limits: a commit starts the count again)."""
+
+    failed: int = 0
+    longest_in_a_row: int = 0
+
+
+@dataclass(frozen=True)
 class CheckpointPolicyView:
     policy: str
     interval_steps: int | None
@@ -151,3 +160,4 @@ class RunSummary:
     attempts: int
     trainer_failures: tuple[TrainerFailure, ...]
     commits: dict[int, StepCommit] = field(default_factory=dict)
+    save_failures: SaveFailures = field(default_factory=SaveFailures)

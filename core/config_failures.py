@@ -200,6 +200,11 @@ class BudgetsConfig(Section):
     max_trainer_failures: int = Field(20, ge=-1)
     """Trainer deaths Ray Train replaces, and restarts of the whole trainer group, before the run stops
     (-1: no limit)."""
+    max_failed_saves: int = Field(20, ge=-1)
+    """Checkpoint saves that fail in a row before the run stops (a commit starts the count again; training
+    goes on meanwhile, each retry after 1, 2, 4 ... steps, never more than the regular interval). 20 in a
+    row is at least ten intervals without a new checkpoint for any interval up to 1,024 steps (-1: no
+    limit)."""
 
     def limits(self) -> BudgetLimits:
         return BudgetLimits(**self.model_dump())

@@ -64,8 +64,8 @@ def refuse_another_run(run_dir: Path, checkpoint_uri: str | None) -> None:
 def flat_view(doc: dict) -> dict:
     """What a reader of a crashed run needs from the journal, whatever its sections: run id,
     attempt, state, events, progress, failures, kills, heals, evaluation, resume step,
-    supervisor restarts and the checkpoint interval in use. A journal of the first format
-    (one flat document) is already that."""
+    supervisor restarts, the checkpoint interval in use and the failed saves. A journal of the
+    first format (one flat document) is already that."""
     if doc.get("format") != 2:
         return doc
     controller, ledger, trainers = doc.get("controller") or {}, doc.get("ledger") or {}, doc.get("trainers") or {}
@@ -74,7 +74,8 @@ def flat_view(doc: dict) -> dict:
         "events": doc.get("events"), "progress": trainers.get("progress"), "failures": ledger.get("failures"),
         "kills": ledger.get("kills"), "heals": trainers.get("heals"), "eval": doc.get("eval"),
         "resume_step": controller.get("resume_step"), "supervisor_restarts": doc.get("supervisor_restarts"),
-        "schedule": {"interval_steps_in_use": (doc.get("checkpoints") or {}).get("interval_steps_in_use")},
+        "schedule": {k: (doc.get("checkpoints") or {}).get(k)
+                     for k in ("interval_steps_in_use", "failed_saves", "longest_failed_in_a_row")},
     }
 
 

@@ -28,6 +28,8 @@ class Budget(str, Enum):
     (killed and respawned)."""
     TRAINER_FAILURES = "max_trainer_failures"
     """Trainer deaths Ray Train replaces, and restarts of the whole trainer group."""
+    FAILED_SAVES = "max_failed_saves"
+    """Checkpoint saves that failed in a row (a commit starts the count again)."""
 
 
 def _limit(name: str, value: int) -> int:
@@ -47,6 +49,7 @@ class BudgetLimits:
     max_supervisor_restarts: int = 20
     max_executor_errors: int = 5
     max_trainer_failures: int = 20
+    max_failed_saves: int = 20
 
     def __post_init__(self) -> None:
         for f in fields(self):

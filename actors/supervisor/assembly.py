@@ -106,8 +106,8 @@ def assemble(inputs: RunInputs, on_crash: Callable[[str, BaseException], None], 
     lock = threading.RLock()
     deadlines = Deadlines.of(cfg)
     policy = FailurePolicy(cfg.budgets.limits())
-    books = Books(Journal(inputs.run_dir), lock,
-                  {"run_id": run_id, "attempt": 1, "supervisor_restarts": 0, "attempt_restarts": 0})
+    header = {"run_id": run_id, "attempt": 1, "supervisor_restarts": 0, "attempt_restarts": 0}
+    books = Books(Journal(inputs.run_dir), lock, header, on_unwritable=lambda reason: controller.fail(reason))
     persist, hooks, run_log = books.persist, HookList(), RunLog(inputs.run_dir, fresh=fresh_files)
     events = EventLog(lock, hooks, persist)
 
@@ -118,8 +118,8 @@ def assemble(inputs: RunInputs, on_crash: Callable[[str, BaseException], None], 
     n = inputs.plan.num_shards
     # The callables below name parts built further down: closures find them when called.
     ledger = FailureLedger(lock, events, persist, lambda f: _count_lost(inputs, checkpoints, f), start_thread, hooks,
-                           protect=lambda owner, steps: checkpoints.protect(owner, steps),
-                           release=lambda owner: checkpoints.release(owner))
+                           protect=lambda owner, steps: checkpoints.targets.protect(owner, steps),
+                           release=lambda owner: checkpoints.targets.release(owner))
     fences = Fences(LeaseSpec(run_id, cfg.ray.lease_s))
     trainers = TrainerBook(
         lock, events, persist, hooks, policy, fail=lambda reason: controller.fail(reason),
@@ -133,7 +133,7 @@ def assemble(inputs: RunInputs, on_crash: Callable[[str, BaseException], None], 
     hooks.add(RunLogHook(run_log))
     hooks.add(MetricsHook(RunMetrics(run_id, trainers.samples_per_step), trainers.failure_of))
     checkpoints = CheckpointCoordinator(cfg, n, costs, events.record, trainers.step_time_s, hooks, start_thread,
-                                        keep=trainers.pinned)
+                                        keep=trainers.pinned, policy=policy, fail=lambda reason: controller.fail(reason))
 
     def occupied(exclude=()) -> list:
         c = controller
@@ -160,7 +160,7 @@ def assemble(inputs: RunInputs, on_crash: Callable[[str, BaseException], None], 
         consistent_chain=checkpoints.consistent_chain, policy=policy, hooks=hooks, start_thread=start_thread,
         retried=RETRIED_ERRORS + (ray.exceptions.RayError,), refuse=checkpoints.refuse, full_upto=checkpoints.full_upto,
         mirrors=mirrors, survey=lambda skip: surveyor.ask(skip), committed_steps=trainers.committed_steps,
-        protect=checkpoints.protect, release=checkpoints.release,
+        protect=checkpoints.targets.protect, release=checkpoints.targets.release,
     ))
     reporter = HostLossReporter(events, controller.served.shards_on, trainers.ranks_on, spares.on_node)
     setup = TrainerSetup(

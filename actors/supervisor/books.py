@@ -1,17 +1,28 @@
 """The supervisor's books as one journal document: a section per part, written whole under
 the books' lock so that every section is from the same moment (a transition changes several
-parts at once: the state, the fleet, a spare taken from the pool, failures recorded)."""
+parts at once). A journal that cannot be written (a full disk) fails the run here."""
 
 from __future__ import annotations
 
+import logging
 import threading
+from collections.abc import Callable
 from typing import Protocol
 
 from core.journal import Journal
 
-__all__ = ["Books", "Part", "JOURNAL_FORMAT"]
+__all__ = ["Books", "Part", "JournalUnwritable", "JOURNAL_FORMAT"]
+
+logger = logging.getLogger(__name__)
 
 JOURNAL_FORMAT = 2
+
+
+class JournalUnwritable(Exception):
+    """The supervisor's journal could not be written: the change that called ``persist`` is not
+    durable and goes no further, and the run has failed with this reason. Not an OSError nor a
+    CprError on purpose: the handlers that retry storage errors (a save, a recovery attempt)
+    must not take it for one of theirs and persist again from their handler."""
 
 
 class Part(Protocol):
@@ -19,8 +30,11 @@ class Part(Protocol):
 
 
 class Books:
-    def __init__(self, journal: Journal, lock: threading.RLock, header: dict):
+    def __init__(self, journal: Journal, lock: threading.RLock, header: dict,
+                 on_unwritable: Callable[[str], None] | None = None):
         self.journal = journal
+        self._on_unwritable = on_unwritable  # fails the run (the controller's fail)
+        self._unwritable = False
         self.lock = lock
         self.header = dict(header)  # run id, attempt, supervisor restarts...
         self._parts: dict[str, Part] = {}
@@ -35,8 +49,20 @@ class Books:
         self._frozen = True
 
     def persist(self) -> None:
+        """Writes every part's section. If the journal cannot be written the run fails with that
+        reason (once: failing persists again, and that write fails too, so the controller fails
+        in memory), then ``JournalUnwritable`` stops the caller: a guarded thread ends there."""
         with self.lock:
             if self._frozen:
                 return
-            self.journal.write({"format": JOURNAL_FORMAT, **self.header,
-                                **{name: part.doc() for name, part in self._parts.items()}})
+            try:
+                self.journal.write({"format": JOURNAL_FORMAT, **self.header,
+                                    **{name: part.doc() for name, part in self._parts.items()}})
+            except OSError as err:
+                path = getattr(self.journal, "path", "the run directory")
+                unwritable = JournalUnwritable(f"the supervisor's journal could not be written ({path}): {err}")
+                first, self._unwritable = not self._unwritable, True
+                if first and self._on_unwritable is not None:
+                    logger.error("%s; the run fails", unwritable)
+                    self._on_unwritable(str(unwritable))
+                raise unwritable from err

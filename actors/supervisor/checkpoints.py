@@ -9,29 +9,31 @@ state and, once every part is durable, commits the manifest (phase one). The row
 MFU/SSU policy selected count as saved only once the shard hears that the manifest
 committed (phase two), so a save that never commits (a shard or the supervisor died
 mid-write, a rollback came first) loses no row from later incrementals and leaves no
-manifest: it never looks like a checkpoint.
+manifest: it never looks like a checkpoint. A failed save is tried again after a backoff while
+training goes on, within ``budgets.max_failed_saves`` in a row (``save_failures``).
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import re
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import ray
 
 from actors.supervisor.costs import SharedCosts
 from actors.supervisor.hooks import RunHooks
+from actors.supervisor.restore_targets import RestoreTargets
+from actors.supervisor.save_failures import FailedSaves
 from core.checkpoint import DATA_POSITION_FILE, DENSE_FILE, FULL, INCREMENTAL, CheckpointStore, DataPosition, write_blob
 from core.config import RunConfig
 from core.deadlines import Deadlines
 from core.errors import ConfigError, CprError
 from core.records import SaveRequest, SaveResult, Snapshot, WrittenPart
-from policies import IntervalController, interval_steps
+from policies import FailurePolicy, IntervalController, interval_steps
 
 __all__ = ["CheckpointCoordinator"]
 
@@ -89,13 +91,16 @@ class CheckpointCoordinator:
         start_thread: Callable[..., threading.Thread],
         keep: Callable[[], set[int]] = set,
         clock: Callable[[], float] = time.time,
+        *,
+        policy: FailurePolicy,
+        fail: Callable[[str], None],
     ):
         self.cfg = cfg
         ck = cfg.checkpoint
-        self._protected: dict[str, frozenset[int]] = {}  # owner -> steps a restore of its may load
-        self._protected_lock = threading.Lock()
+        # Restores chosen and not yet done (and lost samples still to count): kept from retention.
+        self.targets = RestoreTargets(lambda: self.store)
         self.store = CheckpointStore(
-            cfg.checkpoint_uri, keep_last=ck.keep_last, keep=lambda: set(keep()) | self.protected(),
+            cfg.checkpoint_uri, keep_last=ck.keep_last, keep=lambda: set(keep()) | self.targets.protected(),
         ) if ck.stored else None
         self.costs = costs
         self.controller = IntervalController(cfg.recovery, costs, num_shards, ck.pls_target)
@@ -116,11 +121,12 @@ class CheckpointCoordinator:
         self._epoch = 0  # bumped by every rollback: a save snapshotted before it never commits
         self._in_flight: _SaveJob | None = None
         self._final_attempts: dict[int, int] = {}  # step -> final saves begun (snapshotted or tried)
+        self.failures = FailedSaves(policy, fail)  # under the timeline lock
 
     # ------------------------------------------------------------------ persisted schedule
 
     def doc(self) -> dict:
-        return {f: getattr(self, f) for f in _SCHEDULE_FIELDS}
+        return {**{f: getattr(self, f) for f in _SCHEDULE_FIELDS}, **self.failures.doc()}
 
     def load(self, doc: dict) -> None:
         """The schedule a restarted supervisor continues. A save that was in flight when the
@@ -128,6 +134,7 @@ class CheckpointCoordinator:
         due at once."""
         for f in _SCHEDULE_FIELDS:
             setattr(self, f, doc.get(f))
+        self.failures.load(doc)
         if self.in_flight_step is not None and self.next_checkpoint_step is not None:
             self.next_checkpoint_step = min(self.next_checkpoint_step, self.in_flight_step + 1)
         self.in_flight_step = None
@@ -173,30 +180,6 @@ class CheckpointCoordinator:
     def start(self, step: int = 0) -> None:
         self.last_checkpoint_step = step
         self.next_checkpoint_step = self.after(step)
-
-    # ------------------------------------------------------------------ protection
-
-    def protect(self, owner: str, steps: Iterable[int]) -> None:
-        """Retention keeps ``steps`` (and what each builds on) until ``release(owner)``: a
-        restore chosen by ``owner`` (a recovery, a rollback) is loaded after its chain was
-        chosen, and a save committing meanwhile runs gc. ``owner`` protects exactly ``steps``
-        from now on (a second call replaces the first). Once this returns no gc deletes them;
-        one that finished before may have already: a shard's load then falls back, saying so.
-        In memory: after a supervisor restart the owner protects its journaled chain again."""
-        steps = frozenset(int(s) for s in steps)
-        with self.store.keep_changing() if self.store is not None else contextlib.nullcontext():
-            with self._protected_lock:
-                self._protected[owner] = steps
-
-    def release(self, owner: str) -> None:
-        """``owner``'s restore is done: its steps are retention's again (idempotent)."""
-        with self._protected_lock:
-            self._protected.pop(owner, None)
-
-    def protected(self) -> set[int]:
-        """Every step some owner protects (without what they build on, which gc adds)."""
-        with self._protected_lock:
-            return set().union(*self._protected.values())
 
     # ------------------------------------------------------------------ chains
 
@@ -257,6 +240,7 @@ class CheckpointCoordinator:
         waited_s = self.drain()  # one save at a time: the previous one commits (or not) first
         with self._timeline:
             result = self._snapshot(request, shards, run_id, position)
+        self.failures.stop_if_over_budget()
         return SaveResult(result.saved, result.next_step, result.duration_s + waited_s)
 
     def drain(self, timeout_s: float | None = None) -> float:
@@ -291,9 +275,10 @@ class CheckpointCoordinator:
             snapshots = ray.get(refs, timeout=self.cfg.embeddings.call_timeout_s)
         except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError) as err:
             # A shard died or lags behind (just recovered): this checkpoint will not exist;
-            # the trainer asks again at a later step.
-            self.record_event("checkpoint_failed", step=step, phase="snapshot", error=_reason(err))
-            return SaveResult(False, step + 1, time.perf_counter() - t0)
+            # the trainers ask again after a backoff.
+            retry = self._failed(step, err, self.after(step))
+            self.record_event("checkpoint_failed", step=step, phase="snapshot", error=_reason(err), **retry)
+            return SaveResult(False, retry["retry_step"] or step + 1, time.perf_counter() - t0)
         hold_s = time.perf_counter() - t0
         if not all(r.full for r in snapshots) and self.last_full_step is None:
             raise RuntimeError(f"incremental save at step {step} without a full checkpoint before it")
@@ -309,7 +294,7 @@ class CheckpointCoordinator:
         every shard's file is waited for; then phase two commits the manifest (only if every
         part is durable and no rollback moved the timeline meanwhile) and tells the shards,
         which clear the MFU/SSU counts of the rows saved. A failure abandons the save: no
-        manifest, so it never looks like a checkpoint, and the next one is due at once."""
+        manifest, so it never looks like a checkpoint, and the next one is due after a backoff."""
         step = job.request.step
         t0 = time.perf_counter()
         try:
@@ -322,13 +307,22 @@ class CheckpointCoordinator:
         except (*_SAVE_ERRORS, _Abandoned) as err:
             with self._timeline:
                 self.in_flight_step = None
-                if job.epoch == self._epoch and self.next_checkpoint_step is not None:
-                    # Saved again as soon as the trainers commit their next step.
-                    self.next_checkpoint_step = min(self.next_checkpoint_step, step + 1)
+                # A save that a rollback abandoned is no failure of the storage; the rollback
+                # restarted the schedule.
+                retry = self._failed(step, err, self.next_checkpoint_step) if job.epoch == self._epoch else {}
             self.record_event("checkpoint_failed", step=step, phase="write", error=_reason(err),
-                              background_s=round(time.perf_counter() - t0, 4))
+                              background_s=round(time.perf_counter() - t0, 4), **retry)
+            self.failures.stop_if_over_budget()
         finally:
             job.request = SaveRequest(step, b"", job.request.final)  # the dense bytes are written or given up
+
+    def _failed(self, step: int, err: BaseException, due: int | None) -> dict:
+        """A save of ``step`` failed (under the timeline lock; ``due``: the next save's step by the
+        schedule): the next one comes after a backoff. Returns the event's fields."""
+        retry = self.failures.failed(step, due, _reason(err))
+        if self.next_checkpoint_step is not None:
+            self.next_checkpoint_step = retry["retry_step"]
+        return retry
 
     def _write_parts(self, job: _SaveJob) -> list[WrittenPart]:
         step, uri, timeout = job.request.step, self.cfg.checkpoint_uri, self.cfg.embeddings.call_timeout_s
@@ -357,6 +351,7 @@ class CheckpointCoordinator:
             self.last_full_step = step
         self.last_checkpoint_step = step
         self.in_flight_step = None
+        self.failures.committed()
         self.record_event(
             "checkpoint_saved", step=step, checkpoint_kind=info.kind, final=job.request.final,
             duration_s=round(job.hold_s, 4), hold_s=round(job.hold_s, 4), background_s=round(elapsed_s, 4),

@@ -8,6 +8,8 @@ import logging
 import threading
 from collections.abc import Callable
 
+from actors.supervisor.books import JournalUnwritable
+
 __all__ = ["ThreadCrash", "start_guarded"]
 
 logger = logging.getLogger(__name__)
@@ -22,6 +24,12 @@ def start_guarded(name: str, target: Callable[..., object], on_crash: ThreadCras
     def run() -> None:
         try:
             target(*args)
+        except JournalUnwritable as err:
+            # Raised by Books.persist after it failed the run with this reason (from an error
+            # handler as anywhere else): the thread stops; reported all the same, in case the
+            # books had nobody to tell.
+            logger.error("thread %s stopped: %s", name, err)
+            on_crash(name, err)
         except BaseException as err:  # noqa: BLE001 - every escape is reported, none swallowed
             logger.exception("thread %s crashed", name)
             on_crash(name, err)

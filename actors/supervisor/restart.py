@@ -73,6 +73,7 @@ def continue_history(p: Parts, doc: dict) -> None:
     last = p.trainers.last_step_committed()
     p.ledger.begin_attempt(None if last is None else last + 1)
     p.trainers.begin_attempt()
+    p.checkpoints.failures.carry(doc.get("checkpoints") or {})
     p.events.record("attempt_started", attempt=doc["attempt"] + 1, previous_run_id=doc["run_id"],
                     previous_state=doc["controller"]["state"]["state"])
 

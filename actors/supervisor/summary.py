@@ -55,5 +55,5 @@ def run_summary(p: Parts) -> RunSummary:
             ),
             faults_injected=p.ledger.kills(), supervisor_restarts=p.books.header["supervisor_restarts"],
             attempts=p.books.header["attempt"], trainer_failures=tuple(p.trainers.failures()),
-            commits=p.trainers.commits(),
+            commits=p.trainers.commits(), save_failures=ck.failures.view(),
         )

@@ -120,6 +120,11 @@ def test_full_checkpoint_storage_fails_saves_and_commits_nothing_torn(faulted):
     # (the verdict hashes each file against its manifest).
     assert failed and saved_after, [e for e in report["events"] if e["kind"].startswith("checkpoint")][-12:]
     assert verdict.facts["checkpoints_verified"] > 0
+    # Each failed save was tried again after a backoff that doubles with the failures in a row
+    # (not at every step), and the report counts them.
+    counted = [e for e in report["events"] if e["kind"] == "checkpoint_failed" and "failed_in_a_row" in e]
+    assert report["failed_saves"]["failed"] == len(counted) > 0, report["failed_saves"]
+    assert all(e["step"] < e["retry_step"] <= e["step"] + 2 ** (e["failed_in_a_row"] - 1) for e in counted), counted
 
 
 def test_slow_storage_slows_the_saves_in_the_background_not_training(faulted):

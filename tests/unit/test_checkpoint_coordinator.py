@@ -16,7 +16,7 @@ from actors.supervisor.guard import start_guarded
 from actors.supervisor.hooks import HookList, RunHooks
 from core.config import config_from_dict
 from core.records import SaveRequest, SaveResult
-from policies import OnlineCostModel
+from policies import FailurePolicy, OnlineCostModel
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -48,7 +48,8 @@ def _coordinator(cfg, clock=lambda: 0.0, mtbf_s=100.0, start_s=0.0, hooks: RunHo
         return start_guarded(name, fn, lambda thread, err: crashes.append((thread, err)), *args)
 
     c = CheckpointCoordinator(cfg, 2, costs, lambda kind, **f: events.append({"kind": kind, **f}), lambda: 0.1,
-                              hooks, start_thread, clock=clock)
+                              hooks, start_thread, clock=clock, policy=FailurePolicy(cfg.budgets.limits()),
+                              fail=lambda reason: crashes.append(("fail", reason)))
     return c, events
 
 

@@ -15,7 +15,7 @@ from actors.supervisor.hooks import HookList
 from core.checkpoint import FULL, INCREMENTAL, CheckpointStore, ShardRows, write_blob, write_shard_file
 from core.checkpoint.retention import with_bases
 from core.config import config_from_dict
-from policies import OnlineCostModel
+from policies import BudgetLimits, FailurePolicy, OnlineCostModel
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -38,7 +38,8 @@ def _coordinator(tmp_path, pinned=set):
                             "checkpoint": {"keep_last": 1, "every_steps": 10}})
     costs = SharedCosts(OnlineCostModel(mtbf_s=100.0, save_cost_s=1.0, load_cost_s=1.0, reschedule_cost_s=1.0))
     return CheckpointCoordinator(cfg, 2, costs, lambda kind, **f: {}, lambda: 0.1, HookList(),
-                                 lambda *a: None, keep=pinned)
+                                 lambda *a: None, keep=pinned, policy=FailurePolicy(BudgetLimits()),
+                                 fail=lambda reason: None)
 
 
 def test_a_protected_chain_outlives_the_gc_of_a_save_that_commits_meanwhile(tmp_path):
@@ -49,17 +50,17 @@ def test_a_protected_chain_outlives_the_gc_of_a_save_that_commits_meanwhile(tmp_
     _commit(c.store, 15, INCREMENTAL, 10)
     chain = c.chain_candidates()
     assert chain == (10, 15)
-    c.protect("recovery of shard 1", chain)
+    c.targets.protect("recovery of shard 1", chain)
     _commit(c.store, 20)
     assert c.store.list_committed() == [10, 15, 20]
     assert c.store.shard_chain(1, upto_step=15)[0] == [10, 15]  # still loadable, whole
-    assert c.protected() == {10, 15}
+    assert c.targets.protected() == {10, 15}
 
     # Released (the restore is done), the next save's gc deletes it, as an unprotected chain
     # would have gone at step 20's commit.
-    c.release("recovery of shard 1")
-    c.release("recovery of shard 1")  # idempotent
-    assert c.protected() == set()
+    c.targets.release("recovery of shard 1")
+    c.targets.release("recovery of shard 1")  # idempotent
+    assert c.targets.protected() == set()
     _commit(c.store, 30)
     assert c.store.list_committed() == [30]
 
@@ -80,10 +81,10 @@ def test_a_protected_incremental_keeps_what_it_builds_on(tmp_path):
     _commit(c.store, 10)
     _commit(c.store, 12, INCREMENTAL, 10)
     _commit(c.store, 15, INCREMENTAL, 10)
-    c.protect("rollback", [15])
+    c.targets.protect("rollback", [15])
     _commit(c.store, 20)
     assert c.store.list_committed() == [10, 12, 15, 20]
-    c.protect("rollback", [20])  # a second call replaces the first
+    c.targets.protect("rollback", [20])  # a second call replaces the first
     _commit(c.store, 30)
     assert c.store.list_committed() == [20, 30]
 
@@ -91,13 +92,13 @@ def test_a_protected_incremental_keeps_what_it_builds_on(tmp_path):
 def test_owners_protect_apart_and_trainer_pins_still_count(tmp_path):
     pins = {10}
     c = _coordinator(tmp_path, pinned=lambda: pins)
-    c.protect("recovery", [20])
-    c.protect("rollback", [30])
+    c.targets.protect("recovery", [20])
+    c.targets.protect("rollback", [30])
     for step in (10, 20, 30, 40):
         _commit(c.store, step)
     assert c.store.list_committed() == [10, 20, 30, 40]
-    assert c.protected() == {20, 30}
-    c.release("recovery")
+    assert c.targets.protected() == {20, 30}
+    c.targets.release("recovery")
     pins.clear()
     _commit(c.store, 50)
     assert c.store.list_committed() == [30, 50]
@@ -110,7 +111,7 @@ def test_a_protection_made_while_gc_decides_binds_that_gc(tmp_path):
 
     def pins():
         if not calls:
-            c.protect("recovery", [10])  # lands after this gc read what to keep
+            c.targets.protect("recovery", [10])  # lands after this gc read what to keep
         calls.append(1)
         return set()
 

@@ -12,7 +12,7 @@ import threading
 
 import pytest
 
-from actors.supervisor.books import Books
+from actors.supervisor.books import Books, JournalUnwritable
 from actors.supervisor.collaborators import Collaborators
 from actors.supervisor.controller import RecoveryController
 from actors.supervisor.costs import SharedCosts
@@ -151,7 +151,7 @@ def test_the_state_changes_only_once_its_intent_is_persisted():
     executor = FakeExecutor(journal)
     controller, _, _ = _controller(journal, executor)
     journal.fail = True
-    with pytest.raises(OSError):
+    with pytest.raises(JournalUnwritable):
         controller.on_shard_death(1, 0, "ActorDiedError", 999.5)
     assert isinstance(controller.state, Running), "memory agrees with the journal: nothing was decided"
     controller.loop.execute_once()

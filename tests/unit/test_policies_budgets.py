@@ -14,6 +14,7 @@ DEFAULTS = {
     Budget.SUPERVISOR_RESTARTS: 20,
     Budget.EXECUTOR_ERRORS: 5,
     Budget.TRAINER_FAILURES: 20,
+    Budget.FAILED_SAVES: 20,
 }
 
 

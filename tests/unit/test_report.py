@@ -113,7 +113,7 @@ def _run_files():
     return raw, events, progress, journal
 
 
-def _full_report(interrupted: bool = False) -> dict:
+def _full_report(interrupted: bool = False, **summary_fields) -> dict:
     raw, events, progress, journal = _run_files()
     steps = progress[-1]["step"]
     summary = {
@@ -123,7 +123,7 @@ def _full_report(interrupted: bool = False) -> dict:
         "state": {"state": "stopped" if interrupted else "finished", "how": "interrupted" if interrupted else "completed"},
         "recovery_mode": {"requested": "auto", "used": [f["recovery"] for f in journal["failures"]], "decisions": []},
         "faults_injected": journal["kills"], "checkpoint_policy": {"policy": "full", "interval_steps": 10},
-        "shards": [{"tracking_s": 0.2}, {"tracking_s": 0.3}],
+        "shards": [{"tracking_s": 0.2}, {"tracking_s": 0.3}], **summary_fields,
     }
     data = {"train": _Cache(), "eval": _Cache(), "ceiling_auc": 0.8}
     wall = {"data_prep_s": 1.0, "startup_s": 6.0, "training_s": 28.0, "evaluation_s": 1.0, "total_s": 36.0}
@@ -262,3 +262,32 @@ def test_a_torn_report_json_is_rebuilt_from_the_other_files(tmp_path):
     assert result.exit_code == 0, result.output + repr(result.exception)
     summary = (run_dir / "summary.txt").read_text()
     assert "CRASHED" in summary and "note: report.json is not valid JSON" in summary
+
+
+# ---------------------------------------------------------------- failed saves
+
+
+def test_the_report_counts_failed_saves_and_the_summary_names_them_only_when_some_failed():
+    quiet = _full_report()
+    assert quiet["failed_saves"] == {"failed": 0, "longest_in_a_row": 0}
+    assert "failed saves" not in format_summary(quiet)
+    report = _full_report(save_failures={"failed": 7, "longest_in_a_row": 4})
+    assert report["failed_saves"] == {"failed": 7, "longest_in_a_row": 4}
+    assert "  failed saves      7 checkpoint saves failed (at most 4 in a row)" in format_summary(report)
+
+
+@pytest.mark.parametrize("with_journal", [True, False])
+def test_a_rebuilt_report_counts_failed_saves(tmp_path, with_journal):
+    run_dir = tmp_path / "run"
+    _write_crashed_run(run_dir, with_journal)
+    _, events, _, journal = _run_files()
+    failed = [{"time": T0 + 24.0 + i, "kind": "checkpoint_failed", "step": 30 + i, "phase": "write",
+               "error": "[Errno 28] No space left on device", "failed_in_a_row": n} for i, n in enumerate((1, 2, 1))]
+    (run_dir / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in sorted(events + failed, key=lambda e: e["time"])))
+    if with_journal:  # the journal's count is the supervisor's own (its events may be a window)
+        journal["schedule"] = {"failed_saves": 5, "longest_failed_in_a_row": 3}
+        (run_dir / "supervisor_state.json").write_text(json.dumps(journal))
+    report = rebuild_report(run_dir)
+    assert report["failed_saves"] == ({"failed": 5, "longest_in_a_row": 3} if with_journal
+                                      else {"failed": 3, "longest_in_a_row": 2})
+    assert "  failed saves      " in format_summary(report)
