@@ -206,9 +206,10 @@ class CheckpointCoordinator:
 
     def refuse(self, fallbacks) -> None:
         """Checkpoints a shard found corrupt while loading (``CheckpointFallback``s): no chain
-        the supervisor chooses uses them from now on."""
+        the supervisor chooses uses them from now on. One that was gone (removed) is not
+        corrupt: a step fenced and committed again since must stay usable."""
         for fb in fallbacks:
-            if self.store is not None:
+            if self.store is not None and not fb.removed:
                 self.store.mark_corrupt(fb.step, fb.reason)
 
     def next_due(self) -> int | None:
