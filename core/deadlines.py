@@ -67,9 +67,10 @@ class Deadlines:
     @property
     def survey_s(self) -> float:
         """A recovery's round of questions to the live processes (``actors.supervisor.survey``):
-        each answers from memory; one that does not answer in half a shard call is slow, and
-        the decision goes on without it."""
-        return self.shard_call_s / 2
+        each answers from memory in milliseconds (a shard once its call in progress ends); one
+        that has not answered in 2 s (or a quarter shard call, if shorter) is slow, and the
+        decision goes on without it: a recovery never waits a whole call for a stalled survivor."""
+        return min(self.shard_call_s / 4, 2.0)
 
     @property
     def save_drain_s(self) -> float:

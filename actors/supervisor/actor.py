@@ -139,6 +139,7 @@ class Supervisor:
         if p.checkpoints.store is None:
             raise ConfigError("checkpoint: every_steps, every_s or auto_interval must be set to resume a run")
         chain = p.checkpoints.consistent_chain()
+        p.checkpoints.targets.protect("resume", chain)  # until the rollback to it is done
         for step, reason in p.checkpoints.store.fallbacks:
             p.events.record("checkpoint_fallback", step=step, reason=reason)
         if not chain:
@@ -152,6 +153,7 @@ class Supervisor:
                 )
         p.controller.transition(ResumeRequested(chain[-1], chain))
         p.controller.wait_settled(p.deadlines.supervisor_wait_s)  # inner_s("restore") = this + the verification
+        p.checkpoints.targets.release("resume")
         return p.controller.resume_point()
 
     # ------------------------------------------------------------------ trainers

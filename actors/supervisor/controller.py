@@ -34,6 +34,7 @@ __all__ = ["RecoveryController"]
 logger = logging.getLogger(__name__)
 
 Effect = Callable[[], None]
+_IN_FLIGHT = "the recovery in flight"  # the owner of the chain of the state being carried out
 
 
 class RecoveryController:
@@ -83,6 +84,9 @@ class RecoveryController:
             finally:
                 self._next = None
             self.state = t.state
+            if isinstance(t.state, RECOVERING) and t.state.chain:
+                self._p.protect(_IN_FLIGHT, t.state.chain)  # whichever part chose it, until it is done
+                self._protected.add(_IN_FLIGHT)
             self.changed.notify_all()
         logger.warning("supervisor: %s -> %s: %s", previous.name, t.state.name, t.reason)
         for effect in effects:
@@ -315,8 +319,8 @@ class RecoveryController:
         self.generation, self.started = doc["generation"], doc["started"]
         self.rollback, self.resume_step = decode(Rollback, doc["rollback"]), doc["resume_step"]
         if isinstance(self.state, RECOVERING) and self.state.chain:
-            self._p.protect("recovery in flight", self.state.chain)
-            self._protected.add("recovery in flight")
+            self._p.protect(_IN_FLIGHT, self.state.chain)
+            self._protected.add(_IN_FLIGHT)
 
     def reacquire(self, probe: Callable[[str], tuple[object, ShardInfo] | None]) -> list[int]:
         """After a supervisor restart: the journaled actor of each shard, found by name and
