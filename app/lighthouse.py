@@ -5,8 +5,8 @@ and waits for it: a new process that imports torch and torchft, about 2 s on the
 first step (measured: "after_worker_group_start callbacks completed in 2.12s"). Here the
 driver starts the same server early, while the shards and Ray Train's controller start, and
 ``app.raytrain.PrestartedLighthouseConfig`` hands it to Ray Train's torchft backend, which
-otherwise behaves as before (a lighthouse that is gone is replaced by a new one the usual
-way). This module imports only Ray, so the driver starts the actor before it has imported
+otherwise behaves as before (a lighthouse that is gone is replaced by a new one of these,
+never by Ray Train's own, which needs a CPU that a cluster's head does not have). This module imports only Ray, so the driver starts the actor before it has imported
 Ray Train and torch.
 """
 
@@ -56,9 +56,11 @@ def _lighthouse_server_class():
         return LighthouseServer
 
 
-def start_lighthouse(name: str, namespace: str, lighthouse_kwargs: dict):
-    """Starts the lighthouse actor on this node (Ray Train pins it to the controller's node
-    the same way); returns its handle without waiting for it."""
+def start_lighthouse(name: str | None, namespace: str, lighthouse_kwargs: dict):
+    """Starts the lighthouse actor (named ``name``, or unnamed) on this node: the driver's, where
+    the driver calls this and where Ray Train keeps its controller, which calls it for a group
+    started again. It needs no CPU, so a head started without any takes it. Returns its handle
+    without waiting for it."""
     return (
         ray.remote(Lighthouse)
         .options(

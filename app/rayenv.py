@@ -9,10 +9,11 @@ import os
 
 import ray
 import ray._private.worker
+from ray._common.constants import HEAD_NODE_RESOURCE_NAME
 from ray._private import ray_constants
 
 from core.config import RunConfig
-from core.errors import ConfigError
+from core.errors import ConfigError, CprError
 from core.memory import memory_estimate
 from policies import CostInputs, RecoveryMode, decide_recovery
 
@@ -141,7 +142,7 @@ def check_cluster_fits(cfg: RunConfig) -> None:
     the run: its shards, spares and trainers would otherwise wait for resources that never come
     (Ray Train retries a worker group it cannot place), or its leases would outlast Ray's
     verdict on a silent host (``_check_lease``)."""
-    _check_lease(cfg)
+    _check_lease(cfg, node_death_s(HEAD_PROBE_TIMEOUT_S))
     need = resources_needed(cfg)
     nodes = [n["Resources"] for n in ray.nodes() if n.get("Alive")]
     have = {r: sum(n.get(r, 0.0) for n in nodes) for r in need}
@@ -185,23 +186,46 @@ def choose_recovery(cfg: RunConfig) -> tuple[RunConfig, str | None]:
     return (replica if decision.mode is RecoveryMode.REPLICA else cfg), decision.reason
 
 
-def node_death_s() -> float:
-    """How long Ray's GCS waits for a silent node before it declares it dead:
-    ``health_check_period_ms`` x ``health_check_failure_threshold`` as this process's Ray reads
-    them (its ``RAY_`` environment, else Ray's defaults: 15 s)."""
+# A task on the head may have to start a worker process there first (1-2 s here, more on a
+# loaded machine); an answer this late means the head itself is in trouble.
+HEAD_PROBE_TIMEOUT_S = 60.0
+
+
+def _health_checks() -> tuple[int, int]:
+    """``(health_check_period_ms, health_check_failure_threshold)`` as this process's Ray reads
+    them: its ``RAY_`` environment, overridden by the cluster's system config (``_system_config``)."""
     cfg = ray._raylet.Config
-    return cfg.health_check_period_ms() * cfg.health_check_failure_threshold() / 1000.0
+    return cfg.health_check_period_ms(), cfg.health_check_failure_threshold()
 
 
-def _check_lease(cfg: RunConfig) -> None:
+def node_death_s(timeout_s: float) -> float:
+    """How long the cluster's GCS waits for a silent node before it declares it dead:
+    ``health_check_period_ms`` x ``health_check_failure_threshold`` as the GCS reads them.
+
+    The GCS reads its own environment (``ray start``'s on the head, where cluster.yaml sets
+    them), which no API reports: Ray's ``get_system_config`` holds only ``_system_config``.
+    A task on the head node, started by the head's raylet from the same ``ray start``, reads
+    both as the GCS does. The driver's own reading could differ (its ``RAY_`` variables change
+    nothing in the cluster)."""
+    probe = ray.remote(num_cpus=0, max_retries=0, resources={HEAD_NODE_RESOURCE_NAME: 0.001})(_health_checks)
+    ref = probe.remote()
+    try:
+        period_ms, threshold = ray.get(ref, timeout=timeout_s)
+    except ray.exceptions.GetTimeoutError:
+        ray.cancel(ref, force=True)
+        raise CprError(f"the cluster's head did not report its health-check settings within {timeout_s:g} s: "
+                       "cannot check ray.lease_s against the time it takes to declare a silent host dead") from None
+    return period_ms * threshold / 1000.0
+
+
+def _check_lease(cfg: RunConfig, death_s: float) -> None:
     """A cut-off process must stop acting (``actors.lease``) before Ray declares its host dead
-    and the run replaces it."""
-    death_s = node_death_s()
+    (after ``death_s``) and the run replaces it."""
     if cfg.ray.lease_s >= death_s:
         raise ConfigError(
             f"ray.lease_s={cfg.ray.lease_s:g} must be below the {death_s:g} s this cluster takes to declare a silent "
-            f"host dead (health_check_period_ms x health_check_failure_threshold): a process cut off from the "
-            f"cluster could act after its replacement started. Allowed: 0.05 <= ray.lease_s < {death_s:g}"
+            f"host dead (health_check_period_ms x health_check_failure_threshold on its head): a process cut off "
+            f"from the cluster could act after its replacement started. Allowed: 0.05 <= ray.lease_s < {death_s:g}"
         )
 
 

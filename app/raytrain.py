@@ -25,6 +25,7 @@ from ray.util.state import list_nodes
 from actors.client import SupervisorClient
 from actors.supervisor.actor import supervisor_name
 from actors.trainer import train_loop
+from app.lighthouse import start_lighthouse
 from core.config import RunConfig
 from core.errors import CprError
 from core.logs import LOG_DIR
@@ -45,7 +46,8 @@ WORKER_GROUP_START_TRIES = 5
 
 
 class PrestartedLighthouseConfig(TorchftConfig):
-    """``TorchftConfig`` whose backend uses the named lighthouse actor if it is alive."""
+    """``TorchftConfig`` whose backend uses the named lighthouse actor if it is alive, else
+    starts cpr's (``app.lighthouse``), never Ray Train's own."""
 
     def __init__(self, lighthouse_name: str | None, lighthouse_namespace: str, **kwargs):
         self.lighthouse_name = lighthouse_name
@@ -57,18 +59,44 @@ class PrestartedLighthouseConfig(TorchftConfig):
         return _PrestartedLighthouseBackend
 
 
+# Starting a lighthouse: a new process on the controller's node (0.4 s of CPU here, more on a
+# loaded machine); past this, the controller's node is in trouble and the group's start fails.
+LIGHTHOUSE_START_TIMEOUT_S = 60.0
+
+
 class _PrestartedLighthouseBackend(_TorchftBackend):
+    """Ray Train's torchft backend with cpr's lighthouse. Ray Train 2.60's own
+    ``LighthouseServerActor`` asks for one CPU (an actor's default) on the controller's node
+    (hard node affinity): on a head without CPUs (``ray start --head --num-cpus=0``, as a
+    cluster keeps its head to the driver and the controllers) it can never be placed, and a
+    worker group started again after the controller gave up failed at once with
+    ``ActorUnschedulableError`` ("The node specified via NodeAffinitySchedulingStrategy doesn't
+    exist any more or is infeasible"). cpr's lighthouse needs no CPU; the controller runs on the
+    driver's node, so it is placed there, as the first group's."""
+
     def _maybe_create_lighthouse_actor(self, backend_config: PrestartedLighthouseConfig) -> str:
-        if self.lighthouse_actor is None and backend_config.lighthouse_name:
-            try:
-                actor = ray.get_actor(backend_config.lighthouse_name, namespace=backend_config.lighthouse_namespace)
-                address = ray.get(actor.address.remote())
-                self.lighthouse_actor = actor
-                logger.info("using the prestarted torchft lighthouse at %s", address)
+        if self.lighthouse_actor is None:
+            address = self._prestarted(backend_config)
+            if address is not None:
                 return address
-            except (ValueError, ray.exceptions.RayActorError) as err:
-                logger.warning("the prestarted lighthouse is not available (%s); starting one", err)
-        return super()._maybe_create_lighthouse_actor(backend_config)
+            # As Ray Train's: the OS picks a free port unless the config says where to bind.
+            kwargs = {"bind": "[::]:0"} | backend_config.lighthouse_kwargs
+            self.lighthouse_actor = start_lighthouse(None, backend_config.lighthouse_namespace, kwargs)
+        # Read each time, as Ray Train's backend does: the address of the lighthouse now.
+        return ray.get(self.lighthouse_actor.address.remote(), timeout=LIGHTHOUSE_START_TIMEOUT_S)
+
+    def _prestarted(self, backend_config: PrestartedLighthouseConfig) -> str | None:
+        if not backend_config.lighthouse_name:
+            return None
+        try:
+            actor = ray.get_actor(backend_config.lighthouse_name, namespace=backend_config.lighthouse_namespace)
+            address = ray.get(actor.address.remote(), timeout=LIGHTHOUSE_START_TIMEOUT_S)
+        except (ValueError, ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as err:
+            logger.warning("the prestarted lighthouse is not available (%s); starting one", err)
+            return None
+        self.lighthouse_actor = actor
+        logger.info("using the prestarted torchft lighthouse at %s", address)
+        return address
 
 
 # ----------------------------------------------------------------------------- the worker group
