@@ -21,27 +21,28 @@ from .small_runs import small_run_config, train_to_report
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(500)]
 
-M, STEPS, EVERY, CALL_TIMEOUT, SLOW_S, FILL_S = 4, 150, 10, 4.0, 1.0, 10.0
+M, STEPS, EVERY, CALL_TIMEOUT, SLOW_S, FILL_S = 4, 150, 10, 4.0, 1.0, 20.0
 INJECT = [
     # Three call timeouts: the trainers' calls time out, and the shard must be declared dead.
     {"kind": "stall", "target": "shard:1", "after_step": 15, "seconds": 3 * CALL_TIMEOUT},
     {"kind": "stall", "target": "trainer:1", "after_step": 45, "seconds": 8.0},
     # The checkpoint storage is full from step 105 until well after every trainer died (at step
-    # 115): the saves meanwhile fail, none may commit torn, and the shards are ahead of every
-    # checkpoint when the trainers die, whatever the machine's speed (a save that committed at
-    # the step they died at would leave nothing to roll back).
+    # 125): the saves due meanwhile (every 10 steps) fail, none may commit torn, and the shards
+    # are ahead of every checkpoint when the trainers die, whatever the machine's speed (a save
+    # that committed at the step they died at would leave nothing to roll back).
     {"kind": "fill_storage", "after_step": 105, "seconds": FILL_S},
     # Shard 0 dies at step 85; its recovery finds its file of the newest checkpoint damaged
     # right before it loads, and must refuse it.
     {"kind": "corrupt_checkpoint", "target": "shard:0", "at": "recovery.spawned", "after_step": 80},
-    # Every trainer dies at step 115 (all recorded, then signalled at once); the rollback finds
+    # Every trainer dies at step 125 (all recorded, then signalled at once); the rollback finds
     # shard 1's file of the checkpoint it goes to cut in half, and must go further back, the
     # dense model with it.
-    {"kind": "truncate_checkpoint", "target": "shard:1", "at": "rollback.spawned", "after_step": 110},
-    # Every file written to the checkpoint storage takes 1 s longer for 8 s.
-    {"kind": "slow_storage", "after_step": 125, "seconds": 8.0, "delay_s": SLOW_S},
+    {"kind": "truncate_checkpoint", "target": "shard:1", "at": "rollback.spawned", "after_step": 120},
+    # Every file written to the checkpoint storage takes 1 s longer for 8 s (while the steps
+    # after the rollback are trained again).
+    {"kind": "slow_storage", "after_step": 135, "seconds": 8.0, "delay_s": SLOW_S},
 ]
-KILLS = {"shard:0": [85], "all_trainers": [115]}
+KILLS = {"shard:0": [85], "all_trainers": [125]}
 POINTS = [{"at": "rollback.loaded", "kill": "supervisor"},
           {"at": "save.files_written", "kill": "supervisor", "after_step": 30}]
 
