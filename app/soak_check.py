@@ -19,6 +19,8 @@ __all__ = ["must_keep", "keep_or_clean", "scheduled_outcomes", "promoted_then_ki
 # How long after a stall or slow storage ends its consequences (a declaration of death, a
 # recovery) are still counted as its own: the soak's call timeouts are 10 s.
 _AFTERMATH_S = 30.0
+# The loads that put a new process in a shard's place (a rollback reloads every shard in place).
+_REPLACED = ("recovery", "replica")
 
 
 def must_keep(violations: Sequence[str], finished: bool, wedged: bool) -> bool:
@@ -69,10 +71,13 @@ def _matches(scheduled: dict, record: dict) -> bool:
     return got == want
 
 
-def _next_load(run: RunFiles, shard: int, after: float, before: float = float("inf")) -> dict | None:
-    """Shard ``shard``'s first load (a promotion, a restore, a rollback) after ``after``."""
+def _next_load(run: RunFiles, shard: int, after: float, before: float = float("inf"),
+               why: tuple[str, ...] | None = None) -> dict | None:
+    """Shard ``shard``'s first load (a promotion, a restore, a rollback; only those of ``why``
+    if given) after ``after``."""
     loads = sorted((r for f in run.shards.get(shard, []) for r in f.records
-                    if r.get("event") == "load" and after < r.get("t", 0.0) < before), key=lambda r: r["t"])
+                    if r.get("event") == "load" and after < r.get("t", 0.0) < before
+                    and (why is None or r.get("why") in why)), key=lambda r: r["t"])
     if not loads:
         return None
     r = loads[0]
@@ -94,12 +99,12 @@ def _aftermath(entry: dict, run: RunFiles, events: list[dict], t: float) -> dict
         out["mirror_lost"] = any(e.get("kind") == "mirror_lost" and e.get("shard") == k and t <= e.get("time", 0) <= end
                                  for e in events)
         # A stalled mirror must not cost its healthy primary its place (the slow party is the mirror).
-        out["shard_replaced"] = _next_load(run, k, t, end)
+        out["shard_replaced"] = _next_load(run, k, t, end, _REPLACED)
         out["shard_killed_by_injector"] = _kills_of(run, f"shard:{k}", t, end)
     if entry["fault"] == "slow_storage":
         kinds = [e.get("kind") for e in events if t <= e.get("time", 0) <= end]
         out["saves_committed"], out["saves_failed"] = kinds.count("checkpoint_saved"), kinds.count("checkpoint_failed")
-        out["shards_replaced"] = {k: load for k in run.shards if (load := _next_load(run, k, t, end)) is not None}
+        out["shards_replaced"] = {k: load for k in run.shards if (load := _next_load(run, k, t, end, _REPLACED))}
     return out
 
 

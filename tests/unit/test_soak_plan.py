@@ -230,3 +230,11 @@ def test_the_table_says_who_met_too_few_faults_the_scenario_and_where_a_run_is_k
     assert "| 4 | 2 of 3 | slow_storage storage at step 400 | met: shard:1 at steps [43, 49]" in text
     assert "mirror:0: resumed; the shard kept serving" in text
     assert "- seed 4: `/runs/kept/soak-replica-4-20270101T000000`" in text
+
+
+def test_a_rollback_during_a_stall_is_not_a_replacement_of_the_stalled_shard(tmp_path):
+    stall = {"t": 300.0, "event": "sent", "fault": "stall", "target": "mirror:0", "pid": 77, "trigger": "at step 300",
+             "stall_time": 300.0, "seconds": 8.0}
+    run = _run_dir(tmp_path, [stall], {0: [{"t": 310.0, "why": "rollback", "chain": [280]}]}, [])
+    [out] = scheduled_outcomes(run, [SCHEDULE[2]])
+    assert out["shard_replaced"] is None and out["what_happened"] == "killed while stopped; the shard kept serving"
