@@ -84,6 +84,8 @@ def soak_result(seed: int, run_dir: str, verdict, report: dict, violations: list
     outcomes = scheduled_outcomes(run_dir, scheduled)  # before the run directory may move
     finished = report.get("auc") is not None
     kept = keep_or_clean(run_dir, kept_root, keep_all or must_keep(violations, finished, wedged), checkpoints, extra)
+    for path in map(str, extra if kept else ()):  # a violation naming the driver's log names where it went
+        violations = [v.replace(path, str(Path(kept) / Path(path).name)) for v in violations]
     out = {
         "seed": seed, "kills": sum(kinds.values()), "kills_by_kind": kinds,
         "other_faults": others, "faults": sum(kinds.values()) + sum(others.values()),

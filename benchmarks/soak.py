@@ -6,7 +6,8 @@ checkpoint files, never the supervisor's books). Writes OUT/soak.json (the commi
 the date, the command; each run's faults met, each scheduled fault and what happened) and
 soak.md, the table rendered from the JSON (``--render`` renders it again). A run with a
 violation, or unfinished, is moved whole to KEPT (default RUNS/kept) for ``cpr verify`` again;
-a sound one keeps its logs and audit in RUNS and loses its checkpoints.
+a sound one keeps its logs and audit in RUNS and loses its checkpoints. The soak stops before a run
+when less than --min-free-gib is free under RUNS.
 
     .venv/bin/python benchmarks/soak.py                      # 10 seeds, 20 random kills each
     .venv/bin/python benchmarks/soak.py --recovery replica   # soak-replica.json
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -82,6 +84,8 @@ def render(doc: dict) -> str:
     bad = [(r["seed"], v) for r in rows for v in r["violations"]]
     if bad:
         lines += ["", "Violations:", ""] + [f"- seed {s}: {v}" for s, v in bad]
+    if doc.get("stopped"):
+        lines += ["", f"**The soak {doc['stopped']}.**"]
     kept = [(r["seed"], r["kept"]) for r in rows if r.get("kept")]
     if kept:
         lines += ["", "Kept whole, checkpoints included, for `cpr verify DIR` again:", ""]
@@ -164,6 +168,9 @@ def _args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--runs", default="runs", help="Where the run directories go.")
     p.add_argument("--kept", help="Where a run with a violation (or unfinished) is moved whole (default RUNS/kept).")
     p.add_argument("--keep-all", action="store_true", help="Keep every run whole, sound ones too.")
+    p.add_argument("--min-free-gib", type=float, default=20.0,
+                   help="Stop before a run when less disk than this is free under RUNS (a run keeps every "
+                        "checkpoint until checked: up to about 7 GB; a kept run keeps them).")
     p.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
                    help="Override a field of the config, as cpr train --set (a short trial: training.max_steps=600).")
     p.add_argument("--recovery", choices=["replica"],
@@ -190,6 +197,16 @@ def _overrides(args: argparse.Namespace) -> dict:
     return out
 
 
+def _short_of_disk(runs: Path, min_free_gib: float, seed: int) -> str | None:
+    """Why the soak stops before ``seed``'s run (the disk under ``runs`` is short), or None."""
+    runs.mkdir(parents=True, exist_ok=True)
+    free_gib = shutil.disk_usage(runs).free / 2**30
+    if free_gib >= min_free_gib:
+        return None
+    return (f"stopped before seed {seed}: {free_gib:.1f} GiB free under {runs}, below --min-free-gib {min_free_gib:g} "
+            "(kept runs hold their checkpoints: move them elsewhere, or lower the limit)")
+
+
 def main(argv: list[str] | None = None) -> None:
     args = _args(argv)
     out = Path(args.out)
@@ -208,6 +225,12 @@ def main(argv: list[str] | None = None) -> None:
         doc["meta"]["command"] += " (appended to the runs before)"
     out.mkdir(parents=True, exist_ok=True)
     for seed in args.seeds:
+        if (stopped := _short_of_disk(Path(args.runs), args.min_free_gib, seed)) is not None:
+            doc["stopped"] = stopped
+            print(stopped, flush=True)
+            (out / f"{name}.json").write_text(json.dumps(doc, indent=1))
+            (out / f"{name}.md").write_text(render(doc))
+            break
         t0 = time.time()
         run_dir = str(Path(args.runs) / f"{name}-{seed}")
         if args.hosts == 1:

@@ -238,3 +238,20 @@ def test_a_rollback_during_a_stall_is_not_a_replacement_of_the_stalled_shard(tmp
     run = _run_dir(tmp_path, [stall], {0: [{"t": 310.0, "why": "rollback", "chain": [280]}]}, [])
     [out] = scheduled_outcomes(run, [SCHEDULE[2]])
     assert out["shard_replaced"] is None and out["what_happened"] == "killed while stopped; the shard kept serving"
+
+
+def test_a_kept_run_s_violations_name_where_the_driver_log_went(tmp_path):
+    run = _finished_run(tmp_path)
+    log = tmp_path / "runs" / "soak-replica-4.log"
+    log.write_text("driver output\n")
+    result = soak_result(4, str(run), _verdict([]), {}, [f"the driver exited with 2; see {log}"], False, [],
+                         str(tmp_path / "kept"), False, str(run / "checkpoints"), extra=(log,))
+    assert result["violations"][0] == f"the driver exited with 2; see {Path(result['kept']) / log.name}"
+
+
+def test_the_soak_stops_before_a_run_when_the_disk_is_short(tmp_path):
+    from benchmarks.soak import _short_of_disk
+
+    assert _short_of_disk(tmp_path / "runs", 0.0, 3) is None
+    said = _short_of_disk(tmp_path / "runs", 1e9, 3)
+    assert said.startswith("stopped before seed 3: ") and "--min-free-gib" in said
