@@ -111,6 +111,12 @@ def sigkill_together(supervisor, targets: dict[str, Target], trigger: str, log_d
     return out
 
 
+# A stall after a step waits this long for a target with no process (a shard being recovered,
+# a mirror being built: seconds without a warm spare), polling at _TARGET_POLL_S.
+_TARGET_WAIT_S = 30.0
+_TARGET_POLL_S = 0.5
+
+
 class InjectedFault(RuntimeError):
     """An error raised on purpose at a named point (``faults.at_points[].error``): to the code
     around it, an unexpected exception like any bug."""
@@ -135,9 +141,9 @@ class Killer:
         the run is not at fault."""
         try:
             if spec.kind == "stall":
-                info = self.targets().get(spec.target)
-                if info is None or info.pid is None:
-                    raise LookupError(f"{spec.target} has no process now")
+                # After a step (its own thread) a target being replaced, or a mirror being built,
+                # is waited for; at a point the supervisor's work must go on at once.
+                info = self._process_of(spec.target, _TARGET_WAIT_S if spec.at is None else 0.0)
                 stall_on_node(spec.target, info, spec.seconds, trigger, self.log_dir, self.timeout_s)
             elif spec.kind == "fill_storage":
                 fill_storage(self.checkpoint_uri, spec.seconds, trigger, self.log_dir)
@@ -148,6 +154,17 @@ class Killer:
         except Exception as err:  # noqa: BLE001 - see the docstring
             logger.warning("injected %s of %s failed: %s", spec.kind, spec.target, err)
             FaultLog(self.log_dir).write("aborted", spec.kind, spec.target or "storage", None, trigger, error=repr(err))
+
+    def _process_of(self, target: str, wait_s: float) -> Target:
+        """``target``'s process, polled for up to ``wait_s`` while it has none (LookupError after)."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            info = self.targets().get(target)
+            if info is not None and info.pid is not None:
+                return info
+            if time.monotonic() >= deadline:
+                raise LookupError(f"{target} has no process now" + (f" (waited {wait_s:.0f} s)" if wait_s else ""))
+            time.sleep(_TARGET_POLL_S)
 
     def __call__(self, target: str, trigger: str) -> None:
         if target == "supervisor":

@@ -8,68 +8,21 @@ from __future__ import annotations
 
 import logging
 import shutil
+from pathlib import Path
 
-import numpy as np
 import ray
 
 from app.job import TrainingJob
 from app.rebuild import ReportError, load_run
 from app.rayenv import connect_ray
-from core.config import RunConfig, config_from_dict, load_config
+from app.soak_check import keep_or_clean, must_keep, promoted_then_killed, scheduled_outcomes
+from app.soak_plan import scheduled_faults, soak_config, soak_faults
+from core.config import load_config
 from verify import verify_run
 
-__all__ = ["run_soak", "soak_config", "soak_faults", "written_report"]
+__all__ = ["run_soak", "soak_config", "soak_faults", "written_report", "soak_result"]
 
 logger = logging.getLogger(__name__)
-
-
-def soak_config(base: RunConfig, run_dir: str, seed: int, kills: int, mtbf_s: float) -> RunConfig:
-    """``base`` with random kills of shards, trainers, every trainer and the supervisor (``kills``
-    of them, ``mtbf_s`` apart on average), kills aimed at a save, a recovery and a rollback,
-    faults other than kills drawn from ``seed`` (``soak_faults``), and the audit log on."""
-    raw = base.model_dump()
-    raw.update(run_dir=run_dir, audit_log=True)
-    raw["data"]["cache_dir"] = base.cache_dir
-    raw["checkpoint"]["keep_last"] = 1000  # the PLS recount reads every incremental back
-    if base.recovery == "replica":
-        # Young/Daly's interval at the soak's 6 s MTBF is a save every step or two, and the soak
-        # keeps them all: 26 GB in 850 steps filled this disk once. With mirrors saves serve only
-        # the fallback: MFU saves every 20 steps, a full one every 80 (about 6 GB kept).
-        raw["checkpoint"].update(auto_interval=False, every_steps=100)
-    # Every kill may be a trainer's (all_trainers counts each): the budget must not end the soak.
-    raw["budgets"]["max_trainer_failures"] = max(raw["budgets"]["max_trainer_failures"], 3 * kills)
-    mirrors = ["mirrors"] if base.recovery == "replica" else []  # a mirror's death, and its shard's after
-    raw["faults"] = {
-        "targets": ["shards", "trainers", "supervisor", "all_trainers", *mirrors], "distribution": "exponential",
-        "mtbf_s": mtbf_s, "seed": seed, "max_failures": kills,
-        "at_points": [{"at": "save.files_written", "kill": "shard:0"}, {"at": "recovery.spawned", "kill": "supervisor"},
-                      {"at": "rollback.loaded", "kill": "supervisor", "after_step": 200}],
-        "inject": soak_faults(base, seed),
-    }
-    return config_from_dict(raw)
-
-
-def soak_faults(base: RunConfig, seed: int) -> list[dict]:
-    """Two stalls (a shard and a trainer, SIGSTOP for 5-25 s at a random step of the first
-    half), a corrupted file met by the next recovery and a truncated one met by the next
-    rollback (each after a random step of the first quarter), from ``seed``."""
-    rng = np.random.default_rng([seed, 24])
-    last = base.training.max_steps or 1000
-    shards, trainers = base.embeddings.num_shards, base.training.num_trainers
-
-    def step(part: int = 2) -> int:
-        return int(rng.integers(20, max(21, last // part)))
-
-    return [
-        {"kind": "stall", "target": f"shard:{int(rng.integers(shards))}", "after_step": step(),
-         "seconds": round(float(rng.uniform(5, 25)), 1)},
-        {"kind": "stall", "target": f"trainer:{int(rng.integers(trainers))}", "after_step": step(),
-         "seconds": round(float(rng.uniform(5, 25)), 1)},
-        {"kind": "corrupt_checkpoint", "target": f"shard:{int(rng.integers(shards))}", "at": "recovery.spawned",
-         "after_step": step(4)},
-        {"kind": "truncate_checkpoint", "target": f"shard:{int(rng.integers(shards))}", "at": "rollback.spawned",
-         "after_step": step(4)},
-    ]
 
 
 def written_report(run_dir) -> dict | None:
@@ -82,9 +35,10 @@ def written_report(run_dir) -> dict | None:
 
 
 def run_soak(config_path: str, run_dir: str, seed: int, kills: int, mtbf_s: float, timeout_s: float = 1200.0,
-             overrides: dict | None = None) -> dict:
+             overrides: dict | None = None, kept_root: str | None = None, keep_all: bool = False) -> dict:
     """One soak run: train ``config_path`` (with ``overrides``, as ``--set``) under the soak's
-    faults, then check it. A run that does not finish within ``timeout_s`` counts as wedged."""
+    faults, then check it. A run that does not finish within ``timeout_s`` counts as wedged. A
+    run with a finding is moved whole to ``kept_root`` (default: ``kept`` beside the run)."""
     shutil.rmtree(run_dir, ignore_errors=True)
     cfg = soak_config(load_config(config_path, overrides or {}), run_dir, seed, kills, mtbf_s)
     started_ray = connect_ray(cfg)  # owned here, so the leftover check can still ask Ray
@@ -110,22 +64,40 @@ def run_soak(config_path: str, run_dir: str, seed: int, kills: int, mtbf_s: floa
     if error:
         violations.append(f"training raised {error}")
     verdict = verify_run(run_dir, wait_s=30.0)  # while connected: named actors are checked too
-    violations += verdict.violations
-    kinds, others = verdict.facts.get("kills_by_kind", {}), verdict.facts.get("other_faults", {})
     if started_ray:
         ray.shutdown()
-    if cfg.checkpoint.storage is None:
-        # The run's own store keeps every incremental for the recount (keep_last, about
-        # 10 GB an hour of soak); once checked, they go.
-        shutil.rmtree(cfg.checkpoint_uri, ignore_errors=True)
-    report = report or {}
-    return {
+    # The run's own store keeps every incremental for the recount (keep_last, about 10 GB an
+    # hour of soak); a sound run loses it once checked. Elsewhere (checkpoint.storage) it stays.
+    checkpoints = cfg.checkpoint_uri if cfg.checkpoint.storage is None else None
+    return soak_result(seed, run_dir, verdict, report or {}, violations, wedged, scheduled_faults(cfg.faults),
+                       kept_root or str(Path(run_dir).parent / "kept"), keep_all, checkpoints)
+
+
+def soak_result(seed: int, run_dir: str, verdict, report: dict, violations: list[str], wedged: bool,
+                scheduled: list[dict], kept_root: str, keep_all: bool, checkpoints: str | None,
+                extra: tuple = ()) -> dict:
+    """A soak run's line of the results: the faults it met (the injector's log, as ``cpr verify``
+    counted them), each scheduled fault and what happened, the violations, and where the run
+    is kept when it is (``app.soak_check.must_keep``)."""
+    violations = violations + verdict.violations
+    kinds, others = verdict.facts.get("kills_by_kind", {}), verdict.facts.get("other_faults", {})
+    outcomes = scheduled_outcomes(run_dir, scheduled)  # before the run directory may move
+    finished = report.get("auc") is not None
+    kept = keep_or_clean(run_dir, kept_root, keep_all or must_keep(violations, finished, wedged), checkpoints, extra)
+    for path in map(str, extra if kept else ()):  # a violation naming the driver's log names where it went
+        violations = [v.replace(path, str(Path(kept) / Path(path).name)) for v in violations]
+    out = {
         "seed": seed, "kills": sum(kinds.values()), "kills_by_kind": kinds,
         "other_faults": others, "faults": sum(kinds.values()) + sum(others.values()),
         "shard_recoveries": len(report.get("failures", [])),
         "supervisor_restarts": report.get("supervisor_restarts", 0),
-        "fallbacks": len(report.get("all_trainers_failed", [])), "finished": report.get("auc") is not None,
+        "fallbacks": len(report.get("all_trainers_failed", [])), "finished": finished,
         "wedged": wedged, "violations": violations, "pls": report.get("pls", 0.0), "auc": report.get("auc"),
         "steps": verdict.facts.get("steps"), "lost_samples": verdict.facts.get("lost_samples"),
         "checkpoints_verified": verdict.facts.get("checkpoints_verified"),
+        "scheduled": outcomes, "kept": kept,
     }
+    scenario = promoted_then_killed(outcomes)
+    if scenario is not None:
+        out["promoted_shard_killed_before_new_mirror"] = scenario
+    return out

@@ -22,7 +22,8 @@ import numpy as np
 import yaml
 
 from app.host_chaos import Cluster, run_host_faults
-from app.soak import soak_config, written_report
+from app.soak import soak_result, written_report
+from app.soak_plan import scheduled_faults, soak_config
 from core.config import load_config
 from verify import verify_run
 
@@ -47,8 +48,9 @@ def host_fault_plan(seed: int, hosts: int, count: int, first_step: int, last_ste
     return out
 
 
-def _config(base_path: str, run_dir: Path, seed: int, kills: int, mtbf_s: float, host_faults: int, hosts: int):
-    base = load_config(base_path)
+def _config(base_path: str, run_dir: Path, seed: int, kills: int, mtbf_s: float, host_faults: int, hosts: int,
+            overrides: dict | None = None):
+    base = load_config(base_path, overrides or {})
     cfg = soak_config(base, str(run_dir), seed, kills, mtbf_s).model_dump()
     last = base.training.max_steps or 1000
     cfg["faults"]["hosts"] = host_fault_plan(seed, hosts, host_faults, 30, int(last * 0.7))
@@ -90,9 +92,12 @@ def _faults_thread(cluster: Cluster, run_path: Path, faults, stop: threading.Eve
 
 
 def run_soak_on_hosts(config_path: str, run_dir: str, seed: int, kills: int, mtbf_s: float, host_faults: int,
-                      hosts: int = 3, timeout_s: float = 1500.0) -> dict:
-    """One soak run on a fresh ``hosts``-host namespace cluster. A run that does not finish
-    within ``timeout_s`` counts as wedged."""
+                      hosts: int = 3, timeout_s: float = 1500.0, overrides: dict | None = None,
+                      kept_root: str | None = None, keep_all: bool = False) -> dict:
+    """One soak run on a fresh ``hosts``-host namespace cluster (``overrides`` as ``--set``). A
+    run that does not finish within ``timeout_s`` counts as wedged. A run with a finding is
+    moved whole, with the driver's log and its config, to ``kept_root`` (default: ``kept``
+    beside the run)."""
     run_path = Path(run_dir).resolve()
     if run_path.exists():  # a run dir left from an earlier soak: the checker must not read it
         shutil.rmtree(run_path)
@@ -102,7 +107,7 @@ def run_soak_on_hosts(config_path: str, run_dir: str, seed: int, kills: int, mtb
     env |= {"CPR_CLUSTER_HOSTS": str(hosts), "CPR_WORKER_CPUS": "8", "CPR_CLUSTER_OWNER": str(os.getpid()),
             "CPR_PYTHON": sys.executable}
     cluster = Cluster(cluster_dir, env)
-    cfg_path = _config(config_path, run_path, seed, kills, mtbf_s, host_faults, hosts)
+    cfg_path = _config(config_path, run_path, seed, kills, mtbf_s, host_faults, hosts, overrides)
     log = run_path.parent / f"{run_path.name}.log"
     violations, wedged, driver = [], False, None
     stop = threading.Event()
@@ -137,17 +142,11 @@ def run_soak_on_hosts(config_path: str, run_dir: str, seed: int, kills: int, mtb
             driver.wait(timeout=30)
         cluster("down", timeout_s=300, check=False)
     verdict = verify_run(run_path, wait_s=10.0)
-    violations += verdict.violations
-    # The run keeps every incremental for the recount (keep_last): about 20-30 GB a run. Checked, they go.
-    shutil.rmtree(run_path / "checkpoints", ignore_errors=True)
     report = written_report(run_path) or {}
-    kinds, others = verdict.facts.get("kills_by_kind", {}), verdict.facts.get("other_faults", {})
-    return {
-        "seed": seed, "hosts": hosts, "kills": sum(kinds.values()), "kills_by_kind": kinds, "other_faults": others,
-        "faults": sum(kinds.values()) + sum(others.values()), "hosts_lost": len(report.get("hosts_lost") or []),
-        "shard_recoveries": len(report.get("failures", [])), "supervisor_restarts": report.get("supervisor_restarts", 0),
-        "fallbacks": len(report.get("all_trainers_failed", [])), "finished": report.get("auc") is not None,
-        "wedged": wedged, "violations": violations, "auc": report.get("auc"), "steps": verdict.facts.get("steps"),
-        "lost_samples": verdict.facts.get("lost_samples"), "checkpoints_verified": verdict.facts.get("checkpoints_verified"),
-    }
-
+    # The run keeps every incremental for the recount (keep_last): about 20-30 GB a run. A sound
+    # run loses them once checked; one with a finding is kept whole.
+    result = soak_result(seed, str(run_path), verdict, report, violations, wedged,
+                         scheduled_faults(load_config(str(cfg_path)).faults),
+                         kept_root or str(run_path.parent / "kept"), keep_all, str(run_path / "checkpoints"),
+                         extra=(cfg_path, log))
+    return {"hosts": hosts, "hosts_lost": len(report.get("hosts_lost") or []), **result}

@@ -298,7 +298,9 @@ class RunConfig(_Section):
         f = self.faults
         if self.emulation is not None and f is not None and (f.max_failures > 0 or f.at_steps or f.at_points):
             raise ValueError("emulation places its own failures on the emulated clock; remove the faults section")
-        counts = {"shard": self.embeddings.num_shards, "trainer": self.training.num_trainers}
+        # A mirror stall (recovery: replica) names a shard's mirror: one per shard.
+        counts = {"shard": self.embeddings.num_shards, "trainer": self.training.num_trainers,
+                  "mirror": self.embeddings.num_shards}
         for i, spec in enumerate(f.inject if f is not None else []):
             if spec.target is None:
                 continue

@@ -57,14 +57,15 @@ class FaultSpec(Section):
 
     kind: Literal["stall", "corrupt_checkpoint", "truncate_checkpoint", "fill_storage", "slow_storage"]
     """stall: SIGSTOP the target's process for ``seconds``, then SIGCONT it (a process that stops answering
-    without dying); corrupt_checkpoint: flip bytes in the middle of the target shard's file of the newest
-    committed checkpoint; truncate_checkpoint: cut that file to half its size (a torn or bit-rotted file);
+    without dying; after a step, a target being replaced or a mirror being built is waited for up to 30 s);
+    corrupt_checkpoint: flip bytes in the middle of the target shard's file of the newest committed
+    checkpoint; truncate_checkpoint: cut that file to half its size (a torn or bit-rotted file);
     fill_storage: fill the checkpoint storage's free space for ``seconds`` (a local filesystem with at most
     4 GiB free, e.g. a small tmpfs; refused on anything bigger); slow_storage: for ``seconds``, every file
     written to the checkpoint storage takes ``delay_s`` longer (a local filesystem)."""
-    target: str | None = Field(None, pattern=r"^(shard:\d+|trainer:\d+)$")
-    """The process to stall (shard:K or trainer:K), or the shard whose checkpoint file is damaged (shard:K);
-    none for fill_storage and slow_storage."""
+    target: str | None = Field(None, pattern=r"^(shard:\d+|trainer:\d+|mirror:\d+)$")
+    """The process to stall (shard:K, trainer:K, or mirror:K with recovery: replica), or the shard whose
+    checkpoint file is damaged (shard:K); none for fill_storage and slow_storage."""
     after_step: int = Field(0, ge=0)
     """Without ``at``: injected once this training step committed. With ``at``: only once this many steps
     committed."""
