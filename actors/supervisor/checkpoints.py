@@ -239,6 +239,9 @@ class CheckpointCoordinator:
         guarded background thread writes the dense state, waits for every shard's file and
         commits the manifest. Only the copies hold the training path (``hold_s``)."""
         waited_s = self.drain()  # one save at a time: the previous one commits (or not) first
+        if self._in_flight is not None and self._in_flight.thread is not None and self._in_flight.thread.is_alive():
+            # Still writing after the drain's deadline (slow storage): no second save beside it.
+            return SaveResult(False, self.next_checkpoint_step, waited_s)
         with self._timeline:
             result = self._snapshot(request, shards, run_id, position)
         self.failures.stop_if_over_budget()

@@ -224,3 +224,30 @@ def test_books_fail_the_run_once_when_the_journal_cannot_be_written(tmp_path):
     journal.full = False
     books.persist()  # room again: the books are written
     assert journal.load()["run_id"] == "r"
+
+
+class StuckStorage(Storage):
+    """Every shard's file of a save hangs in its write until ``release`` is set."""
+
+    def __init__(self):
+        super().__init__()
+        self.release = threading.Event()
+
+    def at_point(self, point: str) -> None:
+        if point == "save.snapshotted":
+            self.release.wait(30)
+
+
+def test_no_second_save_starts_beside_one_still_writing_after_the_drain(tmp_path, no_ray):
+    # Before, a save whose write outlasted the drain's deadline was joined by a second one,
+    # snapshotting and writing beside it.
+    storage, run, events = StuckStorage(), Run(), []
+    c, shards = _coordinator(tmp_path, storage, run, lambda kind, **f: events.append({"kind": kind, **f}))
+    assert c.save(SaveRequest(EVERY, b"dense"), shards, "r", POSITION).saved
+    first = c._in_flight
+    c.drain = lambda timeout_s=None: 0.01  # its deadline passes with the write still going on
+    second = c.save(SaveRequest(2 * EVERY, b"dense"), shards, "r", POSITION)
+    assert not second.saved and c._in_flight is first
+    storage.release.set()
+    first.thread.join(10)
+    assert [e["step"] for e in events if e["kind"] == "checkpoint_saved"] == [EVERY]
