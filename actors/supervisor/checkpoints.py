@@ -211,6 +211,12 @@ class CheckpointCoordinator:
         """How many final saves of ``step`` began (the budget of a final save that keeps failing)."""
         return self._final_attempts.get(step, 0)
 
+    def protect(self, owner: str, steps) -> None:
+        """TEMP: a no-op until the protect/release work lands."""
+
+    def release(self, owner: str) -> None:
+        """TEMP: a no-op until the protect/release work lands."""
+
     def full_checkpoint_of(self, step: int) -> bool:
         """Whether a full checkpoint of ``step`` is committed."""
         if self.store is None or step not in self.store.list_committed():
