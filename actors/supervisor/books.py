@@ -1,17 +1,17 @@
-"""The supervisor's books as one journal document: a section per part, written whole under
-the books' lock so that every section is from the same moment (a transition changes several
-parts at once: the state, the fleet, a spare taken from the pool, failures recorded)."""
+"""The supervisor's books as one journal document: a section per part, taken whole under the
+books' lock so that every section is from the same moment (a transition changes several
+parts at once: the state, the fleet, a spare taken from the pool, failures recorded). The
+journal (``core.journal``) writes only what changed since its last write, and no section
+holds per-step history: a write costs the change, not the run's length."""
 
 from __future__ import annotations
 
 import threading
 from typing import Protocol
 
-from core.journal import Journal
+from core.journal import JOURNAL_FORMAT, Journal
 
 __all__ = ["Books", "Part", "JOURNAL_FORMAT"]
-
-JOURNAL_FORMAT = 2
 
 
 class Part(Protocol):
