@@ -253,3 +253,23 @@ def test_a_shard_keeps_the_microbatch_ids_of_a_window_of_steps():
         shard.push_grads(step, (step,), grad)
     log = shard.applied_log()
     assert len(log) == APPLIED_WINDOW and log[-1] == (steps - 1, (steps - 1,)) and log[0][0] == steps - APPLIED_WINDOW
+
+
+def test_cpr_report_of_a_crashed_run_counts_its_commits_from_the_trainer_book(tmp_path):
+    # Before, a rebuilt report said the steps with fewer trainers, the microbatches per step and
+    # each trainer failure's detection were unknown ("commits are not journalled"): the book
+    # file had them all along.
+    import yaml
+
+    from app.rebuild import rebuild_report
+    from core.config import config_from_dict
+
+    cfg = config_from_dict({"run_dir": str(tmp_path), "data": {"train": ["x"], "eval": ["y"]},
+                            "training": {"num_trainers": 2}})
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump()))
+    p = _Parts(tmp_path)
+    _drive(p, range(8000), save_every=100)
+    report = rebuild_report(tmp_path)
+    assert report["steps_with_fewer_trainers"] == 90 and report["microbatches_per_committed_step"] == [4]
+    assert [(t["actor"], t["detection_s"], t["steps_with_fewer_trainers"]) for t in report["trainer_failures"]] == [
+        ("trainer:1", 0.03, 50), ("trainer:0", 0.03, 40)]
