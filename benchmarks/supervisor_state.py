@@ -10,9 +10,11 @@ the last checkpoint, which this driver waits out as a trainer does, in ``await_s
 real actor, not the parts in this process: the call latency is then what a trainer sees, and
 the memory is the supervisor process's own (its RSS from /proc).
 
-Per window: the supervisor's RSS at its end; the journal writes in it (read from the journal
-file as it grows: one line per write, a snapshot on a new file) and their bytes; the median
-and p99 latency of ``status``, of ``record_commit`` (awaited here) and of ``save_checkpoint``.
+Per window: the supervisor's RSS at its end, beside a control's (an actor that does nothing
+with the same commit, progress and status calls: what Ray's own per-call memory does); the
+journal writes in it (read from the journal file as it grows: one line per write, a snapshot
+on a new file) and their bytes; the median and p99 latency of ``status``, of
+``record_commit`` (awaited here) and of ``save_checkpoint``.
 
     .venv/bin/python benchmarks/supervisor_state.py            # about 5 minutes, under the Ray lock
     .venv/bin/python benchmarks/supervisor_state.py --steps 2000 --out /tmp/s.json   # a quick look
@@ -48,7 +50,8 @@ def _config(run_dir: Path, save_every: int):
     return config_from_dict({
         "run_dir": str(run_dir), "seed": 0,
         # No data is read: the driver makes the lookups; the lost samples' count finds no store and says so.
-        "data": {"train": [str(run_dir / "none")], "eval": [str(run_dir / "none")], "cache_dir": str(run_dir / "cache")},
+        "data": {"train": [str(run_dir / "none")], "eval": [str(run_dir / "none")],
+                 "cache_dir": str(run_dir / "cache")},
         "model": {"embedding_dim": 4, "table_rows": 64, "dense_arch": [8, 4], "over_arch": [8, 1]},
         "embeddings": {"num_shards": 2, "spares": 0},
         "training": {"num_trainers": 2, "microbatch_rows": B, "microbatches_per_step": M},
@@ -60,7 +63,9 @@ def _config(run_dir: Path, save_every: int):
 class JournalTail:
     """The journal's writes as the file shows them: each appended line is a write, a new file
     (a snapshot, atomically renamed in) starts with one. The old file is read to its end
-    through the descriptor kept open, so no write is missed at a compaction."""
+    through the descriptor kept open, so no write is missed at a compaction. (A journal that
+    replaces one document at every write, the format before, shows only the writes a poll
+    finds: their bytes are right, their count is a lower bound.)"""
 
     def __init__(self, path: Path):
         self.path = path
@@ -80,6 +85,9 @@ class JournalTail:
                 self._f.close()
             self._f, self._inode, self._partial = open(self.path, "rb"), inode, b""
             sizes += self._read()
+            if self._partial and _whole_json(self._partial):  # a journal of one document, no newline: format 2
+                sizes.append(len(self._partial))
+                self._partial = b""
         return sizes
 
     def _read(self) -> list[int]:
@@ -88,6 +96,14 @@ class JournalTail:
         data = self._partial + self._f.read()
         *lines, self._partial = data.split(b"\n")
         return [len(line) + 1 for line in lines]
+
+
+def _whole_json(data: bytes) -> bool:
+    try:
+        json.loads(data)
+    except ValueError:
+        return False
+    return True
 
 
 def _rss_mb(pid: int) -> float:
@@ -101,17 +117,35 @@ def _ms(xs: list[float]) -> dict:
     if not xs:
         return {"median": None, "p99": None, "n": 0}
     xs = sorted(xs)
-    return {"median": round(1000 * statistics.median(xs), 3), "p99": round(1000 * xs[min(len(xs) - 1, int(0.99 * len(xs)))], 3),
-            "n": len(xs)}
+    p99 = xs[min(len(xs) - 1, int(0.99 * len(xs)))]
+    return {"median": round(1000 * statistics.median(xs), 3), "p99": round(1000 * p99, 3), "n": len(xs)}
+
+
+class Control:
+    """Takes the supervisor's per-step calls and does nothing with them."""
+
+    def record_commit(self, commit) -> None:
+        pass
+
+    def record_progress(self, progress) -> None:
+        pass
+
+    def status(self):
+        from core.records import RunStatus
+
+        return RunStatus(False, "running", None)
+
+    def pid(self) -> int:
+        return os.getpid()
 
 
 class Driver:
     """The run's two trainers, as far as the supervisor can tell."""
 
-    def __init__(self, ray, client, plan, supervisor):
+    def __init__(self, ray, client, plan, supervisor, control):
         import numpy as np
 
-        self.ray, self.client, self.supervisor = ray, client, supervisor
+        self.ray, self.client, self.supervisor, self.control = ray, client, supervisor, control
         rows = np.random.default_rng(0).integers(0, 64, size=(B * M, 26))
         self.batches = [plan.route(rows, k) for k in range(plan.num_shards)]
         self.grads = [np.ones((B * M, len(plan.shards[k]) * 4), dtype=np.float32) for k in range(plan.num_shards)]
@@ -141,11 +175,16 @@ class Driver:
         from core.records import CommitRecord, Progress
 
         now, refs = time.time(), []
+        progress = Progress(step + 1, total_steps, 0.5, 1e4, 2, time=now)
         for rank in (0, 1):
             self.seq[rank] += 1
-            refs.append(self.supervisor.record_commit.remote(CommitRecord(
-                step, rank, (M * step + rank,), M, 2, now, self.generation, 1000 + rank, self.seq[rank])))
-        self.supervisor.record_progress.remote(Progress(step + 1, total_steps, 0.5, 1e4, 2, time=now))
+            commit = CommitRecord(step, rank, (M * step + rank,), M, 2, now, self.generation, 1000 + rank,
+                                  self.seq[rank])
+            refs.append(self.supervisor.record_commit.remote(commit))
+            self.control.record_commit.remote(commit)
+        self.supervisor.record_progress.remote(progress)
+        self.control.record_progress.remote(progress)
+        self.ray.get(self.control.status.remote(), timeout=60)
         t0 = time.perf_counter()
         self.ray.get(refs, timeout=60)
         self.lat["commit"].append(time.perf_counter() - t0)
@@ -187,7 +226,10 @@ def run(steps: int, window: int, save_every: int, kills: list[int], run_dir: Pat
             client.register_trainer(TrainerStart(rank, 1000 + rank, ray.get_runtime_context().get_node_id()))
         ray.get(supervisor.record_training_started.remote(0, 2, time.time()), timeout=60)
         pid = client.targets()["supervisor"].pid
-        driver = Driver(ray, client, make_plan(cfg.embeddings.sharding, cfg.model.rows_per_table, 2), supervisor)
+        control = ray.remote(Control).options(num_cpus=0, max_concurrency=16).remote()
+        control_pid = ray.get(control.pid.remote(), timeout=60)
+        driver = Driver(ray, client, make_plan(cfg.embeddings.sharding, cfg.model.rows_per_table, 2), supervisor,
+                        control)
         tail, windows, recoveries, writes = JournalTail(run_dir / STATE_FILE), [], [], []
         t_window = time.perf_counter()
         for step in range(steps):
@@ -203,7 +245,8 @@ def run(steps: int, window: int, save_every: int, kills: list[int], run_dir: Pat
             if (step + 1) % window == 0:
                 windows.append({
                     "steps": [step + 1 - window, step], "wall_s": round(time.perf_counter() - t_window, 2),
-                    "rss_mb": round(_rss_mb(pid), 1), "journal_writes": len(writes),
+                    "rss_mb": round(_rss_mb(pid), 1), "control_rss_mb": round(_rss_mb(control_pid), 1),
+                    "journal_writes": len(writes),
                     "journal_bytes_per_write": round(statistics.mean(writes), 1) if writes else None,
                     "journal_bytes_max": max(writes, default=None),
                     **{f"{k}_ms": _ms(v) for k, v in driver.lat.items()},
@@ -235,21 +278,26 @@ def render(result: dict) -> str:
         f"A real supervisor and its 2 shards, {p['steps']:,} steps driven as 2 trainers drive them (commit reports, "
         f"progress, a status poll every step), a checkpoint every {p['save_every']} steps, shard 1 killed at steps "
         f"{', '.join(map(str, p['kills']))} (partial recoveries). Per {p['window']:,}-step window: the supervisor "
-        "process's RSS at its end, the journal's writes and their mean (max) bytes, and call latency as the caller "
-        "sees it, median / p99.",
+        "process's RSS at its end (and a control's: an actor that does nothing with the same commit, progress and "
+        "status calls, what Ray's own per-call memory does), the journal's writes and their mean (max) bytes, and "
+        "call latency as the caller sees it, median / p99.",
         "",
-        "| steps | RSS | journal writes | bytes a write (max) | status | record_commit | save_checkpoint |",
-        "|---|---:|---:|---:|---:|---:|---:|",
+        "| steps | RSS | control RSS | journal writes | bytes a write (max) | status | record_commit "
+        "| save_checkpoint |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
 
     def lat(x: dict) -> str:
         return f"{x['median']:.2f} / {x['p99']:.2f} ms" if x["n"] else "-"
 
     for w in result["windows"]:
+        control = f"{w['control_rss_mb']:.1f} MB" if "control_rss_mb" in w else "-"
+        per_write = (f"{w['journal_bytes_per_write']:,.0f} ({w['journal_bytes_max']:,})" if w["journal_writes"]
+                     else "-")
         lines.append(
-            f"| {w['steps'][0]:,}-{w['steps'][1]:,} | {w['rss_mb']:.0f} MB | {w['journal_writes']:,} | "
-            f"{w['journal_bytes_per_write']:,.0f} ({w['journal_bytes_max']:,}) | {lat(w['status_ms'])} | "
-            f"{lat(w['commit_ms'])} | {lat(w['save_ms'])} |"
+            f"| {w['steps'][0]:,}-{w['steps'][1]:,} | {w['rss_mb']:.1f} MB | {control} | "
+            f"{w['journal_writes']:,} | {per_write} | "
+            f"{lat(w['status_ms'])} | {lat(w['commit_ms'])} | {lat(w['save_ms'])} |"
         )
     s, files = result["summary"], result["files_bytes"]
     lines += [
