@@ -184,13 +184,13 @@ class Driver:
             self.control.record_commit.remote(commit)
         self.supervisor.record_progress.remote(progress)
         self.control.record_progress.remote(progress)
-        self.ray.get(self.control.status.remote(), timeout=60)
         t0 = time.perf_counter()
         self.ray.get(refs, timeout=60)
         self.lat["commit"].append(time.perf_counter() - t0)
         t0 = time.perf_counter()
         self.client.status()
         self.lat["status"].append(time.perf_counter() - t0)
+        self.ray.get(self.control.status.remote(), timeout=60)
 
     def save(self, step: int) -> None:
         from core.records import SaveRequest
