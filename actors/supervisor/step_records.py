@@ -67,9 +67,10 @@ class _Seen:
 
 class StepRecords:
     """Not thread-safe on its own: the trainer book holds its lock around every call.
-    ``kills()``: the run's trainer kills, for the steps that leave the window."""
+    ``kills()``: the run's trainer kills, for the steps that leave the window. ``book`` None:
+    a reader of a run's files (``cpr report``), which only replays them."""
 
-    def __init__(self, book: AppendLog, kills: Callable[[], Sequence[KillRecord]] = list, num_trainers: int = 1,
+    def __init__(self, book: AppendLog | None, kills: Callable[[], Sequence[KillRecord]] = list, num_trainers: int = 1,
                  window: int = COMMIT_WINDOW):
         self._book = book
         self._kills = kills
