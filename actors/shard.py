@@ -11,6 +11,7 @@ import os
 import socket
 import threading
 import time
+from collections import deque
 
 import numpy as np
 import ray
@@ -34,6 +35,8 @@ from actors.shm import ShmArray, ShmReader
 __all__ = ["EmbeddingShard"]
 
 logger = logging.getLogger(__name__)
+
+APPLIED_WINDOW = 1024  # updates whose microbatch ids a shard keeps in memory (applied_log)
 
 
 class EmbeddingShard(MirrorRole, ShardSaving):
@@ -130,7 +133,8 @@ class EmbeddingShard(MirrorRole, ShardSaving):
         self.steps_dropped = 0
         self.first_step_after_load: int | None = None
         self._promoted = False  # a mirror that took its primary's place: its rows hold the primary's steps
-        self.applied_microbatches: list[tuple[int, tuple[int, ...]]] = []
+        # (step, microbatch ids) of the last APPLIED_WINDOW updates; the audit log keeps every one
+        self.applied_microbatches: deque[tuple[int, tuple[int, ...]]] = deque(maxlen=APPLIED_WINDOW)
         self._pending = PendingSteps(self.microbatches_per_step)
         self._complete: int | None = None  # a step whose gradients are all here, applied at its commit
         self.applied_step = -1
@@ -366,8 +370,10 @@ class EmbeddingShard(MirrorRole, ShardSaving):
 
     @exclusive
     def applied_log(self) -> list[tuple[int, tuple[int, ...]]]:
+        """(step, microbatch ids) of the last ``APPLIED_WINDOW`` updates this process applied,
+        in order (a check after a short run; ``audit_log: true`` records every one on disk)."""
         self._commit_before(float("inf"))  # asked for after training
-        return list(self.applied_microbatches)  # (step, microbatch ids) of every update applied, in order
+        return list(self.applied_microbatches)
 
     @exclusive
     def get_rows(self) -> list[tuple[np.ndarray, np.ndarray]]:

@@ -39,7 +39,8 @@ class ShardSaving:
         self._complete = None
         self._drop_mirror()
         self.applied_step = done - 1
-        self.applied_microbatches = [x for x in self.applied_microbatches if x[0] < done]
+        while self.applied_microbatches and self.applied_microbatches[-1][0] >= done:  # applied in step order
+            self.applied_microbatches.pop()
         self.first_step_after_load = None
         self._promoted = False
         self._ckpt.restart()

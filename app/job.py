@@ -35,7 +35,7 @@ from core.codec import encode
 from core.config import RunConfig, load_config
 from core.deadlines import Deadlines
 from core.errors import CheckpointNotFound, ConfigError, RunFailed
-from core.journal import refuse_another_run
+from core.journal import refuse_another_run, refuse_old_journal
 from core.books import RunSummary
 from core.schedule import StepSchedule
 
@@ -239,7 +239,7 @@ class TrainingJob:
         self.client.request_stop("interrupted")
 
     def finish(self, interrupted: bool = False, training_error: BaseException | None = None) -> dict:
-        """Collects the supervisor's summary and writes report.json, events.jsonl, summary.txt.
+        """Collects the supervisor's summary and writes report.json, summary.txt and the plots.
         ``training_error``: what ended the trainers' worker group, if it failed (the run then
         fails with it). Raises RunFailed (after writing the report) when the run did not
         complete; when even the summary cannot be had, the report is rebuilt from the files."""
@@ -338,6 +338,7 @@ def resume_config(run_dir: str) -> RunConfig:
     path = Path(run_dir) / "config.yaml"
     if not path.exists():
         raise ConfigError(f"--resume {run_dir}: no config.yaml there; is it a run directory?")
+    refuse_old_journal(Path(run_dir))  # another version's journal: refused before anything starts
     return load_config(path)
 
 

@@ -13,7 +13,8 @@ from core import accounting
 from core.config import RunConfig, load_config
 from core.errors import CprError
 from core.codec import decode, encode
-from core.journal import EVENTS_FILE, PROGRESS_FILE, STATE_FILE, flat_view
+from actors.supervisor.step_records import StepRecords
+from core.journal import BOOK_FILE, EVENTS_FILE, PROGRESS_FILE, STATE_FILE, AppendLog, Journal, flat_view
 from core.books import KillRecord
 from core.records import Heal
 
@@ -80,7 +81,7 @@ def rebuild_report(run_dir: str | Path, notes: list[str] | None = None) -> dict:
         **outcome,
         **_failures(cfg, journal, events, failures, kills, outcome["samples_trained"]),
         **_checkpoints(cfg, journal, events),
-        **_trainers(cfg, journal, events, kills),
+        **_trainers(run_dir, cfg, journal, events, kills, notes),
         **_costs(events, failures, wall, steps_this_run),
         "shards": None,
         "events": events,
@@ -101,9 +102,11 @@ def _read_journal(run_dir: Path, notes: list[str], used: list[str]) -> dict:
     journal = {}
     if (run_dir / STATE_FILE).exists():
         try:
-            journal = json.loads(_read(run_dir / STATE_FILE))
-        except json.JSONDecodeError as err:
+            journal = Journal(run_dir).load()
+        except ValueError as err:
             notes.append(f"{STATE_FILE} is not valid JSON ({err}); left out")
+        except OSError as err:
+            raise ReportError(f"{run_dir / STATE_FILE}: cannot read it ({err.__class__.__name__}: {err})") from None
         if isinstance(journal, dict) and journal:
             used.append(STATE_FILE)
         else:
@@ -228,27 +231,37 @@ def _checkpoints(cfg: RunConfig | None, journal: dict, events: list[dict]) -> di
     }
 
 
-def _trainers(cfg: RunConfig | None, journal: dict, events: list[dict], kills: list[dict]) -> dict:
-    """Trainer failures and hosts lost. Commits are not journalled: the detection of a trainer
-    failure, the steps with fewer trainers and the microbatches per step are not known."""
-    trainer_failures = []
-    if cfg is not None:
-        heals = journal.get("heals") or [
-            {"rank": e.get("rank"), "step": e.get("step"), "heal_s": e.get("heal_s") or 0.0, "time": e["time"]}
-            for e in _of(events, "trainer_healed")
-        ]
-        found = accounting.trainer_failures(
-            [decode(KillRecord, k) for k in kills], [], {}, [decode(Heal, h) for h in heals], cfg.training.num_trainers
-        )
-        trainer_failures = [{**encode(t), "detection_s": None, "steps_with_fewer_trainers": None} for t in found]
-    return {
-        "trainer_failures": trainer_failures,
-        "hosts_lost": hosts_lost(events),
-        "all_trainers_failed": _of(events, "all_trainers_failed"),
-        "microbatches_per_committed_step": None,
-        "steps_with_fewer_trainers": None,
-        "commits": {},
-    }
+def _trainers(run_dir: Path, cfg: RunConfig | None, journal: dict, events: list[dict], kills: list[dict],
+              notes: list[str]) -> dict:
+    """Trainer failures and hosts lost, and the committed steps' tally, from the trainer book
+    (``trainer_book.jsonl``) replayed as the supervisor does. Without it the detection of a
+    trainer failure, the steps with fewer trainers and the microbatches per step are unknown."""
+    out = {"trainer_failures": [], "hosts_lost": hosts_lost(events),
+           "all_trainers_failed": _of(events, "all_trainers_failed"),
+           "microbatches_per_committed_step": None, "steps_with_fewer_trainers": None}
+    if cfg is None:
+        return out
+    heals = journal.get("heals") or [
+        {"rank": e.get("rank"), "step": e.get("step"), "heal_s": e.get("heal_s") or 0.0, "time": e["time"]}
+        for e in _of(events, "trainer_healed")
+    ]
+    kill_records = [decode(KillRecord, k) for k in kills]
+    if (run_dir / BOOK_FILE).exists():
+        book = StepRecords(None, lambda: kill_records, cfg.training.num_trainers)
+        try:
+            book.load({"heals": heals, "attempt_starts": journal.get("attempt_starts") or [],
+                       "prunes": journal.get("prunes") or []}, AppendLog.iter(run_dir / BOOK_FILE), history_only=True)
+        except (ValueError, KeyError, TypeError) as err:
+            notes.append(f"{BOOK_FILE} left out: {err}")
+        else:
+            tally = book.tally()
+            return {**out, "trainer_failures": [encode(t) for t in book.failures()],
+                    "microbatches_per_committed_step": list(tally.microbatches_per_step),
+                    "steps_with_fewer_trainers": tally.steps_with_fewer_trainers}
+    found = accounting.trainer_failures(kill_records, [], {}, [decode(Heal, h) for h in heals],
+                                        cfg.training.num_trainers)
+    return {**out, "trainer_failures": [{**encode(t), "detection_s": None, "steps_with_fewer_trainers": None}
+                                        for t in found]}
 
 
 def _costs(events: list[dict], failures: list[dict], wall: dict, steps_this_run: int) -> dict:

@@ -13,7 +13,6 @@ from app.rebuild import REPORT_FILE, ReportError, load_run, rebuild_report
 from app.summary import format_summary
 from app.tallies import hosts_lost, mirrors_section, overhead_seconds, save_failures, save_split
 from core.config import RunConfig
-from core.journal import EVENTS_FILE
 from policies import expected_pls
 
 __all__ = ["build_report", "write_report", "format_summary", "render", "load_run", "rebuild_report", "ReportError"]
@@ -41,9 +40,9 @@ def data_section(data: dict) -> dict:
 def build_report(cfg: RunConfig, summary: dict, data: dict, wall: dict) -> dict:
     tr = cfg.training
     evaluation = summary.get("eval") or {}
-    commits = summary.get("commits", {})
+    committed = summary.get("committed") or {}
     # A run that stopped early has no evaluation: count the steps it committed.
-    steps = evaluation.get("steps") or (max(int(s) for s in commits) + 1 if commits else summary.get("resumed_from_step") or 0)
+    steps = evaluation.get("steps") or committed.get("steps") or summary.get("resumed_from_step") or 0
     samples_per_step = tr.microbatches_per_step * tr.microbatch_rows
     resumed_from = summary.get("resumed_from_step") or 0
     samples = steps * samples_per_step
@@ -60,7 +59,6 @@ def build_report(cfg: RunConfig, summary: dict, data: dict, wall: dict) -> dict:
     if policy.get("interval_s") and est:
         policy["expected_pls"] = expected_pls(policy["interval_s"], est["mtbf_s"], est["num_shards"])
     overhead_s = overhead_seconds(saves, failures, step_time_s, sum(st["tracking_s"] for st in shard_states))
-    counts = sorted({c["total"] for c in commits.values()})
     return {
         "run_id": summary["run_id"],
         "auc": auc,
@@ -96,12 +94,10 @@ def build_report(cfg: RunConfig, summary: dict, data: dict, wall: dict) -> dict:
         "hosts_lost": hosts_lost(summary.get("events", [])),
         "all_trainers_failed": [e for e in summary.get("events", []) if e["kind"] == "all_trainers_failed"],
         # Microbatches that reached each committed dense step: M for every step, whatever
-        # the number of live trainers (ReCoVer's invariant).
-        "microbatches_per_committed_step": counts,
-        "steps_with_fewer_trainers": sum(
-            1 for c in commits.values() if c["participants"] < tr.num_trainers
-        ),
-        "commits": commits,
+        # the number of live trainers (ReCoVer's invariant). Each step's commit reports are in
+        # the run's trainer_book.jsonl (actors.supervisor.step_records.read_commits).
+        "microbatches_per_committed_step": list(committed.get("microbatches_per_step") or []),
+        "steps_with_fewer_trainers": committed.get("steps_with_fewer_trainers", 0),
         "overhead_s": {k: round(v, 3) for k, v in overhead_s.items()},
         # MFU/SSU access tracking in the shards' lookup path, per training step (summed over shards).
         "tracking_s_per_step": overhead_s["tracking"] / max(steps - resumed_from, 1),
@@ -116,13 +112,11 @@ def build_report(cfg: RunConfig, summary: dict, data: dict, wall: dict) -> dict:
 
 
 def write_report(run_dir: Path, report: dict) -> None:
-    """Writes report.json, events.jsonl, summary.txt and the plots. A plot that cannot be
-    drawn is logged, never fails the run: the report files are written first."""
+    """Writes report.json, summary.txt and the plots (``events.jsonl`` is the supervisor's:
+    its journal says how far the file reached, and a resumed run appends to it). A plot that
+    cannot be drawn is logged, never fails the run: the report files are written first."""
     run_dir = Path(run_dir)
     (run_dir / REPORT_FILE).write_text(json.dumps(report, indent=2, default=str))
-    with open(run_dir / EVENTS_FILE, "w") as f:
-        for e in report["events"]:
-            f.write(json.dumps(e, default=str) + "\n")
     render(run_dir, report)
 
 

@@ -11,7 +11,7 @@ from policies import CostInputs, RecoveryDecision
 
 __all__ = [
     "StartInfo", "KillRecord", "DeathCause", "FailureRecord", "TrainerFailure", "StateView", "StepCommit",
-    "RecoveryModes", "SaveFailures", "CheckpointPolicyView", "RunSummary",
+    "CommitTally", "RecoveryModes", "SaveFailures", "CheckpointPolicyView", "RunSummary",
 ]
 
 
@@ -114,6 +114,19 @@ class StepCommit:
 
 
 @dataclass(frozen=True)
+class CommitTally:
+    """What the report reads of the committed steps, over the run's final timeline (a later
+    attempt's commit of a step replaces an earlier's): the steps committed (the last one + 1),
+    the distinct microbatch totals their all-reduces summed (M alone: ReCoVer's invariant
+    held) and the steps committed by fewer trainers than the group. Every step's commit
+    reports are in the run's ``trainer_book.jsonl``."""
+
+    steps: int = 0
+    microbatches_per_step: tuple[int, ...] = ()
+    steps_with_fewer_trainers: int = 0
+
+
+@dataclass(frozen=True)
 class RecoveryModes:
     requested: str
     used: tuple[str, ...]
@@ -159,5 +172,5 @@ class RunSummary:
     supervisor_restarts: int
     attempts: int
     trainer_failures: tuple[TrainerFailure, ...]
-    commits: dict[int, StepCommit] = field(default_factory=dict)
+    committed: CommitTally = field(default_factory=CommitTally)
     save_failures: SaveFailures = field(default_factory=SaveFailures)

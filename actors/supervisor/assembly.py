@@ -45,7 +45,7 @@ from core.checkpoint import DataPosition
 from core.config import RunConfig
 from core.faultlog import fault_log_dir
 from core.deadlines import Deadlines
-from core.journal import BOOK_FILE, AppendLog, Journal, RunLog
+from core.journal import BOOK_FILE, EVENTS_FILE, AppendLog, Journal, RunLog
 from core.plan import ShardingPlan
 from core.books import FailureRecord, KillRecord
 from core.records import Target, TrainerSetup
@@ -109,7 +109,7 @@ def assemble(inputs: RunInputs, on_crash: Callable[[str, BaseException], None], 
     header = {"run_id": run_id, "attempt": 1, "supervisor_restarts": 0, "attempt_restarts": 0}
     books = Books(Journal(inputs.run_dir), lock, header, on_unwritable=lambda reason: controller.fail(reason))
     persist, hooks, run_log = books.persist, HookList(), RunLog(inputs.run_dir, fresh=fresh_files)
-    events = EventLog(lock, hooks, persist)
+    events = EventLog(lock, hooks, persist, file=AppendLog(inputs.run_dir / EVENTS_FILE, fresh=fresh_files))
 
     start_thread = partial(_start_thread, on_crash)
     ck = cfg.checkpoint

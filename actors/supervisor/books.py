@@ -1,6 +1,9 @@
-"""The supervisor's books as one journal document: a section per part, written whole under
-the books' lock so that every section is from the same moment (a transition changes several
-parts at once). A journal that cannot be written (a full disk) fails the run here."""
+"""The supervisor's books as one journal document: a section per part, taken whole under the
+books' lock so that every section is from the same moment (a transition changes several
+parts at once: the state, the fleet, a spare taken from the pool, failures recorded). The
+journal (``core.journal``) writes only what changed since its last write, and no section
+holds per-step history: a write costs the change, not the run's length. A journal that
+cannot be written (a full disk) fails the run here."""
 
 from __future__ import annotations
 
@@ -9,13 +12,11 @@ import threading
 from collections.abc import Callable
 from typing import Protocol
 
-from core.journal import Journal
+from core.journal import JOURNAL_FORMAT, Journal
 
 __all__ = ["Books", "Part", "JournalUnwritable", "JOURNAL_FORMAT"]
 
 logger = logging.getLogger(__name__)
-
-JOURNAL_FORMAT = 2
 
 
 class JournalUnwritable(Exception):

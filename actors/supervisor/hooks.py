@@ -72,13 +72,11 @@ class HookList(RunHooks):
 
 
 class RunLogHook(RunHooks):
-    """``events.jsonl`` and ``progress.jsonl``, appended as the run goes."""
+    """``progress.jsonl``, appended as the run goes (the event log writes ``events.jsonl``
+    itself, under the books' lock, so that the journal can say how far it reached)."""
 
     def __init__(self, run_log: RunLog):
         self.run_log = run_log
-
-    def on_event(self, event: dict) -> None:
-        self.run_log.event(event)
 
     def on_progress(self, record: Progress) -> None:
         self.run_log.progress(record)

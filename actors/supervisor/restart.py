@@ -19,6 +19,9 @@ __all__ = ["rebuild", "continue_history"]
 
 
 def _load_history(p: Parts, doc: dict) -> None:
+    """The parts whose records span attempts. The event log cuts ``events.jsonl`` back to
+    where it was at the journal's last write: an event appended for a change that never
+    reached the journal goes, as the change did."""
     p.events.load(doc["events"])
     p.ledger.load(doc["ledger"])
     p.costs.restore(doc["costs"])
@@ -34,13 +37,12 @@ def rebuild(p: Parts, doc: dict) -> None:
     p.books.header.update(attempt=doc["attempt"], supervisor_restarts=restarts, attempt_restarts=this_attempt)
     _load_history(p, doc)
     p.controller.load(doc["controller"])
-    p.trainers.load(doc["trainers"], AppendLog.read(p.inputs.run_dir / BOOK_FILE))
+    p.trainers.load(doc["trainers"], AppendLog.iter(p.inputs.run_dir / BOOK_FILE))
     p.spares.load(doc["spares"])
     if "mirrors" in doc:
         p.mirrors.load(doc["mirrors"])
     p.checkpoints.load(doc["checkpoints"])
     p.eval.value = doc.get("eval")
-    p.run_log.rewrite_events(list(p.events.all()))
     missing = p.controller.reacquire(lambda name: _answering(p, name))
     p.books.persist()
     kill = next((k for k in reversed(p.ledger.kills()) if k.target == "supervisor"), None)
@@ -69,7 +71,7 @@ def continue_history(p: Parts, doc: dict) -> None:
     p.books.header.update(attempt=doc["attempt"] + 1, supervisor_restarts=doc["supervisor_restarts"],
                           attempt_restarts=0)
     _load_history(p, doc)
-    p.trainers.load(doc["trainers"], AppendLog.read(p.inputs.run_dir / BOOK_FILE), history_only=True)
+    p.trainers.load(doc["trainers"], AppendLog.iter(p.inputs.run_dir / BOOK_FILE), history_only=True)
     last = p.trainers.last_step_committed()
     p.ledger.begin_attempt(None if last is None else last + 1)
     p.trainers.begin_attempt()

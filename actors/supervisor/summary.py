@@ -1,6 +1,7 @@
 """The run's summary for its report, from every part's books: failures (open ones closed at
-the last step and counted), commits, trainer failures, the checkpoint policy and estimates,
-and each shard's counters."""
+the last step and counted), the committed steps' tally, trainer failures, the checkpoint
+policy and estimates, and each shard's counters; the events and progress reports are read
+from the run's files (the supervisor keeps only the last ones in memory)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from actors.supervisor.assembly import Parts
 from actors.supervisor.machine import Failed, Finished
 from core.codec import decode
 from core.books import CheckpointPolicyView, RecoveryModes, RunSummary, StateView
-from core.records import EvalResult, ShardState
+from core.records import EvalResult, Progress, ShardState
 
 __all__ = ["run_summary"]
 
@@ -40,10 +41,11 @@ def run_summary(p: Parts) -> RunSummary:
     failures = p.ledger.records()
     step_time_s = p.trainers.step_time_s()
     interval = ck.interval_steps_in_use
+    events, progress = p.events.all(), tuple(decode(Progress, r) for r in p.run_log.read_progress())
     with p.lock:
         return RunSummary(
-            run_id=p.inputs.run_id, state=_state_view(p.controller.state_now()), events=p.events.all(),
-            progress=tuple(p.trainers.all_progress()), failures=failures, eval=evaluation, shards=shards,
+            run_id=p.inputs.run_id, state=_state_view(p.controller.state_now()), events=events,
+            progress=progress, failures=failures, eval=evaluation, shards=shards,
             shards_error=error, total_steps=p.inputs.schedule.total_steps, resumed_from_step=p.controller.resume_point(),
             last_checkpoint_step=ck.last_checkpoint_step,
             final_checkpoint_step=final if ck.full_checkpoint_of(final) else None,
@@ -55,5 +57,5 @@ def run_summary(p: Parts) -> RunSummary:
             ),
             faults_injected=p.ledger.kills(), supervisor_restarts=p.books.header["supervisor_restarts"],
             attempts=p.books.header["attempt"], trainer_failures=tuple(p.trainers.failures()),
-            commits=p.trainers.commits(), save_failures=ck.failures.view(),
+            committed=p.trainers.tally(), save_failures=ck.failures.view(),
         )

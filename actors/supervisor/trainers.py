@@ -2,7 +2,9 @@
 the trainer's facts), committed steps, failed steps, heals and progress, and the step-redo
 budget. Commits and failed steps come at every step, so they are appended to
 ``trainer_book.jsonl`` (replayed after a restart or a resume) instead of being rewritten with
-the journal; the rest is journaled with the other parts.
+the journal, and the memory keeps a window of them with running tallies (``step_records``);
+progress reports are appended to ``progress.jsonl`` (the run log) and the memory keeps the
+last ones. The rest is journaled with the other parts.
 
 The book is a cache of reports the trainers send without waiting: a report retried across a
 supervisor restart counts once (each carries its process and number), and every attempt of
@@ -17,7 +19,7 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import ray
@@ -27,7 +29,7 @@ from actors.supervisor.hooks import RunHooks
 from actors.supervisor.step_records import StepRecords
 from core.codec import decode, encode
 from core.journal import AppendLog
-from core.books import KillRecord, StepCommit, TrainerFailure
+from core.books import CommitTally, KillRecord, TrainerFailure
 from core.records import CommitRecord, Heal, Progress, StepFailure, Target, TrainerStart
 from policies import Budget, FailurePolicy
 
@@ -35,12 +37,22 @@ __all__ = ["TrainerBook"]
 
 logger = logging.getLogger(__name__)
 
+PROGRESS_KEPT = 64  # progress reports in memory (the last: the step time, the console); the file has all
+_RATE_REPORTS = 5  # the step time is the mean rate of the last reports: journaled for a restart
+
+
 @dataclass
 class _Trainer:
     pid: int | None
     node_id: str | None
     starts: int
     worker: object = None  # its Ray Train worker actor (not journaled as such: pickled, see doc())
+    blob: str | None = None  # the worker pickled, once: every journal write carries it
+
+    def pickled(self) -> str | None:
+        if self.blob is None and self.worker is not None:
+            self.blob = _pickled(self.worker)
+        return self.blob
 
 
 class TrainerBook:
@@ -74,8 +86,8 @@ class TrainerBook:
         self.num_trainers = num_trainers
         self.samples_per_step = samples_per_step
         self._trainers: dict[int, _Trainer] = {}
-        self._steps = StepRecords(book)
-        self._progress: list[Progress] = []
+        self._steps = StepRecords(book, kills, num_trainers)
+        self._progress: list[Progress] = []  # the last PROGRESS_KEPT, in time order
         self._started = False
         # Kill times of trainer failures whose detection is already in the metrics.
         self._exported: set[float] = set()
@@ -188,10 +200,13 @@ class TrainerBook:
         record = p if p.time else dataclasses.replace(p, time=round(time.time(), 3))
         with self._lock:
             bisect.insort(self._progress, record, key=lambda r: r.time)
+            if len(self._progress) > PROGRESS_KEPT:
+                del self._progress[0]
         self._hooks.on_progress(record)
         return record
 
-    def all_progress(self) -> list[Progress]:
+    def recent_progress(self) -> list[Progress]:
+        """The last ``PROGRESS_KEPT`` reports (``progress.jsonl`` has every one)."""
         with self._lock:
             return list(self._progress)
 
@@ -201,16 +216,15 @@ class TrainerBook:
 
     def step_time_s(self) -> float | None:
         with self._lock:
-            rates = [p.samples_per_s for p in self._progress[-5:] if p.samples_per_s]
+            rates = [p.samples_per_s for p in self._progress[-_RATE_REPORTS:] if p.samples_per_s]
         return self.samples_per_step / (sum(rates) / len(rates)) if rates else None
 
     # ------------------------------------------------------------------ failures
 
     def failures(self) -> list[TrainerFailure]:
         """One record per killed trainer, matched with what happened in its own attempt."""
-        kills = list(self._kills())
         with self._lock:
-            return self._steps.failures(kills, self.num_trainers)
+            return self._steps.failures()
 
     def failure_of(self, healed: dict) -> dict | None:
         """The trainer failure a ``trainer_healed`` event ended, if its kill is known."""
@@ -233,10 +247,15 @@ class TrainerBook:
 
     # ------------------------------------------------------------------ views
 
-    def commits(self) -> dict[int, StepCommit]:
-        """Every committed step of the run's final timeline."""
+    def tally(self) -> CommitTally:
+        """The committed steps of the run's final timeline, as the report counts them."""
         with self._lock:
-            return self._steps.commits()
+            return self._steps.tally()
+
+    def sizes(self) -> dict[str, int]:
+        """Entries in memory per structure (flat over a run: a window and tallies)."""
+        with self._lock:
+            return {**self._steps.sizes(), "progress": len(self._progress), "trainers": len(self._trainers)}
 
     def last_step_committed(self) -> int | None:
         """The last step committed in this attempt."""
@@ -293,21 +312,24 @@ class TrainerBook:
 
     def doc(self) -> dict:
         return {
-            "trainers": {str(r): {"pid": t.pid, "node_id": t.node_id, "starts": t.starts, "worker": _pickled(t.worker)}
+            "trainers": {str(r): {"pid": t.pid, "node_id": t.node_id, "starts": t.starts, "worker": t.pickled()}
                          for r, t in self._trainers.items()},
-            "progress": encode(self._progress[-200:]), "started": self._started, "exported": sorted(self._exported),
+            "progress": encode(self._progress[-_RATE_REPORTS:]), "started": self._started,
+            "exported": sorted(self._exported),
             "pins": {str(r): s for r, s in self._pins.items()}, **self._steps.doc(),
         }
 
-    def load(self, doc: dict, book: list[dict], history_only: bool = False) -> None:
+    def load(self, doc: dict, book: Iterable[dict], history_only: bool = False) -> None:
         """The journaled book and the replayed records. ``history_only``: an earlier attempt
         of the run (``--resume``): its commits, failed steps, heals and progress, not its
         trainer processes, which are gone."""
         self._progress = [decode(Progress, p) for p in doc["progress"]]
         self._exported = set(doc["exported"])
         if not history_only:
-            self._trainers = {int(r): _Trainer(t["pid"], t["node_id"], t["starts"], _unpickled(t.get("worker")))
-                              for r, t in doc["trainers"].items()}
+            self._trainers = {
+                int(r): _Trainer(t["pid"], t["node_id"], t["starts"], _unpickled(t.get("worker")), t.get("worker"))
+                for r, t in doc["trainers"].items()
+            }
             self._started = doc["started"]
             self._pins = {int(r): s for r, s in doc.get("pins", {}).items()}
         self._steps.load(doc, book, history_only)

@@ -4,7 +4,6 @@ for a deterministic config, ends bit-identical to a run without the failure."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
@@ -12,6 +11,7 @@ import pytest
 from ray._common.test_utils import wait_for_condition
 
 from core.checkpoint import CheckpointStore
+from core.journal import Journal
 from core.schedule import StepSchedule
 from core.store import MicrobatchStore
 from app.chaos import kill_target
@@ -166,7 +166,7 @@ def test_partial_recovery_respawns_only_the_dead_shard(ray_local, small_data, tm
     assert after["shard:0"].pid == before["shard:0"].pid
     assert failure["spare"].endswith("spare0") and after["shard:1"].pid == before["spare:0"].pid
     # (It may still be importing when the run ends: the journal names it from its spawn on.)
-    spares = json.loads((Path(cfg.run_dir) / "supervisor_state.json").read_text())["spares"]
+    spares = Journal(Path(cfg.run_dir)).load()["spares"]
     replacement = f"{failure['spare'].rsplit('-', 1)[0]}-spare1"
     assert replacement in spares["ready"] + spares["starting"], spares
     assert "spare:1" not in after or after["spare:1"].pid not in {before[t].pid for t in before}

@@ -7,7 +7,9 @@ from __future__ import annotations
 import pytest
 from ray._common.test_utils import wait_for_condition
 
+from actors.supervisor.step_records import read_commits
 from app.chaos import kill_target
+from core.journal import BOOK_FILE, AppendLog, Journal
 from core.config import config_from_dict
 from app.job import TrainingJob
 
@@ -57,16 +59,19 @@ def _progress_at_least(ray, job, step):
     return check
 
 
-def _assert_every_microbatch_once(report, logs, total_steps):
+def _assert_every_microbatch_once(report, logs, total_steps, run_dir):
     expected = {s: [s * M + m for m in range(M)] for s in range(total_steps)}
-    commits = {int(s): c for s, c in report["commits"].items()}
+    # Each step's commit reports, from the run's trainer book (the report holds their tally).
+    commits = read_commits(AppendLog.iter(run_dir / BOOK_FILE), Journal(run_dir).load()["trainers"]["prunes"])
     # Every committed dense step summed exactly M microbatches (counted in its all-reduce).
     assert sorted(commits) == list(range(total_steps))
     assert report["microbatches_per_committed_step"] == [M]
+    trainers = report["config"]["training"]["num_trainers"]
+    assert report["steps_with_fewer_trainers"] == sum(1 for c in commits.values() if c.participants < trainers)
     for s, c in commits.items():
         # The trainers' own reports: a dying trainer may not report its share, but no id
         # is ever reported twice or for the wrong step.
-        assert len(c["microbatches"]) == len(set(c["microbatches"])) and set(c["microbatches"]) <= set(expected[s])
+        assert len(c.microbatches) == len(set(c.microbatches)) and set(c.microbatches) <= set(expected[s])
     # The shards' logs are the ground truth of embedding updates: each id exactly once.
     for log in logs:
         per_step = {}
@@ -95,7 +100,7 @@ def test_killing_a_trainer_then_another_while_the_first_heals(ray_local, small_d
     report, logs = _run_with_kills(ray_local, cfg, plan)
     # Two epochs overfit this generator's rare ids a little (a failure-free 1-epoch run: 0.75).
     assert report["steps"] == 468 and report["auc"] > 0.68
-    _assert_every_microbatch_once(report, logs, 468)
+    _assert_every_microbatch_once(report, logs, 468, tmp_path / "run")
     first, second = report["trainer_failures"]
     assert (first["actor"], second["actor"]) == ("trainer:1", "trainer:2")
     # The survivors went on without the dead trainer until its replacement healed from them:
@@ -131,7 +136,7 @@ def test_all_trainers_dead_falls_back_to_the_checkpoint(ray_local, small_data, t
     [fallback] = report["all_trainers_failed"]
     assert fallback["fallback_step"] % 25 == 0 and fallback["fallback_step"] >= 50
     assert fallback["steps_lost"] >= 1
-    _assert_every_microbatch_once(report, logs, 150)
+    _assert_every_microbatch_once(report, logs, 150, tmp_path / "run")
     assert "fell back to checkpoint step" in (tmp_path / "run" / "summary.txt").read_text()
 
 

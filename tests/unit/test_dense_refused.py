@@ -85,7 +85,7 @@ def test_a_replacement_starts_from_the_checkpoint_before_a_damaged_dense_file(tm
     setup = desk.trainer_setup(1)
     assert (setup.resume.step, setup.resume.dense) == (30, b"dense of 30")
     assert checkpoints.refused == [40]
-    [fallback] = events.of("checkpoint_fallback")
+    [fallback] = events.recent("checkpoint_fallback")
     assert fallback["step"] == 40 and fallback["file"] == "dense"
 
 

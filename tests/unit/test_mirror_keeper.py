@@ -63,5 +63,5 @@ def test_training_that_starts_with_a_shard_unprotected_says_so_once():
     mirrors, events = _mirrors()
     mirrors._ready, mirrors._tried = {1: "m1"}, {0, 1}
     assert mirrors.wait_first(0.1) and mirrors.wait_first(0.1)
-    [missing] = events.of("mirrors_missing")
+    [missing] = [e for e in events.recent() if e["kind"] == "mirrors_missing"]
     assert missing["shards"] == [0]

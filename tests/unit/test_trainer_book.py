@@ -14,7 +14,7 @@ def test_progress_reports_recorded_out_of_order_keep_the_order_they_were_sent_in
     for step, sent in ((3, 10.0), (5, 10.3), (4, 10.15)):
         book.progress(Progress(step=step, total_steps=9, loss=0.5, samples_per_s=1.0, trainers=2, time=sent))
     assert book.last_progress().step == 5
-    assert [p.step for p in book.all_progress()] == [3, 4, 5]
+    assert [p.step for p in book.recent_progress()] == [3, 4, 5]
 
 
 def test_a_trainers_place_goes_to_each_new_process_and_is_taken_when_its_host_is_lost(tmp_path):
