@@ -129,6 +129,7 @@ def assemble(inputs: RunInputs, on_crash: Callable[[str, BaseException], None], 
         samples_per_step=cfg.training.microbatches_per_step * cfg.training.microbatch_rows,
         on_replaced=lambda pid, node: remove_process_files_on(node, run_id, pid),
         place=lambda rank, pid, node: fences.grant([trainer_place(rank, pid, node)], wait=False),
+        unwritable=books.unwritable,
     )
     hooks.add(RunLogHook(run_log))
     hooks.add(MetricsHook(RunMetrics(run_id, trainers.samples_per_step), trainers.failure_of))

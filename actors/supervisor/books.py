@@ -60,10 +60,14 @@ class Books:
                 self.journal.write({"format": JOURNAL_FORMAT, **self.header,
                                     **{name: part.doc() for name, part in self._parts.items()}})
             except OSError as err:
-                path = getattr(self.journal, "path", "the run directory")
-                unwritable = JournalUnwritable(f"the supervisor's journal could not be written ({path}): {err}")
-                first, self._unwritable = not self._unwritable, True
-                if first and self._on_unwritable is not None:
-                    logger.error("%s; the run fails", unwritable)
-                    self._on_unwritable(str(unwritable))
-                raise unwritable from err
+                raise self.unwritable("journal", getattr(self.journal, "path", "the run directory"), err) from err
+
+    def unwritable(self, what: str, path: object, err: OSError) -> JournalUnwritable:
+        """One of the supervisor's files (``what``: its journal, its trainer book) could not be
+        written: the run fails with that reason (once), and the caller raises what this returns."""
+        unwritable = JournalUnwritable(f"the supervisor's {what} could not be written ({path}): {err}")
+        first, self._unwritable = not self._unwritable, True
+        if first and self._on_unwritable is not None:
+            logger.error("%s; the run fails", unwritable)
+            self._on_unwritable(str(unwritable))
+        return unwritable

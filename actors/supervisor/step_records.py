@@ -71,8 +71,10 @@ class StepRecords:
     a reader of a run's files (``cpr report``), which only replays them."""
 
     def __init__(self, book: AppendLog | None, kills: Callable[[], Sequence[KillRecord]] = list, num_trainers: int = 1,
-                 window: int = COMMIT_WINDOW):
+                 window: int = COMMIT_WINDOW, unwritable: Callable[[str, object, OSError], Exception] | None = None):
         self._book = book
+        # A record that cannot be written (a full disk) fails the run like the journal's writes.
+        self._unwritable = unwritable
         self._kills = kills
         self._n = num_trainers
         self._window_steps = window
@@ -170,7 +172,12 @@ class StepRecords:
         self._begin_window()
 
     def _append(self, record: dict) -> None:
-        self._book.append(record)
+        try:
+            self._book.append(record)
+        except OSError as err:
+            if self._unwritable is None:
+                raise
+            raise self._unwritable("trainer book", self._book.path, err) from err
         self._records += 1
 
     # ------------------------------------------------------------------ folding

@@ -71,6 +71,7 @@ class TrainerBook:
         samples_per_step: int,
         on_replaced: Callable[[int, str], None] = lambda pid, node: None,
         place: Callable[[int, int | None, str | None], None] = lambda rank, pid, node: None,
+        unwritable: Callable[[str, object, OSError], Exception] | None = None,
     ):
         self._on_replaced = on_replaced
         self._place = place  # grants rank's place (actors.lease) to a process; pid None: to none
@@ -86,7 +87,7 @@ class TrainerBook:
         self.num_trainers = num_trainers
         self.samples_per_step = samples_per_step
         self._trainers: dict[int, _Trainer] = {}
-        self._steps = StepRecords(book, kills, num_trainers)
+        self._steps = StepRecords(book, kills, num_trainers, unwritable=unwritable)
         self._progress: list[Progress] = []  # the last PROGRESS_KEPT, in time order
         self._started = False
         # Kill times of trainer failures whose detection is already in the metrics.

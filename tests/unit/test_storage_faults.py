@@ -251,3 +251,28 @@ def test_no_second_save_starts_beside_one_still_writing_after_the_drain(tmp_path
     storage.release.set()
     first.thread.join(10)
     assert [e["step"] for e in events if e["kind"] == "checkpoint_saved"] == [EVERY]
+
+
+def test_a_trainer_book_that_cannot_be_written_fails_the_run_with_its_reason(tmp_path):
+    # Before, a commit report whose record could not be appended (a full disk) raised into the
+    # report's call, which the trainer does not wait for: the commit was missing from the books
+    # and the run went on.
+    from actors.supervisor.trainers import TrainerBook
+    from core.journal import AppendLog
+    from core.records import CommitRecord
+
+    class FullBook(AppendLog):
+        def append(self, record: dict) -> None:
+            raise ENOSPC
+
+    run = Run()
+    lock = threading.RLock()
+    books = Books(Journal(tmp_path), lock, {"run_id": "r1"}, on_unwritable=run.fail)
+    book = TrainerBook(lock, EventLog(lock, HookList(), lambda: None), lambda: None, HookList(),
+                       FailurePolicy(BudgetLimits()), fail=run.fail, kills=list, on_commit=lambda s, g: None,
+                       book=FullBook(tmp_path / "trainer_book.jsonl"), num_trainers=1, samples_per_step=8,
+                       unwritable=books.unwritable)
+    with pytest.raises(JournalUnwritable):
+        book.commit(CommitRecord(0, 0, (0,), 1, 1, 0.0, 0, 7, 1))
+    [reason] = run.reasons
+    assert reason.startswith("the supervisor's trainer book could not be written (") and "No space left" in reason
