@@ -68,6 +68,8 @@ def format_event(e: dict) -> str | None:
         return f"[spares] the warm spare moved to host {e['to_ip']}, which holds no shard ({e['to'].rsplit('-', 1)[-1]})"
     if kind == "spare_lost":
         return f"[failure] warm spare {e['spare']} died ({e['cause']}); starting another"
+    if kind == "shard_initial_rows":
+        return f"[checkpoint] shard {e['shard']} starts from its initial rows: {e['reason']}"
     if kind == "checkpoint_fallback":
         return f"[checkpoint] step {e['step']} refused ({e['reason']}); using an older valid checkpoint"
     if kind == "interval_changed":

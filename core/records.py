@@ -210,6 +210,7 @@ class CommitRecord:
     generation: int | None = None
     pid: int | None = None  # the trainer process; with ``seq``, what makes a report retried twice count once
     seq: int | None = None  # the process's report number (commits and failed steps)
+    process: str | None = None  # the process's own random name: pids repeat across hosts
 
 
 @dataclass(frozen=True)
@@ -224,6 +225,7 @@ class StepFailure:
     broken_quorum: int | None = None
     pid: int | None = None
     seq: int | None = None
+    process: str | None = None
 
 
 @dataclass(frozen=True)

@@ -163,7 +163,7 @@ def assemble(inputs: RunInputs, on_crash: Callable[[str, BaseException], None], 
         mirrors=mirrors, survey=lambda skip: surveyor.ask(skip), committed_steps=trainers.committed_steps,
         protect=checkpoints.targets.protect, release=checkpoints.targets.release,
     ))
-    reporter = HostLossReporter(events, controller.served.shards_on, trainers.ranks_on, spares.on_node)
+    reporter = HostLossReporter(events, controller.served.shards_on, trainers.ranks_on, spares.on_node, mirrors.on_node)
     setup = TrainerSetup(
         finished=False, plan=inputs.plan, schedule=inputs.schedule, train_cache=inputs.train_cache,
         eval_cache=inputs.eval_cache, audit_dir=audit,

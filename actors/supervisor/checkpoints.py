@@ -16,11 +16,9 @@ training goes on, within ``budgets.max_failed_saves`` in a row (``save_failures`
 from __future__ import annotations
 
 import logging
-import re
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import ray
 
@@ -28,50 +26,17 @@ from actors.supervisor.costs import SharedCosts
 from actors.supervisor.hooks import RunHooks
 from actors.supervisor.restore_targets import RestoreTargets
 from actors.supervisor.save_failures import FailedSaves
+from actors.supervisor.save_job import SAVE_ERRORS, Abandoned, SaveJob, reason as one_line
 from core.checkpoint import DATA_POSITION_FILE, DENSE_FILE, FULL, INCREMENTAL, CheckpointStore, DataPosition, write_blob
 from core.config import RunConfig
 from core.deadlines import Deadlines
 from core.errors import ConfigError, CprError
-from core.records import SaveRequest, SaveResult, Snapshot, WrittenPart
+from core.records import SaveRequest, SaveResult, WrittenPart
 from policies import FailurePolicy, IntervalController, interval_steps
 
 __all__ = ["CheckpointCoordinator"]
 
 logger = logging.getLogger(__name__)
-
-_ANSI = re.compile(r"\x1b\[[0-9;]*m")
-# A save that fails for one of these is abandoned and tried again at a later step; anything
-# else is a bug and crashes the save pipeline's thread (the run then fails, naming it).
-_SAVE_ERRORS = (ray.exceptions.RayError, OSError, TimeoutError, CprError)
-
-
-class _Abandoned(Exception):
-    pass
-
-
-def _reason(err: BaseException) -> str:
-    """One readable line for an event: a Ray error's text starts with the task's name (in
-    colour) and ends with the remote exception; keep that exception's line."""
-    lines = [ln.strip() for ln in _ANSI.sub("", str(err)).splitlines() if ln.strip()]
-    exc = [ln for ln in lines if re.match(r"^[A-Za-z_.]*(Error|Exception)\b", ln)]
-    return (exc[-1] if exc else lines[0] if lines else type(err).__name__)[:200]
-
-
-@dataclass
-class _SaveJob:
-    """One save between its snapshot and its commit."""
-
-    request: SaveRequest
-    shards: list
-    snapshots: list[Snapshot]
-    run_id: str
-    position: DataPosition
-    hold_s: float
-    epoch: int
-    thread: threading.Thread | None = None
-    dense_entry: object = None  # FileEntry of the dense state, once written
-    position_entry: object = None  # FileEntry of the data position, once written
-
 
 _SCHEDULE_FIELDS = (
     "save_index", "last_full_step", "last_checkpoint_step", "next_checkpoint_step", "interval_steps_in_use",
@@ -119,7 +84,7 @@ class CheckpointCoordinator:
         # rollback must not commit a checkpoint of the abandoned timeline after the fence.
         self._timeline = threading.Lock()
         self._epoch = 0  # bumped by every rollback: a save snapshotted before it never commits
-        self._in_flight: _SaveJob | None = None
+        self._in_flight: SaveJob | None = None
         self._final_attempts: dict[int, int] = {}  # step -> final saves begun (snapshotted or tried)
         self.failures = FailedSaves(policy, fail)  # under the timeline lock
 
@@ -138,6 +103,23 @@ class CheckpointCoordinator:
         if self.in_flight_step is not None and self.next_checkpoint_step is not None:
             self.next_checkpoint_step = min(self.next_checkpoint_step, self.in_flight_step + 1)
         self.in_flight_step = None
+        self._reconcile()
+
+    def _reconcile(self) -> None:
+        """A save that committed after the journal's last write (the supervisor died between its
+        manifest and its event) is the schedule's newest: the next incremental builds on the
+        newest full there is, and the save index goes on from it."""
+        if self.store is None:
+            return
+        for step in [s for s in self.store.list_committed() if s > (self.last_checkpoint_step or 0)]:
+            try:
+                info = self.store.info(step)
+            except CprError:
+                continue
+            self.last_checkpoint_step = step
+            self.save_index = max(self.save_index or 0, int(info.meta.get("save_index", 0)) + 1)
+            if info.kind == FULL:
+                self.last_full_step = step
 
     # ------------------------------------------------------------------ schedule
 
@@ -238,14 +220,38 @@ class CheckpointCoordinator:
         policy): every shard copies the rows to save into memory and the call returns; a
         guarded background thread writes the dense state, waits for every shard's file and
         commits the manifest. Only the copies hold the training path (``hold_s``)."""
-        waited_s = self.drain()  # one save at a time: the previous one commits (or not) first
-        if self._in_flight is not None and self._in_flight.thread is not None and self._in_flight.thread.is_alive():
-            # Still writing after the drain's deadline (slow storage): no second save beside it.
-            return SaveResult(False, self.next_checkpoint_step, waited_s)
+        job = self._in_flight
+        # One save at a time: the previous one commits (or not) first, within its deadline.
+        waited_s = self.drain(self._time_left(job)) if job is not None else 0.0
+        if job is not None and job.thread is not None and job.thread.is_alive():
+            result = self._still_writing(job, request.step, waited_s)
+            self.failures.stop_if_over_budget()
+            return result
         with self._timeline:
             result = self._snapshot(request, shards, run_id, position)
         self.failures.stop_if_over_budget()
         return SaveResult(result.saved, result.next_step, result.duration_s + waited_s)
+
+    def _time_left(self, job: SaveJob) -> float:
+        drain_s = Deadlines(self.cfg.embeddings.call_timeout_s).save_drain_s
+        return max(0.0, job.started + drain_s - time.monotonic())
+
+    def _still_writing(self, job: SaveJob, step: int, waited_s: float) -> SaveResult:
+        """The save in flight outlived its deadline (storage that hangs rather than fails): it is
+        abandoned (it never commits) and counted as failed once, and each save due while it still
+        writes fails too, after the backoff (``budgets.max_failed_saves``), without waiting for
+        it: training goes on, no second save writes beside it."""
+        with self._timeline:
+            due = self.next_checkpoint_step is not None and step >= self.next_checkpoint_step
+            if job.overdue and not due:
+                return SaveResult(False, self.next_checkpoint_step, waited_s)
+            failed = job.request.step if not job.overdue else step
+            job.overdue, job.epoch, self.in_flight_step = True, -1, None
+            err = TimeoutError(f"the save of step {job.request.step} still writes after "
+                               f"{time.monotonic() - job.started:.1f}s: the storage does not answer")
+            retry = self._failed(failed, err, self.after(step))
+        self.record_event("checkpoint_failed", step=failed, phase="write", error=str(err), **retry)
+        return SaveResult(False, self.next_checkpoint_step, waited_s)
 
     def drain(self, timeout_s: float | None = None) -> float:
         """Waits for the save in flight, if any, to commit or be abandoned; returns the wait."""
@@ -281,19 +287,19 @@ class CheckpointCoordinator:
             # A shard died or lags behind (just recovered): this checkpoint will not exist;
             # the trainers ask again after a backoff.
             retry = self._failed(step, err, self.after(step))
-            self.record_event("checkpoint_failed", step=step, phase="snapshot", error=_reason(err), **retry)
+            self.record_event("checkpoint_failed", step=step, phase="snapshot", error=one_line(err), **retry)
             return SaveResult(False, retry["retry_step"] or step + 1, time.perf_counter() - t0)
         hold_s = time.perf_counter() - t0
         if not all(r.full for r in snapshots) and self.last_full_step is None:
             raise RuntimeError(f"incremental save at step {step} without a full checkpoint before it")
         self.next_checkpoint_step = self.after(step)
         self.in_flight_step = step
-        job = _SaveJob(request, list(shards), snapshots, run_id, position, hold_s, self._epoch)
+        job = SaveJob(request, list(shards), snapshots, run_id, position, hold_s, self._epoch, time.monotonic())
         self._in_flight = job
         job.thread = self.start_thread("save-pipeline", self._write_and_commit, job)
         return SaveResult(True, self.next_checkpoint_step, hold_s)
 
-    def _write_and_commit(self, job: _SaveJob) -> None:
+    def _write_and_commit(self, job: SaveJob) -> None:
         """Phase one, in the background: the dense state and the data position are written,
         every shard's file is waited for; then phase two commits the manifest (only if every
         part is durable and no rollback moved the timeline meanwhile) and tells the shards,
@@ -306,15 +312,17 @@ class CheckpointCoordinator:
             written = self._write_parts(job)
             with self._timeline:
                 if job.epoch != self._epoch:
-                    raise _Abandoned("a rollback moved the timeline after its snapshot")
+                    raise Abandoned("a rollback moved the timeline after its snapshot")
                 self._commit(job, written, time.perf_counter() - t0)
-        except (*_SAVE_ERRORS, _Abandoned) as err:
+        except (*SAVE_ERRORS, Abandoned) as err:
             with self._timeline:
                 self.in_flight_step = None
                 # A save that a rollback abandoned is no failure of the storage; the rollback
                 # restarted the schedule.
                 retry = self._failed(step, err, self.next_checkpoint_step) if job.epoch == self._epoch else {}
-            self.record_event("checkpoint_failed", step=step, phase="write", error=_reason(err),
+            if job.overdue:
+                return  # counted when it was abandoned
+            self.record_event("checkpoint_failed", step=step, phase="write", error=one_line(err),
                               background_s=round(time.perf_counter() - t0, 4), **retry)
             self.failures.stop_if_over_budget()
         finally:
@@ -323,12 +331,12 @@ class CheckpointCoordinator:
     def _failed(self, step: int, err: BaseException, due: int | None) -> dict:
         """A save of ``step`` failed (under the timeline lock; ``due``: the next save's step by the
         schedule): the next one comes after a backoff. Returns the event's fields."""
-        retry = self.failures.failed(step, due, _reason(err))
+        retry = self.failures.failed(step, due, one_line(err))
         if self.next_checkpoint_step is not None:
             self.next_checkpoint_step = retry["retry_step"]
         return retry
 
-    def _write_parts(self, job: _SaveJob) -> list[WrittenPart]:
+    def _write_parts(self, job: SaveJob) -> list[WrittenPart]:
         step, uri, timeout = job.request.step, self.cfg.checkpoint_uri, self.cfg.embeddings.call_timeout_s
         self.hooks.at_point("save.snapshotted")
         refs = [s.save_written.options(concurrency_group="save").remote(step) for s in job.shards]
@@ -338,7 +346,7 @@ class CheckpointCoordinator:
         self.hooks.at_point("save.files_written")
         return written
 
-    def _commit(self, job: _SaveJob, written: list[WrittenPart], elapsed_s: float) -> None:
+    def _commit(self, job: SaveJob, written: list[WrittenPart], elapsed_s: float) -> None:
         step, timeout = job.request.step, self.cfg.embeddings.call_timeout_s
         full = all(r.full for r in job.snapshots)
         info = self.store.commit(

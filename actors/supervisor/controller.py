@@ -54,12 +54,11 @@ class RecoveryController:
         self._deaths = ShardDeaths(self, parts, events)
         self.loop = RecoveryLoop(self, parts, events)  # the executor thread's passes
         self._protected: set[str] = set()  # owners of the restore targets kept from retention until done
-        self._outcome: Outcome | None = None
         self._work, self._stop = threading.Event(), threading.Event()
 
     # ------------------------------------------------------------------ transitions
 
-    def transition(self, event, corrections: Effect | None = None) -> bool:
+    def transition(self, event, corrections: Effect | None = None, outcome: Outcome | None = None) -> bool:
         """The only place the state changes: decide; every part computes its side in memory
         (``corrections``: what a recovery's round of questions corrected in the books); the
         journal is written once; then the effects run. A part never writes the journal inside
@@ -76,7 +75,7 @@ class RecoveryController:
             self._p.spares.take(getattr(t.state, "spares", {}).values())
             self._p.mirrors.take(getattr(t.state, "spares", {}).values())
             if isinstance(event, WorkDone):
-                effects = self._commit_outcome(previous)
+                effects = self._commit_outcome(previous, outcome)
             self._events.append("state_changed", previous=previous.name, state=t.state.name, reason=t.reason)
             self._next = t.state
             try:
@@ -136,10 +135,9 @@ class RecoveryController:
             return self.state, list(self.served.handles)
 
     def work_done(self, state: State, outcome: Outcome) -> bool:
-        """The executor finished ``state``: its outcome becomes the fleet (one transition)."""
-        with self._lock:
-            self._outcome = outcome
-            return self.transition(WorkDone(state))
+        """The executor finished ``state``: its outcome becomes the fleet (one transition; its
+        effects, some of them remote calls, run after it with no lock held)."""
+        return self.transition(WorkDone(state), outcome=outcome)
 
     def respawn_retry(self, k: int) -> None:
         with self._lock:
@@ -157,11 +155,11 @@ class RecoveryController:
 
     # ------------------------------------------------------------------ committing an outcome
 
-    def _commit_outcome(self, done: RecoveringShards | RollingBack) -> list[Effect]:
+    def _commit_outcome(self, done: RecoveringShards | RollingBack, out: Outcome) -> list[Effect]:
         """Makes what the executor did for ``done`` the live fleet, with its failure records and
         events, in memory (inside the transition that journals them); returns the effects that
         run once the journal is written."""
-        out, now, effects = self._outcome, self._clock(), []
+        now, effects = self._clock(), []
         earlier = self._p.ledger.count()
         promoted = {k for k in getattr(done, "mirrors", ()) if k in out.handles}
         for k, (handle, info) in out.handles.items():
@@ -171,6 +169,8 @@ class RecoveryController:
         for k, result in out.loaded.items():
             for fb in result.fallbacks:
                 self._events.append("checkpoint_fallback", event_time=now, shard=k, step=fb.step, reason=fb.reason)
+            if result.initial_rows_reason is not None:  # a shard restored to its initial rows says why
+                self._events.append("shard_initial_rows", event_time=now, shard=k, reason=result.initial_rows_reason)
         self.generation += 1
         if out.handles:
             self._p.observe.observe_reschedule(out.reschedule_s)

@@ -63,7 +63,7 @@ class ShardDeaths:
         consistent = () if partial_mode else tuple(self._p.consistent_chain())
         owner = f"death of shard {k} generation {generation}"
         self._p.protect(owner, chain + consistent)  # kept until the recovery is done
-        changed = False
+        kept = False
         with c.changed:
             if c.is_current(k, generation):
                 loss = decide_shard_loss(k, survey, self._books_view())
@@ -74,9 +74,10 @@ class ShardDeaths:
                                   chain, consistent, spare, mirror is not None, loss.committed_steps,
                                   loss.mirror_reason if replica else "")
                 changed = c.transition(event, corrections=partial(self._correct, loss))
-                if changed:
+                kept = changed and isinstance(c.state, RECOVERING)  # a budget may have ended the run instead
+                if kept:
                     c.keep_restore_targets(owner)
-        if not changed:
+        if not kept:
             self._p.release(owner)
 
     def _books_view(self) -> BooksView:

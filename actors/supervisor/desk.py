@@ -6,6 +6,7 @@ checkpoint files (a dense state, a chain's verification) happens outside the boo
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 from collections.abc import Callable
@@ -109,13 +110,18 @@ class TrainerDesk:
         try:
             return self._ckpt.read_dense(step)
         except (CheckpointCorrupt, CheckpointNotFound) as err:
-            reason = str(err)[:300]
+            # A checkpoint removed since it was chosen (retention) is chosen again, not marked corrupt.
+            reason, removed = str(err)[:300], isinstance(err, CheckpointNotFound)
             logger.warning("the dense state of checkpoint %d cannot be read: %s", step, reason)
-            self._ckpt.refuse((CheckpointFallback(step, reason),))
-            self._events.record("checkpoint_fallback", step=step, reason=reason, file="dense")
+            self._ckpt.refuse((CheckpointFallback(step, reason, removed),))
+            self._events.record("checkpoint_fallback", step=step, reason=reason, file="dense", removed=removed)
             if roll_back:
                 chain = self._ckpt.full_upto(step - 1)
-                self._c.transition(DenseRefused(step, chain[-1] if chain else 0, tuple(chain), reason))
+                self._ckpt.targets.protect(f"dense of {step} refused", chain)  # until the rollback keeps it
+                try:
+                    self._c.transition(DenseRefused(step, chain[-1] if chain else 0, tuple(chain), reason))
+                finally:
+                    self._ckpt.targets.release(f"dense of {step} refused")
             return _REFUSED
 
     def _start_step(self, rank: int) -> int | None:
@@ -126,16 +132,22 @@ class TrainerDesk:
             if not started:
                 return self._c.resume_point()
             if isinstance(state, RollingBack):
-                self._trainers.pin(rank, state.step)  # newer checkpoints are being fenced right now
+                self._pin(rank, state.step)  # newer checkpoints are being fenced right now
                 return state.step
         start = 0
         for _ in range(3):
             chain = self._ckpt.consistent_chain()  # verified outside the lock (once per step)
             start = chain[-1] if chain else 0
-            self._trainers.pin(rank, start)
+            self._pin(rank, start)
             if start == 0 or self._ckpt.full_checkpoint_of(start):
                 return start  # pinned while it still existed: retention keeps it now
         return start
+
+    def _pin(self, rank: int, step: int) -> None:
+        """Kept from retention from now on, by a gc already deciding too (the store's keep_changing)."""
+        store = self._ckpt.store
+        with store.keep_changing() if store is not None else contextlib.nullcontext():
+            self._trainers.pin(rank, step)
 
     def position(self, step: int) -> DataPosition:
         """Where the data stands after ``step`` committed steps (saved with each checkpoint)."""
@@ -210,13 +222,20 @@ class TrainerDesk:
             if caught_up is not None:
                 return caught_up
             raise TrainerConflict(f"{decision.reason}; replacement {rank} must heal from them")
-        self._trainers.unpin(rank)
         if decision.action == "join":
+            self._trainers.unpin(rank)
             self._events.record("replacement_joined", rank=rank, step=step, reason=decision.reason)
             generation, shards = self._c.fleet()
             return FleetView(generation, shards)
-        with self._fallback_lock:
-            return self._roll_back_to(step, rank, deadline)
+        # The checkpoint it loaded stays kept from retention until the rollback to it is done.
+        owner = f"fallback of trainer {rank} to step {step}"
+        self._ckpt.targets.protect(owner, [step] if step else [])
+        self._trainers.unpin(rank)
+        try:
+            with self._fallback_lock:
+                return self._roll_back_to(step, rank, deadline)
+        finally:
+            self._ckpt.targets.release(owner)
 
     def _roll_back_to(self, step: int, rank: int, deadline: Deadline) -> FleetView:
         while True:
@@ -277,7 +296,9 @@ class TrainerDesk:
             return FleetView(generation, shards, Rollback(rollback.generation, ahead, dense))
         with self._lock:
             if not self._same_fallback(step):
-                self._events.record("all_trainers_failed", fallback_step=step, steps_lost=0, fenced=[],
+                # One journal write for both (trainers_restarted_at's): a supervisor killed in
+                # between would have the event without the books it stands for.
+                self._events.append("all_trainers_failed", fallback_step=step, steps_lost=0, fenced=[],
                                     rows_reloaded=0, load_s=0.0)
                 self._c.trainers_restarted_at(step)
         return FleetView(generation, shards)

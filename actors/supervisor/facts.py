@@ -87,10 +87,13 @@ def decide_shard_loss(shard: int, survey: Survey, books: BooksView) -> ShardLoss
     answers correct in the books."""
     findings: list[Finding] = []
     committed = confirmed_steps(survey, books)
-    trainer_steps = [f.steps for f in survey.trainers.values() if f is not None]
-    if trainer_steps and books.committed_steps > max(trainer_steps):
+    # Only a trainer that trained or healed holds the run's steps (a replacement at its
+    # checkpoint holds fewer); a shard has applied every committed step but the last.
+    held = [f.steps for f in survey.trainers.values() if f is not None and f.established]
+    held += [f.applied_steps + 1 for f in survey.shards.values() if f is not None]
+    if held and books.committed_steps > max(held):
         findings.append(Finding("contradiction", "commits", f"the commit reports say {books.committed_steps} steps are "
-                                f"committed, the trainers hold at most {max(trainer_steps)}"))
+                                f"committed, the trainers and shards hold at most {max(held)}"))
     elif committed > books.committed_steps:
         findings.append(Finding("lag", "commits", f"the commit reports say {books.committed_steps} steps are committed, "
                                 f"the processes confirm {committed}"))
@@ -126,15 +129,19 @@ def _mirror_verdict(shard: int, survey: Survey, books: BooksView, committed: int
     if name is None:
         return False, f"shard {shard} has no mirror in sync (none was ready)"
     if shard not in survey.mirrors:
-        findings.append(Finding("contradiction", f"mirror:{shard}", f"the books name {name} as shard {shard}'s mirror; "
+        # Its death may simply not have reached the books yet (it died a moment before).
+        findings.append(Finding("lag", f"mirror:{shard}", f"the books name {name} as shard {shard}'s mirror; "
                                 "its process is gone"))
         return False, f"its mirror {name} is gone"
     answer = survey.mirrors[shard]
     if answer is None:
         return False, f"its mirror {name} did not answer in time"
     if answer.mirror_of != shard or not answer.in_sync:
-        findings.append(Finding("contradiction", f"mirror:{shard}", f"the books say {name} mirrors shard {shard} in "
-                                f"sync; it says mirror_of={answer.mirror_of}, in sync={answer.in_sync}"))
+        # Out of sync: its primary kills it, and the books hear of it a moment later (a lag);
+        # a mirror of another shard under this one's name is a contradiction.
+        kind = "contradiction" if answer.mirror_of != shard else "lag"
+        findings.append(Finding(kind, f"mirror:{shard}", f"the books say {name} mirrors shard {shard} in sync; it "
+                                f"says mirror_of={answer.mirror_of}, in sync={answer.in_sync}"))
         return False, f"its mirror {name} is not in sync (mirror of {answer.mirror_of}, in sync {answer.in_sync})"
     if answer.held_steps < committed:
         return False, (f"its mirror {name} holds {answer.held_steps} steps, but {committed} are confirmed committed: "

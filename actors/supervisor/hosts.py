@@ -23,7 +23,9 @@ class HostLossReporter:
         shards_on: Callable[[str, float], list[str]],
         trainers_on: Callable[[str], list[str]],
         spares_on: Callable[[str, float], list[str]],
+        mirrors_on: Callable[[str, float], list[str]] = lambda node, since: [],
     ):
+        self._mirrors_on = mirrors_on
         self._events = events
         self._shards_on = shards_on
         self._trainers_on = trainers_on
@@ -32,7 +34,8 @@ class HostLossReporter:
     def on_host_lost(self, info: dict) -> None:
         node = info["node_id"]
         since = (info["unreachable_since"] or info["declared_dead_at"]) - _BEFORE_S
-        actors = self._shards_on(node, since) + self._trainers_on(node) + self._spares_on(node, since)
+        actors = (self._shards_on(node, since) + self._trainers_on(node) + self._spares_on(node, since)
+                  + self._mirrors_on(node, since))
         # Also a host that held none of the run's actors (one just added back): the report names
         # every host the run lost, as the fault log of a chaos run does.
         self._events.record("host_lost", actors=actors, **info)

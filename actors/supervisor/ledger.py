@@ -156,7 +156,9 @@ class FailureLedger:
         with self._lock:
             for i, f in enumerate(self._failures[:before]):
                 if f.recovery == "partial" and (f.failed_at_step is None or f.failed_at_step > step):
-                    self._failures[i] = dataclasses.replace(f, failed_at_step=None)
+                    # Its count is to come again (a supervisor restarted before it comes counts it).
+                    self._failures[i] = dataclasses.replace(f, failed_at_step=None, lost_samples=None,
+                                                            lost_samples_error=None)
                     if self._close(i, step):
                         todo.append(i)
         return todo

@@ -52,6 +52,7 @@ class MirrorSet:
         self._failed: dict[int, int] = {}
         self._retry_at: dict[int, float] = {}
         self._warned = False
+        self._lost: dict[str, tuple[int, float]] = {}  # mirror -> (its shard, when its death was seen)
         self._changed = threading.Condition(lock)
         self._wake, self._stop = threading.Event(), threading.Event()
         self._keeper: threading.Thread | None = None
@@ -98,6 +99,15 @@ class MirrorSet:
     def known_nodes(self) -> set:
         with self._lock:
             return {i.node_id for i in self._info.values()}
+
+    def on_node(self, node_id: str, since: float) -> list[str]:
+        """Chaos targets of the mirrors on ``node_id``: ready there, or seen dying since ``since``
+        (a lost host names them with its other actors)."""
+        with self._lock:
+            mirrors = {name: k for k, name in self._ready.items()}
+            mirrors |= {name: k for name, (k, t) in self._lost.items() if t >= since}
+            return sorted(f"mirror:{k}" for name, k in mirrors.items()
+                          if name in self._info and self._info[name].node_id == node_id)
 
     def targets(self) -> dict[str, Target]:
         """Chaos targets: ``mirror:<k>``."""
@@ -235,6 +245,7 @@ class MirrorSet:
             if shard is None:
                 return name in self._info
             del self._ready[shard]
+            self._lost[name] = (shard, detected)
             self._events.append("mirror_lost", shard=shard, mirror=name, cause=cause, detected_at=round(detected, 3))
             self._persist()
         self._wake.set()

@@ -68,9 +68,19 @@ class RecoveryLoop:
         """A shard refused a corrupt file of the rollback's chain: go further back (``refusal``)."""
         if isinstance(state, RollingBack) and err.fallbacks:
             self._p.refuse(err.fallbacks)
-            if self._c.transition(refusal(err, self._p.full_upto)):
+            further = refusal(err, self._p.full_upto)
+            if self._transition_keeping(further, further.chain):
                 return
         self._c.fail(f"invariant: {err}")
+
+    def _transition_keeping(self, event, chain) -> bool:
+        """``event``'s transition, its chain kept from retention from its choice on (the state
+        it leads to keeps it from then on)."""
+        self._p.protect("a rollback being decided", tuple(chain))
+        try:
+            return self._c.transition(event)
+        finally:
+            self._p.release("a rollback being decided")
 
     def _no_chain(self, state: State, err: NoValidChain) -> None:
         """A shard found no valid chain of its own files (each corrupt, unlisted or removed)
@@ -83,7 +93,8 @@ class RecoveryLoop:
             return
         self._p.refuse(tuple(CheckpointFallback(s, r) for s, r in err.tried))
         chain = tuple(self._p.consistent_chain())
-        if not self._c.transition(NoChainForShard(err.shard_id, chain[-1] if chain else 0, chain, str(err)[:300])):
+        if not self._transition_keeping(NoChainForShard(err.shard_id, chain[-1] if chain else 0, chain, str(err)[:300]),
+                                        chain):
             self._c.fail(f"invariant: {err}")
 
     def _on_lost(self, state: State, lost: Sequence[int], attempts: int) -> int:

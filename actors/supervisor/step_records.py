@@ -41,18 +41,21 @@ class _Seen:
 
     def __init__(self, limit: int):
         self._limit = limit
-        self._procs: OrderedDict[tuple[int, int], list] = OrderedDict()  # -> [highest, numbers seen]
+        self._procs: OrderedDict[tuple[int, object], list] = OrderedDict()  # -> [highest, numbers seen]
 
-    def fresh(self, rank: int, pid: int | None, seq: int | None) -> bool:
+    def fresh(self, rank: int, pid: int | None, seq: int | None, process: str | None = None) -> bool:
+        """``process``: the trainer process's own name (its pid may repeat on another host: a
+        replacement there numbering its reports from 1 again is a new process)."""
         if pid is None or seq is None:
             return True
-        entry = self._procs.get((rank, pid))
+        key = (rank, process if process is not None else pid)
+        entry = self._procs.get(key)
         if entry is None:
-            entry = self._procs[(rank, pid)] = [seq, set()]
+            entry = self._procs[key] = [seq, set()]
             if len(self._procs) > self._limit:
                 self._procs.popitem(last=False)
         else:
-            self._procs.move_to_end((rank, pid))
+            self._procs.move_to_end(key)
         if seq in entry[1] or seq <= entry[0] - _SEEN_WINDOW:
             return False
         entry[1].add(seq)
@@ -99,7 +102,7 @@ class StepRecords:
 
     def commit(self, c: CommitRecord) -> bool:
         """False if it was counted already."""
-        if not self._seen.fresh(c.rank, c.pid, c.seq):
+        if not self._seen.fresh(c.rank, c.pid, c.seq, c.process):
             return False
         self._add_commit(c)
         self._append({"kind": "commit", **encode(c)})
@@ -121,7 +124,7 @@ class StepRecords:
     def step_failed(self, f: StepFailure) -> int | None:
         """The step's failures so far on the trainer that failed most (the redo budget's
         count); None if it was counted already."""
-        if not self._seen.fresh(f.rank, f.pid, f.seq):
+        if not self._seen.fresh(f.rank, f.pid, f.seq, f.process):
             return None
         redos = self._add_failure(f)
         self._append({"kind": "failed", **encode(f)})
@@ -287,11 +290,11 @@ class StepRecords:
             self._next_attempt(None)  # its wall time is journaled (attempt_starts)
         elif kind == "commit":
             c = decode(CommitRecord, record)
-            if self._seen.fresh(c.rank, c.pid, c.seq):
+            if self._seen.fresh(c.rank, c.pid, c.seq, c.process):
                 self._add_commit(c)
         elif kind == "failed":
             f = decode(StepFailure, record)
-            if self._seen.fresh(f.rank, f.pid, f.seq):
+            if self._seen.fresh(f.rank, f.pid, f.seq, f.process):
                 self._add_failure(f)
         elif kind == "pruned":  # the books of an earlier version wrote prunes here
             self._prune(record["step"])

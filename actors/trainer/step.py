@@ -24,6 +24,7 @@ import json
 import logging
 import os
 import time
+import uuid
 from dataclasses import dataclass, field
 
 import torch
@@ -87,6 +88,7 @@ class Trainer:
     last_participant: int | None = None
     conflicts: int = 0
     reports: int = 0
+    process: str = field(default_factory=lambda: uuid.uuid4().hex[:12])  # pids repeat across hosts
     loss_sum: float = 0.0
     loss_rows: int = 0
     steps_since: int = 0
@@ -232,13 +234,13 @@ class Trainer:
             attempt.committed = True
             self.supervisor.record_commit(CommitRecord(
                 attempt.step, self.rank, attempt.chunk, attempt.total, self.manager.num_participants(), time.time(),
-                self.generation, os.getpid(), self._next_report(),
+                self.generation, os.getpid(), self._next_report(), self.process,
             ))
             self._audit_commit(attempt)
             return True
         self.supervisor.record_step_failed(StepFailure(
             attempt.step, self.rank, time.time(), str(attempt.error or self.manager.errored()), attempt.broken_quorum,
-            os.getpid(), self._next_report(),
+            os.getpid(), self._next_report(), self.process,
         ))
         fleet = self.supervisor.await_shards(self.generation, attempt.step)
         if fleet.stop:

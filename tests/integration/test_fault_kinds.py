@@ -21,7 +21,7 @@ from .small_runs import small_run_config, train_to_report
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(500)]
 
-M, STEPS, EVERY, CALL_TIMEOUT, SLOW_S, FILL_S = 4, 150, 10, 4.0, 1.0, 20.0
+M, STEPS, EVERY, CALL_TIMEOUT, SLOW_S, FILL_S = 4, 150, 10, 4.0, 1.0, 10.0
 INJECT = [
     # Three call timeouts: the trainers' calls time out, and the shard must be declared dead.
     {"kind": "stall", "target": "shard:1", "after_step": 15, "seconds": 3 * CALL_TIMEOUT},
@@ -38,9 +38,10 @@ INJECT = [
     # shard 1's file of the checkpoint it goes to cut in half, and must go further back, the
     # dense model with it.
     {"kind": "truncate_checkpoint", "target": "shard:1", "at": "rollback.spawned", "after_step": 120},
-    # Every file written to the checkpoint storage takes 1 s longer for 8 s (while the steps
-    # after the rollback are trained again).
-    {"kind": "slow_storage", "after_step": 135, "seconds": 8.0, "delay_s": SLOW_S},
+    # Every file written to the checkpoint storage takes 1 s longer for 8 s, while the steps
+    # after the rollback are trained again: late in them, when the storage has long been freed
+    # (the trainers take longer to come back than the fill lasts), so the fault's own file fits.
+    {"kind": "slow_storage", "after_step": 145, "seconds": 8.0, "delay_s": SLOW_S},
 ]
 KILLS = {"shard:0": [85], "all_trainers": [125]}
 POINTS = [{"at": "rollback.loaded", "kill": "supervisor"},

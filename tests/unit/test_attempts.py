@@ -91,3 +91,13 @@ def test_failures_left_open_by_an_earlier_attempt_close_where_it_stopped():
     assert counted == ["shard:1"]
     ledger.close_all(900)  # attempt 2's end: nothing of attempt 1 moves
     assert [f.failed_at_step for f in ledger.records()] == [52, 52]
+
+
+def test_a_replacement_with_its_predecessors_pid_on_another_host_is_a_new_process(tmp_path):
+    # Pids repeat across hosts (containers): a replacement numbering its reports from 1 again
+    # had every report dropped as a retry of its predecessor's until it passed its count.
+    book = _book(tmp_path)
+    for seq in range(1, 6):
+        book.commit(CommitRecord(seq, 1, (4 * seq + 1,), 2, 2, float(seq), 0, 11, seq, "first"))
+    book.commit(CommitRecord(6, 1, (25,), 2, 2, 6.0, 0, 11, 1, "second"))  # the same pid, elsewhere
+    assert book.last_step_committed() == 6

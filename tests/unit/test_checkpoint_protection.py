@@ -176,3 +176,14 @@ def test_a_manifest_that_lists_no_file_for_the_shard_is_corrupt_for_it(tmp_path)
     assert reader.fallbacks == [(20, "checkpoint step 20 lists no file shard-1.arrow; it lists "
                                      "['dense.pt', 'shard-0.arrow']")]
     assert reader.removed_steps == set()
+
+
+def test_a_save_that_committed_after_the_journals_last_write_is_the_schedules_newest(tmp_path):
+    # A supervisor killed between a save's manifest and its event restarted with the schedule of
+    # the save before: its next incrementals named an older full as their base.
+    c = _coordinator(tmp_path)
+    for step in (10, 20):
+        _commit(c.store, step, kind=FULL)
+    c.load({"save_index": 1, "last_full_step": 10, "last_checkpoint_step": 10, "next_checkpoint_step": 20,
+            "interval_steps_in_use": 10, "in_flight_step": 20})
+    assert (c.last_checkpoint_step, c.last_full_step) == (20, 20)

@@ -448,3 +448,21 @@ def test_a_shard_recovered_by_its_mirror_keeps_its_first_step_for_a_later_partia
     controller._p.mirrors._ready = {}  # its new mirror does not exist yet
     controller.on_shard_death(1, 1, "ActorDiedError", 1000.5)
     assert controller.state.mirrors == () and controller.state.causes[0].first_step == 40
+
+
+def test_a_shard_restored_to_its_initial_rows_says_why():
+    class Initial(FakeExecutor):
+        def run(self, state, committed):
+            out = super().run(state, committed)
+            out.loaded = {k: LoadResult(0, 0, (), initial_rows_reason="no checkpoint exists yet: the initial rows")
+                          for k in out.loaded}
+            return out
+
+    journal = MemoryJournal()
+    controller, _, events = _controller(journal, None)
+    controller._p = dataclasses.replace(controller._p, executor=Initial(journal))
+    controller.loop._p = controller._deaths._p = controller._p
+    controller.on_shard_death(1, 0, "ActorDiedError", 999.5)
+    controller.loop.execute_once()
+    [said] = events.recent("shard_initial_rows")
+    assert said["shard"] == 1 and said["reason"].startswith("no checkpoint exists yet")

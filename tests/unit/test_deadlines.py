@@ -17,6 +17,7 @@ from actors.supervisor.desk import TrainerDesk
 from actors.supervisor.events import EventLog
 from actors.supervisor.hooks import HookList
 from actors.supervisor.machine import RecoveringShards
+from actors.supervisor.restore_targets import RestoreTargets
 from core.deadlines import BLOCKING, Deadlines
 from core.errors import ShardUnavailable
 from core.records import TrainerSetup
@@ -107,6 +108,9 @@ class _Trainers:
 
 
 class _Checkpoints:
+    store = None
+    targets = RestoreTargets(lambda: None)
+
     def next_due(self):
         return None
 

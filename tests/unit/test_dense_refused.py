@@ -15,6 +15,7 @@ from actors.supervisor.executor import RecoveryExecutor
 from actors.supervisor.hooks import HookList
 from actors.supervisor.machine import FULL_RECOVERY, DenseRefused, Running, RollingBack, transition
 from actors.supervisor.outcome import ChainMismatch
+from actors.supervisor.restore_targets import RestoreTargets
 from core.deadlines import Deadlines
 from core.errors import CheckpointCorrupt
 from core.records import LoadResult, TrainerSetup
@@ -25,8 +26,11 @@ from tests.unit.test_supervisor_books import _book
 class Checkpoints:
     """Checkpoints 30 and 40; the dense file of 40 was damaged after it verified."""
 
+    store = None
+
     def __init__(self):
         self.refused: list[int] = []
+        self.targets = RestoreTargets(lambda: None)
 
     def consistent_chain(self):
         return (30,) if 40 in self.refused else (40,)

@@ -107,3 +107,14 @@ def test_a_replacement_at_its_checkpoint_decides_from_what_its_peers_say(answers
 
 def test_the_replacement_itself_is_not_its_own_peer():
     assert decide_replacement(100, 0, {0: trainer(0, steps=140)}).action == "roll back"
+
+
+def test_a_replacement_at_its_checkpoint_or_a_mirror_that_just_died_is_no_contradiction():
+    # A replacement that has not healed holds its checkpoint's steps, fewer than the books'
+    # commits: not evidence against them. A mirror that died (or broke) a moment before its
+    # primary: the books had not heard yet, a lag.
+    books = BooksView((0, 0), (0, 0), 60, {1: "m1"})
+    d = decide_shard_loss(1, Survey({}, {}, {0: trainer(0, steps=40, established=False), 2: None}), books)
+    assert [(f.kind, f.subject) for f in d.findings] == [("lag", "mirror:1")] and not d.promote_mirror
+    d = decide_shard_loss(1, Survey({0: shard(0, applied=59)}, {1: mirror(1, in_sync=False)}, {}), books)
+    assert [(f.kind, f.subject) for f in d.findings] == [("lag", "mirror:1")]

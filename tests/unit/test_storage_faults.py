@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import errno
 import os
+import sys
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -238,19 +240,35 @@ class StuckStorage(Storage):
             self.release.wait(30)
 
 
-def test_no_second_save_starts_beside_one_still_writing_after_the_drain(tmp_path, no_ray):
-    # Before, a save whose write outlasted the drain's deadline was joined by a second one,
-    # snapshotting and writing beside it.
+def test_a_save_that_hangs_is_abandoned_once_and_training_is_not_held_by_it(tmp_path, no_ray, monkeypatch):
+    # Before, every step's save call waited the whole drain (2T) for a save whose storage hung,
+    # and counted nothing: one step per 2T, with no budget; and once the drain ran out, a second
+    # save could start beside the first.
+    real = config_from_dict
+    monkeypatch.setattr(sys.modules[__name__], "config_from_dict",
+                        lambda d: real({**d, "embeddings": {"call_timeout_s": 0.25}}))  # drain 2T = 0.5 s
     storage, run, events = StuckStorage(), Run(), []
     c, shards = _coordinator(tmp_path, storage, run, lambda kind, **f: events.append({"kind": kind, **f}))
     assert c.save(SaveRequest(EVERY, b"dense"), shards, "r", POSITION).saved
-    first = c._in_flight
-    c.drain = lambda timeout_s=None: 0.01  # its deadline passes with the write still going on
-    second = c.save(SaveRequest(2 * EVERY, b"dense"), shards, "r", POSITION)
-    assert not second.saved and c._in_flight is first
+    first, waits = c._in_flight, []
+    for step in range(2 * EVERY, 2 * EVERY + 40):  # the saving trainer, at each step a save is due
+        due = c.next_due()
+        if due is not None and step >= due:
+            t0 = time.monotonic()
+            assert not c.save(SaveRequest(step, b"dense"), shards, "r", POSITION).saved
+            waits.append(time.monotonic() - t0)
+    assert c._in_flight is first, "no second save beside the one still writing"
+    assert waits[0] >= 0.3 and max(waits[1:]) < 0.1, waits  # its deadline once, then no wait at all
+    failed = [e for e in events if e["kind"] == "checkpoint_failed"]
+    assert failed[0]["step"] == EVERY and "still writes" in failed[0]["error"], failed
+    # Each save due while it hangs fails without waiting, after a backoff that grows.
+    assert [e["failed_in_a_row"] for e in failed] == list(range(1, len(failed) + 1)) and len(failed) == len(waits)
+    gaps = [b["step"] - a["step"] for a, b in zip(failed[1:], failed[2:])]
+    assert gaps == sorted(gaps) and gaps[-1] > gaps[0], failed
     storage.release.set()
     first.thread.join(10)
-    assert [e["step"] for e in events if e["kind"] == "checkpoint_saved"] == [EVERY]
+    assert not [e for e in events if e["kind"] == "checkpoint_saved"], "an abandoned save never commits"
+    assert c.save(SaveRequest(c.next_due(), b"dense"), shards, "r", POSITION).saved  # the storage answers again
 
 
 def test_a_trainer_book_that_cannot_be_written_fails_the_run_with_its_reason(tmp_path):

@@ -4,6 +4,7 @@ closing and counting rules, and retention keeping what a restore in flight needs
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 
 import numpy as np
@@ -242,6 +243,8 @@ def test_a_checkpoint_is_verified_outside_the_books_lock(tmp_path):
             return 0, ()
 
     class Checkpoints:
+        store = None
+
         def consistent_chain(self):
             verifying.set()
             release.wait(10)  # reading and hashing every file of the checkpoint
@@ -306,6 +309,8 @@ def test_a_late_replacement_takes_the_final_checkpoint_once_its_peers_finished()
             pass
 
     class Checkpoints:
+        store = None
+
         final = False
 
         def full_checkpoint_of(self, step):
@@ -362,6 +367,8 @@ def test_a_lagging_trainer_does_not_close_a_shard_failure_before_the_step_the_ot
             return last_committed
 
     class Checkpoints:
+        store = None
+
         def next_due(self):
             return None
 
@@ -382,3 +389,13 @@ def test_a_withdrawn_kill_leaves_the_books_and_only_that_one():
     assert ledger.kills() == (first,)
     assert ledger.kill_of("shard:0", pid=7) == first and ledger.kill_of("shard:0", pid=8) is None
 
+
+
+def test_a_rollback_reopens_a_counted_failure_for_a_new_count_that_a_restart_makes_too():
+    # Before, the reopened failure kept its old count: a supervisor restarted before the new
+    # count ran never counted it again (recount_open_counts looks for failures without one).
+    ledger = _ledger([])
+    ledger.add([dataclasses.replace(_failure("partial", 45, 30, shard=1), lost_samples=20.0)])
+    todo = ledger.reopen_after_rollback(40, 1)
+    [f] = ledger.records()
+    assert todo == [0] and (f.failed_at_step, f.lost_samples) == (40, None)
