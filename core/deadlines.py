@@ -38,7 +38,7 @@ BLOCKING = {
     "await_shards": 4,  # a recovery in flight, then a probe of every shard
     "fallback_to_checkpoint": 4 + 1,  # a liveness probe of the trainers (1 T), a rollback (4 T)
     "save_checkpoint": 2 + 1,  # the previous save drains (2 T), every shard snapshots (1 T)
-    "await_final": 2 + 4,  # the final save drains (2 T), then as await_shards (4 T)
+    "await_final": 2 + 4 + 1,  # the final save drains (2 T), as await_shards (4 T), a failed save's backoff (T)
     "record_eval": 2,  # the final save drains
     "summary": 2 + 1 + 1,  # the last save drains, lost samples are counted (1 T), shards answer (1 T)
     "shutdown": 2,  # the last save drains

@@ -30,7 +30,7 @@ from actors.supervisor.save_job import SAVE_ERRORS, Abandoned, SaveJob, reason a
 from core.checkpoint import DATA_POSITION_FILE, DENSE_FILE, FULL, INCREMENTAL, CheckpointStore, DataPosition, write_blob
 from core.config import RunConfig
 from core.deadlines import Deadlines
-from core.errors import ConfigError, CprError
+from core.errors import ConfigError
 from core.records import SaveRequest, SaveResult, WrittenPart
 from policies import FailurePolicy, IntervalController, interval_steps
 
@@ -109,17 +109,11 @@ class CheckpointCoordinator:
         """A save that committed after the journal's last write (the supervisor died between its
         manifest and its event) is the schedule's newest: the next incremental builds on the
         newest full there is, and the save index goes on from it."""
-        if self.store is None:
-            return
-        for step in [s for s in self.store.list_committed() if s > (self.last_checkpoint_step or 0)]:
-            try:
-                info = self.store.info(step)
-            except CprError:
-                continue
-            self.last_checkpoint_step = step
+        for info in self.store.committed_after(self.last_checkpoint_step or 0) if self.store is not None else ():
+            self.last_checkpoint_step = info.step
             self.save_index = max(self.save_index or 0, int(info.meta.get("save_index", 0)) + 1)
             if info.kind == FULL:
-                self.last_full_step = step
+                self.last_full_step = info.step
 
     # ------------------------------------------------------------------ schedule
 
@@ -320,6 +314,7 @@ class CheckpointCoordinator:
                 # A save that a rollback abandoned is no failure of the storage; the rollback
                 # restarted the schedule.
                 retry = self._failed(step, err, self.next_checkpoint_step) if job.epoch == self._epoch else {}
+            self._discard(step)
             if job.overdue:
                 return  # counted when it was abandoned
             self.record_event("checkpoint_failed", step=step, phase="write", error=one_line(err),
@@ -327,6 +322,13 @@ class CheckpointCoordinator:
             self.failures.stop_if_over_budget()
         finally:
             job.request = SaveRequest(step, b"", job.request.final)  # the dense bytes are written or given up
+
+    def _discard(self, step: int) -> None:
+        """What the failed save of ``step`` wrote goes (a full disk must not stay full of it)."""
+        try:
+            self.store.discard(step)
+        except OSError as err:
+            logger.warning("the files of the failed save of step %d could not be removed: %s", step, err)
 
     def _failed(self, step: int, err: BaseException, due: int | None) -> dict:
         """A save of ``step`` failed (under the timeline lock; ``due``: the next save's step by the

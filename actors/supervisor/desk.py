@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+import time
 from collections.abc import Callable
 
 import ray
@@ -338,4 +339,9 @@ class TrainerDesk:
             if over is not None:
                 self._c.fail(over)
                 view = FleetView(view.generation, view.shards, None, True, view.next_checkpoint)
+            else:
+                # No step comes to back off in: the next try waits 0.1 s, doubling, at most a shard
+                # call (before, a full disk spent every try and the failed-save budget in a second).
+                failed = self._ckpt.failures.failed_in_a_row
+                time.sleep(min(0.1 * 2 ** max(failed - 1, 0), self._deadlines.shard_call_s) if failed else 0.0)
         return FinalView(view, saved)

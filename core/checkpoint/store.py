@@ -170,6 +170,31 @@ class CheckpointStore(CheckpointReader):
             logger.warning("checkpoints %s under %s fenced: newer than the rollback to step %d", doomed, self.uri, step)
         return doomed
 
+    def committed_after(self, step: int) -> list[CheckpointInfo]:
+        """The manifests of the checkpoints committed after ``step``, ascending (an unreadable
+        one left out)."""
+        out = []
+        for s in self.list_committed():
+            if s > step:
+                try:
+                    out.append(self.info(s))
+                except CheckpointCorrupt:
+                    continue
+        return out
+
+    def discard(self, step: int) -> bool:
+        """Removes what a save of ``step`` that will never commit wrote (its directory, if it
+        has no manifest): on a disk that filled up, the files of failed saves would otherwise
+        keep it full until a commit's gc, and no commit comes. Returns whether it removed one."""
+        step = check_step(step)
+        if exists(self._fs, self._path(step, MANIFEST_FILE)):
+            return False
+        try:
+            self._fs.delete_dir(join(self._root, step_dir_name(step)))
+        except FileNotFoundError:
+            return False
+        return True
+
     def gc(self) -> list[int]:
         """Delete what retention no longer needs; returns the deleted steps, ascending.
 

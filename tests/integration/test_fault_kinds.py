@@ -1,13 +1,17 @@
-"""Faults other than SIGKILLs, in one run on a real local Ray: a shard that stops answering
-(SIGSTOP, resumed by SIGCONT after a while), a trainer that does, checkpoint storage that fills
-up (a 256 MB tmpfs of this test's own), storage whose every write is slow, a damaged file in the newest checkpoint met by a
-recovery and by a rollback that must not use it, and the supervisor killed in the middle of a
-rollback and of a save's commit. Each test states what must survive;
+"""Faults other than SIGKILLs, in two runs on a real local Ray. The first: a shard that stops
+answering (SIGSTOP, resumed by SIGCONT after a while), a trainer that does, storage whose every
+write is slow, a damaged file in the newest checkpoint met by a recovery, and the supervisor
+killed in the middle of a save's commit. The second: checkpoint storage that fills up (a 256 MB
+tmpfs of the test's own) while every trainer dies, a rollback that must not use a damaged file,
+and the supervisor killed in the middle of that rollback. The windows of the storage faults are
+in seconds and the rest in steps: two runs keep them apart whatever the machine's speed (in one
+run, the fill and the slow storage met on a fast machine). Each test states what must survive;
 every one of them also needs ``cpr verify`` to find the run sound (exactly-once applies and
 commits, kills and report equal, lost samples recounted, nothing left behind)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import time
@@ -21,37 +25,46 @@ from .small_runs import small_run_config, train_to_report
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(500)]
 
-M, STEPS, EVERY, CALL_TIMEOUT, SLOW_S, FILL_S = 4, 150, 10, 4.0, 1.0, 10.0
-INJECT = [
-    # Three call timeouts: the trainers' calls time out, and the shard must be declared dead.
-    {"kind": "stall", "target": "shard:1", "after_step": 15, "seconds": 3 * CALL_TIMEOUT},
-    {"kind": "stall", "target": "trainer:1", "after_step": 45, "seconds": 8.0},
-    # The checkpoint storage is full from step 105 until well after every trainer died (at step
-    # 125): the saves due meanwhile (every 10 steps) fail, none may commit torn, and the shards
-    # are ahead of every checkpoint when the trainers die, whatever the machine's speed (a save
-    # that committed at the step they died at would leave nothing to roll back).
-    {"kind": "fill_storage", "after_step": 105, "seconds": FILL_S},
-    # Shard 0 dies at step 85; its recovery finds its file of the newest checkpoint damaged
-    # right before it loads, and must refuse it.
-    {"kind": "corrupt_checkpoint", "target": "shard:0", "at": "recovery.spawned", "after_step": 80},
-    # Every trainer dies at step 125 (all recorded, then signalled at once); the rollback finds
-    # shard 1's file of the checkpoint it goes to cut in half, and must go further back, the
-    # dense model with it.
-    {"kind": "truncate_checkpoint", "target": "shard:1", "at": "rollback.spawned", "after_step": 120},
-    # Every file written to the checkpoint storage takes 1 s longer for 8 s, while the steps
-    # after the rollback are trained again: late in them, when the storage has long been freed
-    # (the trainers take longer to come back than the fill lasts), so the fault's own file fits.
-    {"kind": "slow_storage", "after_step": 145, "seconds": 8.0, "delay_s": SLOW_S},
-]
-KILLS = {"shard:0": [85], "all_trainers": [125]}
-POINTS = [{"at": "rollback.loaded", "kill": "supervisor"},
-          {"at": "save.files_written", "kill": "supervisor", "after_step": 30}]
+M, EVERY, CALL_TIMEOUT, SLOW_S, FILL_S = 4, 10, 4.0, 1.0, 10.0
+
+STALLS_STEPS = 150
+STALLS = {
+    "inject": [
+        # Three call timeouts: the trainers' calls time out, and the shard must be declared dead.
+        {"kind": "stall", "target": "shard:1", "after_step": 15, "seconds": 3 * CALL_TIMEOUT},
+        {"kind": "stall", "target": "trainer:1", "after_step": 45, "seconds": 8.0},
+        # Shard 0 dies at step 85; its recovery finds its file of the newest checkpoint damaged
+        # right before it loads, and must refuse it.
+        {"kind": "corrupt_checkpoint", "target": "shard:0", "at": "recovery.spawned", "after_step": 80},
+        # Every file written to the checkpoint storage takes 1 s longer for 8 s.
+        {"kind": "slow_storage", "after_step": 100, "seconds": 8.0, "delay_s": SLOW_S},
+    ],
+    "at_steps": {"shard:0": [85]},
+    "at_points": [{"at": "save.files_written", "kill": "supervisor", "after_step": 30}],
+}
+
+ROLLBACK_STEPS = 70
+ROLLBACK = {
+    "inject": [
+        # The checkpoint storage fills up in the first save after step 25, right after its
+        # snapshot (that save fails), and stays full until well after every trainer died (at
+        # step 35): the saves due meanwhile fail, none may commit torn, and the shards are ahead
+        # of every checkpoint when the trainers die, whatever the machine's speed (a save that
+        # committed at the step they died at would leave nothing to roll back).
+        {"kind": "fill_storage", "at": "save.snapshotted", "after_step": 25, "seconds": FILL_S},
+        # The rollback finds shard 1's file of the checkpoint it goes to cut in half, and must go
+        # further back, the dense model with it.
+        {"kind": "truncate_checkpoint", "target": "shard:1", "at": "rollback.spawned", "after_step": 30},
+    ],
+    # Every trainer dies at step 35 (all recorded, then signalled at once).
+    "at_steps": {"all_trainers": [35]},
+    "at_points": [{"at": "rollback.loaded", "kill": "supervisor"}],
+}
 
 
-@pytest.fixture(scope="module")
-def small_disk(tmp_path_factory):
-    """A 256 MB tmpfs for the checkpoints (root, as CI runs: the mount must work)."""
-    path = tmp_path_factory.mktemp("small_disk")
+@contextlib.contextmanager
+def _tmpfs(path):
+    """A 256 MB tmpfs for a run's checkpoints (root, as CI runs: the mount must work)."""
     subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256m", "tmpfs", str(path)], check=True)
     try:
         yield path
@@ -59,28 +72,40 @@ def small_disk(tmp_path_factory):
         subprocess.run(["umount", "-l", str(path)], check=True)
 
 
+def _faulted_run(small_data, tmp_path_factory, name: str, steps: int, faults: dict):
+    tmp_path = tmp_path_factory.mktemp(name)
+    with _tmpfs(tmp_path_factory.mktemp(f"{name}_disk")) as disk:
+        cfg = small_run_config(
+            tmp_path, small_data, seed=11, steps=steps, microbatches=M, call_timeout_s=CALL_TIMEOUT,
+            collective_timeout_s=5,
+            # Four checkpoints of 25 MB fit in the 256 MB: the storage is full only while filled.
+            checkpoint={"every_steps": EVERY, "keep_last": 4, "storage": str(disk / "checkpoints")},
+            faults={"seed": 1, **faults},
+        )
+        report = train_to_report(cfg)
+        yield cfg, report, verify_run(cfg.run_dir, wait_s=30)
+
+
 @pytest.fixture(scope="module")
-def faulted(ray_local, small_data, small_disk, tmp_path_factory):
-    tmp_path = tmp_path_factory.mktemp("faults")
-    cfg = small_run_config(
-        tmp_path, small_data, seed=11, steps=STEPS, microbatches=M, call_timeout_s=CALL_TIMEOUT, collective_timeout_s=5,
-        # Four checkpoints of 25 MB fit in the 256 MB: the storage is full only while filled.
-        checkpoint={"every_steps": EVERY, "keep_last": 4, "storage": str(small_disk / "checkpoints")},
-        faults={"seed": 1, "at_steps": KILLS, "at_points": POINTS, "inject": INJECT},
-    )
-    report = train_to_report(cfg)
-    return cfg, report, verify_run(cfg.run_dir, wait_s=30)
+def faulted(ray_local, small_data, tmp_path_factory):
+    yield from _faulted_run(small_data, tmp_path_factory, "faults", STALLS_STEPS, STALLS)
+
+
+@pytest.fixture(scope="module")
+def rolled_back(ray_local, small_data, tmp_path_factory):
+    yield from _faulted_run(small_data, tmp_path_factory, "rollback", ROLLBACK_STEPS, ROLLBACK)
 
 
 def _sent(cfg, fault: str) -> list[dict]:
     return [r for r in load_run(cfg.run_dir).faults if r["event"] == "sent" and r["fault"] == fault]
 
 
-def test_the_run_survives_every_fault_kind_and_verifies(faulted):
-    cfg, report, verdict = faulted
-    assert report["state"]["state"] == "finished" and report["steps"] == STEPS, report["state"]
-    assert verdict.violations == [], verdict.violations
-    assert verdict.facts["stalls"] == 2 and verdict.facts["damaged_checkpoints"] == 2, verdict.facts
+def test_the_runs_survive_every_fault_kind_and_verify(faulted, rolled_back):
+    for (cfg, report, verdict), steps in ((faulted, STALLS_STEPS), (rolled_back, ROLLBACK_STEPS)):
+        assert report["state"]["state"] == "finished" and report["steps"] == steps, report["state"]
+        assert verdict.violations == [], verdict.violations
+    assert faulted[2].facts["stalls"] == 2 and faulted[2].facts["damaged_checkpoints"] == 1, faulted[2].facts
+    assert rolled_back[2].facts["damaged_checkpoints"] == 1, rolled_back[2].facts
 
 
 def test_a_stalled_shard_is_declared_dead_and_replaced(faulted):
@@ -111,8 +136,8 @@ def test_a_stalled_trainer_does_not_stop_the_others(faulted):
     assert report["microbatches_per_committed_step"] == [M], report["microbatches_per_committed_step"]
 
 
-def test_full_checkpoint_storage_fails_saves_and_commits_nothing_torn(faulted):
-    cfg, report, verdict = faulted
+def test_full_checkpoint_storage_fails_saves_and_commits_nothing_torn(rolled_back):
+    cfg, report, verdict = rolled_back
     [fill] = _sent(cfg, "fill_storage")
     [freed] = [r for r in _sent(cfg, "free_storage") if r["file"] == fill["file"]]
     assert fill["bytes"] > 0, fill
@@ -162,8 +187,8 @@ def test_a_recovery_refuses_a_damaged_file_and_loads_the_previous_checkpoint(fau
     assert not [v for v in verdict.violations if "damaged" in v]  # no shard ever loaded it (from the audit)
 
 
-def test_a_rollback_refuses_a_damaged_file_and_goes_further_back_with_the_dense_model(faulted):
-    cfg, report, verdict = faulted
+def test_a_rollback_refuses_a_damaged_file_and_goes_further_back_with_the_dense_model(rolled_back):
+    cfg, report, verdict = rolled_back
     damaged = _damaged(cfg, "truncate_checkpoint")
     [fallback] = report["all_trainers_failed"]
     assert fallback["fallback_step"] < damaged, (damaged, fallback)
@@ -172,14 +197,15 @@ def test_a_rollback_refuses_a_damaged_file_and_goes_further_back_with_the_dense_
     assert verdict.violations == []
 
 
-def test_the_supervisor_killed_in_a_rollback_and_in_a_save_commit_comes_back(faulted):
-    cfg, report, verdict = faulted
-    triggers = sorted(k["trigger"] for k in report["faults_injected"] if k["target"] == "supervisor")
-    assert triggers == ["at rollback.loaded", "at save.files_written"], report["faults_injected"]
-    assert report["supervisor_restarts"] == 2 and len(report["all_trainers_failed"]) == 1
-    # What happened before the restarts is still in the report, and each fault fired once
-    # across them (the verdict matched the report's kills to the injector's own log).
-    kinds = {e["kind"] for e in report["events"]}
-    assert {"shards_ready", "training_started", "supervisor_restarted"} <= kinds
-    assert sorted(k["target"] for k in report["faults_injected"]) == [
-        "shard:0", "supervisor", "supervisor", "trainer:0", "trainer:1"]
+def test_the_supervisor_killed_in_a_rollback_and_in_a_save_commit_comes_back(faulted, rolled_back):
+    for (cfg, report, _), trigger, targets in (
+            (faulted, "at save.files_written", ["shard:0", "supervisor"]),
+            (rolled_back, "at rollback.loaded", ["supervisor", "trainer:0", "trainer:1"])):
+        assert [k["trigger"] for k in report["faults_injected"] if k["target"] == "supervisor"] == [trigger]
+        assert report["supervisor_restarts"] == 1, report["supervisor_restarts"]
+        # What happened before the restart is still in the report, and each fault fired once
+        # across it (the verdict matched the report's kills to the injector's own log).
+        kinds = {e["kind"] for e in report["events"]}
+        assert {"shards_ready", "training_started", "supervisor_restarted"} <= kinds
+        assert sorted(k["target"] for k in report["faults_injected"]) == targets
+    assert len(rolled_back[1]["all_trainers_failed"]) == 1

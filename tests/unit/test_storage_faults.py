@@ -294,3 +294,23 @@ def test_a_trainer_book_that_cannot_be_written_fails_the_run_with_its_reason(tmp
         book.commit(CommitRecord(0, 0, (0,), 1, 1, 0.0, 0, 7, 1))
     [reason] = run.reasons
     assert reason.startswith("the supervisor's trainer book could not be written (") and "No space left" in reason
+
+
+class FullAfterWriting(Storage):
+    """The shards' files are written; then the storage is full (the manifest cannot follow)."""
+
+    def at_point(self, point: str) -> None:
+        if self.full and point == "save.files_written":
+            raise ENOSPC
+
+
+def test_a_failed_save_removes_what_it_wrote(tmp_path, no_ray):
+    # Before, the files of failed saves stayed until a commit's gc, and on a full disk no commit
+    # came: the disk stayed full of them after the fault had passed.
+    storage, run, events = FullAfterWriting(), Run(), []
+    c, shards = _coordinator(tmp_path, storage, run, lambda kind, **f: events.append({"kind": kind, **f}))
+    storage.full = True
+    c.save(SaveRequest(EVERY, b"dense"), shards, "r", POSITION)
+    c.drain()
+    assert [e["kind"] for e in events] == ["checkpoint_failed"]
+    assert c.store.list_committed() == [] and not list(c.store._scan()[1]), "an uncommitted save's files are left"
