@@ -53,6 +53,7 @@ RENDERERS: dict[str, str] = {
     "replica_cost": "benchmarks.replica_cost:render",
     "scaling": "benchmarks.scaling:render",
     "soak": "benchmarks.soak:render",
+    "supervisor_state": "benchmarks.supervisor_state:render",
     "soak-hosts": "benchmarks.soak:render",
     "soak-replica": "benchmarks.soak:render",
     "cpr_tradeoff_real": "benchmarks.cpr_tradeoff_render:render_real",
