@@ -88,9 +88,12 @@ def decide_shard_loss(shard: int, survey: Survey, books: BooksView) -> ShardLoss
     findings: list[Finding] = []
     committed = confirmed_steps(survey, books)
     # Only a trainer that trained or healed holds the run's steps (a replacement at its
-    # checkpoint holds fewer); a shard has applied every committed step but the last.
+    # checkpoint holds fewer); a shard that applied a step since it was created or loaded has
+    # applied every committed step but the last. One loaded from a checkpoint that applied
+    # nothing since (every trainer died before the next step) holds the checkpoint's steps,
+    # and a promoted mirror that applied nothing since says no first step: neither bounds.
     held = [f.steps for f in survey.trainers.values() if f is not None and f.established]
-    held += [f.applied_steps + 1 for f in survey.shards.values() if f is not None]
+    held += [f.applied_steps + 1 for f in survey.shards.values() if f is not None and f.first_step is not None]
     if held and books.committed_steps > max(held):
         findings.append(Finding("contradiction", "commits", f"the commit reports say {books.committed_steps} steps are "
                                 f"committed, the trainers and shards hold at most {max(held)}"))

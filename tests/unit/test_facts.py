@@ -118,3 +118,16 @@ def test_a_replacement_at_its_checkpoint_or_a_mirror_that_just_died_is_no_contra
     assert [(f.kind, f.subject) for f in d.findings] == [("lag", "mirror:1")] and not d.promote_mirror
     d = decide_shard_loss(1, Survey({0: shard(0, applied=59)}, {1: mirror(1, in_sync=False)}, {}), books)
     assert [(f.kind, f.subject) for f in d.findings] == [("lag", "mirror:1")]
+
+
+def test_a_shard_loaded_from_a_checkpoint_that_applied_nothing_since_is_no_contradiction():
+    # Found by the soak (seed 5): shard 0 came back from checkpoint 196 while the trainers
+    # had committed 203 steps, then every trainer died before one more step; when shard 1
+    # died, shard 0 held 197 steps and no trainer was established. Its rows hold the
+    # checkpoint's steps, not the run's: no evidence against the commit reports.
+    books = BooksView((1, 0), (173, 0), 203, {})
+    loaded = Survey({0: shard(0, gen=1, applied=196, first=None)}, {}, {0: trainer(0, 173, established=False)})
+    assert decide_shard_loss(1, loaded, books).findings == ()
+    # Once it applied a step since its load, it holds every committed step but the last.
+    trained = Survey({0: shard(0, gen=1, applied=196, first=173)}, {}, {})
+    assert [(f.kind, f.subject) for f in decide_shard_loss(1, trained, books).findings] == [("contradiction", "commits")]
