@@ -304,8 +304,11 @@ class EmbeddingShard(MirrorRole, ShardSaving):
                 raise StaleLease(f"shard {self.shard_id}: its place was not confirmed in time; "
                                  f"step {self._complete} is not applied here")
             complete, self._complete = self._complete, None
-            self._apply(complete)
+            record = self._apply(complete)
             self._check_act(f"apply of step {complete}")
+            # Recorded only now: an apply that outlasted the lease may have overlapped the
+            # successor's, and this process exits with it (the rows it changed go with it).
+            self._log(record)
 
     def _hold_lease(self, deadline: Deadline) -> bool:
         """The lease's confirmation (``Lease.hold``) for an act that follows, waited for at most
@@ -318,7 +321,9 @@ class EmbeddingShard(MirrorRole, ShardSaving):
         if self._lease is not None:
             self._lease.check_act(f"shard {self.shard_id}'s {act}")
 
-    def _apply(self, step: int) -> None:
+    def _apply(self, step: int) -> dict:
+        """Applies ``step``; returns its audit record, stamped with the moment the apply ended,
+        for the caller to write once the act is known to have ended within the lease."""
         torch = self._torch
         t0 = time.perf_counter()
         ordered = self._pending.ordered(step)
@@ -332,11 +337,13 @@ class EmbeddingShard(MirrorRole, ShardSaving):
         if self.first_step_after_load is None:
             self.first_step_after_load = step
         self.applied_step = step
-        self._log({"event": "apply", "step": step, "microbatches": list(self.applied_microbatches[-1][1])})
+        record = {"t": round(time.time(), 6), "event": "apply", "step": step,
+                  "microbatches": list(self.applied_microbatches[-1][1])}
         # An older step still pending never completed here (its other chunks went to a
         # shard that died, or were redone): its update to this shard is lost, not delayed.
         self.steps_dropped += self._pending.drop_through(step)
         self.compute_s += time.perf_counter() - t0
+        return record
 
     @exclusive
     def facts(self) -> ShardFacts:

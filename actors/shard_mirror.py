@@ -207,7 +207,7 @@ class MirrorRole:
 
     def _apply_committed(self) -> None:
         for step in self._pending.steps()[:-1]:
-            self._apply(step)
+            self._log(self._apply(step))  # a mirror holds no lease (and keeps no audit log until promoted)
 
     def _promote(self, shard_id: int, generation: int, committed: int | None) -> None:
         """This mirror becomes shard ``shard_id`` of ``generation``: refused if it ever missed

@@ -222,8 +222,9 @@ def test_an_apply_that_outlasts_its_lease_fences_the_shard_instead_of_serving_on
     apply = shard._apply
 
     def slow_apply(step):
-        apply(step)
+        record = apply(step)
         clock[0] += 1.5  # the apply outlasted the lease
+        return record
 
     monkeypatch.setattr(shard, "_apply", slow_apply)
     with pytest.raises(Fenced):
@@ -252,3 +253,52 @@ def test_a_push_whose_mirror_outlasted_the_lease_is_not_answered_complete():
     with pytest.raises(Fenced):
         shard.push_grads(0, (0,), grads[0])
     assert fenced == ["held no lease when shard 0's completion of step 0 ended (it may have overlapped a successor)"]
+
+
+def _audit(tmp_path):
+    import json
+    return [json.loads(line) for line in (tmp_path / "shard-0-g0.jsonl").read_text().splitlines()]
+
+
+def test_an_apply_fenced_at_its_end_leaves_no_apply_record_in_the_audit_log(tmp_path, monkeypatch):
+    """Soak seed 7 (soak-7-20261127T210826): generation 3 of shard 0 was stopped (a 19.3 s
+    stall) after hold() and before its apply of step 1076; generation 4 took over meanwhile.
+    Resumed, it applied the step in its own memory, and check_act fenced it (it exited, nothing
+    answered), but the audit log already said "apply", so ``cpr verify`` saw generation 3 apply a
+    step after generation 4 took over. An apply is recorded only once it is known to have ended
+    within the lease, stamped with the moment it ended."""
+    clock, shard = [100.0], _shard(audit_dir=str(tmp_path))
+    _step(shard, 0)
+    fenced = _cut_off_lease(shard, clock)  # held until 101.0
+    apply = shard._apply
+
+    def stalled_apply(step):
+        clock[0] += 19.3  # stopped between hold() and the apply: the successor took over
+        return apply(step)
+
+    monkeypatch.setattr(shard, "_apply", stalled_apply)
+    with pytest.raises(Fenced):
+        _step(shard, 1)  # step 1's first lookup commits step 0
+    assert fenced == ["held no lease when shard 0's apply of step 0 ended (it may have overlapped a successor)"]
+    assert [r["event"] for r in _audit(tmp_path)] == ["open", "complete"]
+
+
+def test_an_apply_within_its_lease_is_recorded_with_the_moment_it_ended(tmp_path, monkeypatch):
+    """The record of an apply that held its lease carries the moment the apply ended, not the
+    moment it was written (after the check): a stall between the two cannot date it after the
+    successor's load."""
+    clock, shard = [100.0], _shard(audit_dir=str(tmp_path))
+    _step(shard, 0)
+    _cut_off_lease(shard, clock)
+    wall = [1000.0]
+    monkeypatch.setattr("actors.shard.time.time", lambda: wall[0])
+    check = shard._lease.check_act
+
+    def stalled_check(act, ended=None):
+        check(act, ended)
+        wall[0] += 30.0  # stopped after the check, before the record was written
+
+    monkeypatch.setattr(shard._lease, "check_act", stalled_check)
+    _step(shard, 1)
+    applies = [r for r in _audit(tmp_path) if r["event"] == "apply"]
+    assert [(r["step"], r["t"]) for r in applies] == [(0, 1000.0)]
