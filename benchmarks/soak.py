@@ -168,9 +168,10 @@ def _args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--runs", default="runs", help="Where the run directories go.")
     p.add_argument("--kept", help="Where a run with a violation (or unfinished) is moved whole (default RUNS/kept).")
     p.add_argument("--keep-all", action="store_true", help="Keep every run whole, sound ones too.")
-    p.add_argument("--min-free-gib", type=float, default=20.0,
+    p.add_argument("--min-free-gib", type=float, default=40.0,
                    help="Stop before a run when less disk than this is free under RUNS (a run keeps every "
-                        "checkpoint until checked: up to about 7 GB; a kept run keeps them).")
+                        "checkpoint until checked: 15-35 GB for a one-host run of 2,340 steps; a kept run "
+                        "keeps them).")
     p.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
                    help="Override a field of the config, as cpr train --set (a short trial: training.max_steps=600).")
     p.add_argument("--recovery", choices=["replica"],
