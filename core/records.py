@@ -344,6 +344,9 @@ class FleetView:
     rollback: Rollback | None = None
     stop: bool = False
     next_checkpoint: int | None = None
+    # Steps the commit reports say are committed (await_shards): a trainer whose dense model
+    # holds fewer stalled while the others trained on, and must not train on from its own step.
+    committed_steps: int | None = None
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,7 @@ checkpoint files (a dense state, a chain's verification) happens outside the boo
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import threading
 import time
@@ -192,16 +193,22 @@ class TrainerDesk:
                 # than the step after the last committed one.
                 last = self._trainers.last_step_committed()
                 self._c.settle(known_generation, step if last is None else max(step, last + 1))
-                return view
+                return view if rollback is not None else self._with_commits(view)
             if not isinstance(state, Running):
                 continue
             try:
                 ray.get([s.state.remote() for s in shards], timeout=deadline.remaining(self._deadlines.shard_call_s))
-                return view
+                return self._with_commits(view)
             except _PROBE_ERRORS:
                 self._c.wait_generation_after(generation, deadline.remaining())
         raise ShardUnavailable(f"shards not recovered within {deadline.total_s:.0f}s "
                                "(4 x embeddings.call_timeout_s)")
+
+    def _with_commits(self, view: FleetView) -> FleetView:
+        """The view with the steps the commit reports say are committed: a trainer holding
+        fewer stalled while the others trained on (``Trainer.rejoin``)."""
+        last = self._trainers.last_step_committed()
+        return dataclasses.replace(view, committed_steps=0 if last is None else last + 1)
 
     def fallback_to_checkpoint(self, step: int, rank: int) -> FleetView:
         """Every trainer died and the new ones start at checkpoint ``step``: roll the shards

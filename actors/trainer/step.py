@@ -247,6 +247,9 @@ class Trainer:
             return False
         self.next_checkpoint = fleet.next_checkpoint
         self.use_fleet(fleet)
+        if (not self.replacement and fleet.rollback is None and fleet.committed_steps is not None
+                and self.manager.current_step() < fleet.committed_steps):
+            return self.rejoin(fleet.committed_steps)
         return True
 
     def _next_report(self) -> int:
@@ -272,7 +275,28 @@ class Trainer:
             if fleet.rollback is not None:
                 self.roll_back(fleet.rollback)
 
-    def roll_back(self, rollback: Rollback) -> None:
+    def rejoin(self, committed: int) -> bool:
+        """This trainer's dense model holds fewer steps than the others committed: it stalled
+        while they trained on without it. A peer ahead would heal it in its next quorum, but
+        if none is left (they died meanwhile) it would form a quorum alone and redo committed
+        steps on its stale dense state: the dense model silently back where it stalled, while
+        the shards skip those steps as applied. So it starts again as a replacement does: at
+        the newest checkpoint, its first quorum deciding (healed by a live peer ahead, or
+        every trainer holding the committed steps died and everything falls back to that
+        checkpoint: ``fallback_to_checkpoint``). False: the run is over."""
+        logger.warning("trainer %d holds %d steps, %d are committed: it rejoins as a replacement",
+                       self.rank, self.manager.current_step(), committed)
+        setup = self.supervisor.trainer_setup(self.rank)
+        if setup.finished:
+            return False
+        start = setup.resume or ResumePoint(0, None)
+        self.use_fleet(FleetView(setup.generation, setup.shards))
+        self.roll_back(Rollback(setup.generation, start.step, start.dense), why="rejoin")
+        self.resume, self.replacement, self.first_quorum = start, True, True
+        self.started_s = time.perf_counter()
+        return True
+
+    def roll_back(self, rollback: Rollback, why: str = "rollback") -> None:
         """A full recovery's rollback: the checkpoint's dense state (step 0's without one) and step."""
         if rollback.dense is not None:
             self.load_dense(rollback.dense)
@@ -281,7 +305,7 @@ class Trainer:
             self.optimizer.load_state_dict(self.initial_state["optim"])
         m = self.schedule.microbatches_per_step
         self.manager.load_state_dict({"step": rollback.step, "batches_committed": rollback.step * m})
-        self.audit_load(rollback.step, "rollback")
+        self.audit_load(rollback.step, why)
 
     def audit_load(self, step: int, why: str, event: str = "load") -> None:
         """The dense state is now that of ``step`` committed steps: a resume or a rollback (a

@@ -1,0 +1,157 @@
+"""A trainer that stalled while the others committed steps without it, and found none of them
+left to heal it (soak seed 7: trainer 1 stalled at step 54 while trainer 0 committed to 175;
+shard 0 and 1 died, then trainer 0; trainer 1 formed a quorum alone and committed steps 54..176
+again on its stale dense model, with no rollback: cpr verify found "dense step 54 committed
+again", and the lost samples counted as if the trainers redid from step 176)."""
+
+from __future__ import annotations
+
+import copy
+import threading
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from actors.supervisor.events import EventLog
+from actors.supervisor.hooks import HookList
+from actors.trainer.step import Trainer
+from core.records import FleetView, ResumePoint, TrainerSetup
+from policies import BudgetLimits, FailurePolicy
+
+
+class Manager:
+    """torchft's Manager as one trainer sees it, alone in every quorum (nobody to heal it)."""
+
+    def __init__(self, step: int):
+        self.step, self._quorum_id = step, 8
+
+    def start_quorum(self):
+        pass
+
+    def wait_quorum(self):
+        pass
+
+    def current_step(self):
+        return self.step
+
+    def load_state_dict(self, sd):
+        self.step = sd["step"]
+
+    def participating_rank(self):
+        return 0
+
+    def num_participants(self):
+        return 1
+
+    def is_participating(self):
+        return True
+
+    def errored(self):
+        return None
+
+    def should_commit(self):
+        return False  # the step that stalled fails (its shard died)
+
+
+class Supervisor:
+    def __init__(self, committed_steps: int | None):
+        self.committed_steps, self.calls = committed_steps, []
+
+    def record_step_failed(self, failure):
+        self.calls.append(("step_failed", failure.step))
+
+    def await_shards(self, generation, step):
+        self.calls.append(("await_shards", step))
+        return FleetView(generation + 1, ("s0", "s1"), committed_steps=self.committed_steps)
+
+    def trainer_setup(self, rank):
+        self.calls.append(("trainer_setup", rank))
+        return TrainerSetup(finished=False, shards=("s0", "s1"), generation=3, resume=ResumePoint(142, None),
+                            training_started=True)
+
+    def fallback_to_checkpoint(self, step, rank):
+        self.calls.append(("fallback_to_checkpoint", step))
+        return FleetView(4, ("s0", "s1"))
+
+    def record_trainer_healed(self, rank, step, heal_s, at):
+        self.calls.append(("healed", step))
+
+    def record_training_started(self, step, participants, at):
+        pass
+
+
+def _trainer(supervisor: Supervisor, step: int) -> Trainer:
+    model = torch.nn.Linear(2, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    initial = {"model": copy.deepcopy(model.state_dict()), "optim": copy.deepcopy(optimizer.state_dict())}
+    return Trainer(rank=1, cfg=None, supervisor=supervisor, shards=SimpleNamespace(shards=("s0", "s1")),
+                   schedule=SimpleNamespace(microbatches_per_step=4, total_steps=2400), model=model,
+                   optimizer=optimizer, manager=Manager(step), pg=None, prefetch=None, generation=2,
+                   next_checkpoint=None, resume=None, replacement=False, initial_state=initial)
+
+
+def _fail_step(t: Trainer) -> None:
+    attempt = t.quorum()
+    attempt.error = RuntimeError("shard 0: link: sending push_grads: BrokenPipeError")
+    assert t.commit(attempt, torch.zeros(4))
+
+
+def test_a_trainer_behind_the_commits_rejoins_at_a_checkpoint_instead_of_redoing_them_alone():
+    supervisor = Supervisor(committed_steps=176)
+    t = _trainer(supervisor, 54)
+    _fail_step(t)
+    attempt = t.quorum()  # alone: nobody ahead heals it
+    # Not step 54 on the stale dense model: the newest checkpoint, and since nobody ahead healed
+    # it there, every trainer that held the committed steps died: everything falls back there.
+    assert attempt.step == 142 and t.manager.current_step() == 142
+    assert ("trainer_setup", 1) in supervisor.calls and ("fallback_to_checkpoint", 142) in supervisor.calls
+
+
+@pytest.mark.parametrize("committed", [54, None])
+def test_a_trainer_at_the_commits_redoes_its_failed_step(committed):
+    supervisor = Supervisor(committed_steps=committed)
+    t = _trainer(supervisor, 54)
+    _fail_step(t)
+    attempt = t.quorum()
+    assert attempt.step == 54 and not t.replacement
+    assert [c[0] for c in supervisor.calls] == ["step_failed", "await_shards"]
+
+
+@pytest.mark.parametrize("last_committed, committed", [(175, 176), (None, 0)])
+def test_await_shards_says_how_many_steps_the_commit_reports_hold(last_committed, committed):
+    from actors.supervisor.desk import TrainerDesk
+    from actors.supervisor.machine import Running
+    from core.deadlines import Deadlines
+
+    class Controller:
+        def wait_settled(self, timeout_s):
+            return True
+
+        def state_now(self):
+            return Running()
+
+        def fleet(self):
+            return 2, ("shard0", "shard1")
+
+        def rollback_after(self, known_generation):
+            return None
+
+        def settle(self, known_generation, redo_step):
+            pass
+
+    class Trainers:
+        def last_step_committed(self):
+            return last_committed
+
+    class Checkpoints:
+        store = None
+
+        def next_due(self):
+            return None
+
+    lock = threading.RLock()
+    desk = TrainerDesk(lock, Controller(), Checkpoints(), Trainers(), EventLog(lock, HookList(), lambda: None),
+                       FailurePolicy(BudgetLimits()), Deadlines(30.0), TrainerSetup(finished=False), lambda s: None,
+                       True, "r")
+    assert desk.await_shards(1, 54).committed_steps == committed
