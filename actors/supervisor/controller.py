@@ -222,6 +222,10 @@ class RecoveryController:
         with self._lock:
             recount = self._p.ledger.reopen_after_rollback(step, self._p.ledger.count())
             self.served.first_steps = [step if x is None else min(x, step) for x in self.served.first_steps]
+            # Commits from ``step`` on died with their trainers (the shards never applied them):
+            # left in the book, they would make every trainer that fails a step below them look
+            # left behind (``Trainer.rejoin``), a needless fallback.
+            self._p.prune_commits(step)
             self._persist()
         self._p.ledger.count_later(recount)
 

@@ -193,7 +193,7 @@ class TrainerDesk:
                 # than the step after the last committed one.
                 last = self._trainers.last_step_committed()
                 self._c.settle(known_generation, step if last is None else max(step, last + 1))
-                return view if rollback is not None else self._with_commits(view)
+                return self._with_commits(view)
             if not isinstance(state, Running):
                 continue
             try:
@@ -231,10 +231,19 @@ class TrainerDesk:
                 return caught_up
             raise TrainerConflict(f"{decision.reason}; replacement {rank} must heal from them")
         if decision.action == "join":
-            self._trainers.unpin(rank)
-            self._events.record("replacement_joined", rank=rank, step=step, reason=decision.reason)
-            generation, shards = self._c.fleet()
-            return FleetView(generation, shards)
+            # The live trainers' word that they are at ``step`` is checked against the shards:
+            # a trainer that stalled while the others trained on, and healed from this very
+            # replacement once they died, says ``step`` too, but the shards applied the steps
+            # after it: nobody alive holds their dense state, and everything goes back to ``step``.
+            ahead = self._probe_shards(deadline)[0]
+            if ahead <= step:
+                self._trainers.unpin(rank)
+                self._events.record("replacement_joined", rank=rank, step=step, reason=decision.reason)
+                generation, shards = self._c.fleet()
+                return FleetView(generation, shards)
+            self._events.record("replacement_decided", rank=rank, step=step, action="roll back",
+                                reason=f"{decision.reason}, but the shards applied {ahead} steps: the live trainers "
+                                       f"are behind them; roll back to step {step}", answers={})
         # The checkpoint it loaded stays kept from retention until the rollback to it is done.
         owner = f"fallback of trainer {rank} to step {step}"
         self._ckpt.targets.protect(owner, [step] if step else [])
@@ -245,17 +254,21 @@ class TrainerDesk:
         finally:
             self._ckpt.targets.release(owner)
 
-    def _roll_back_to(self, step: int, rank: int, deadline: Deadline) -> FleetView:
+    def _probe_shards(self, deadline: Deadline) -> tuple[int, int, tuple]:
+        """The most steps any serving shard applied, with the fleet asked (its generation and
+        shards), once no recovery is under way."""
         while True:
             if deadline.expired() or not self._c.wait_settled(deadline.remaining()):
                 raise ShardUnavailable(f"shards not back within {deadline.total_s:.0f}s for the fallback")
             generation, shards = self._c.fleet()
             try:
                 states = ray.get([s.state.remote() for s in shards], timeout=deadline.remaining(self._deadlines.shard_call_s))
-                break
+                return max(st.applied_step + 1 for st in states), generation, shards
             except _PROBE_ERRORS:
                 self._c.wait_generation_after(generation, deadline.remaining())
-        ahead = max(st.applied_step + 1 for st in states)
+
+    def _roll_back_to(self, step: int, rank: int, deadline: Deadline) -> FleetView:
+        ahead, generation, shards = self._probe_shards(deadline)
         if ahead <= step:
             return self._rolled_back_already(step, ahead, generation, shards)
         chain = self._ckpt.chain_upto(step)

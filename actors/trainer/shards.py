@@ -199,7 +199,18 @@ class ShardClient:
             (d_grad,) = slab.layout([((grad.shape[0], len(self.plan.shards[k]) * self.dim), np.float32)])
             self.plan.gather_grad(grad, k, out=slab.view(d_grad))
             self._send(refs, "push_grads", step, chunk, d_grad)
-        results = self._gather(refs)
-        if any(r.stale for r in results):
-            raise StaleStep(f"step {step} microbatches {chunk}: replaced by a newer attempt")
-        return results
+        return check_pushed(step, chunk, self._gather(refs))
+
+
+def check_pushed(step: int, chunk: tuple[int, ...], results: list[PushResult]) -> list[PushResult]:
+    """The shards' answers to a push: a chunk replaced by a newer attempt of the step, or a
+    step a shard applied already, fails the step (``StaleStep``). A shard applies step s only
+    once a trainer that committed it looks up s + 1, and a trainer votes only after its pushes
+    returned: a shard that applied the step this trainer is pushing means others committed it
+    without this trainer, which is behind (it stalled while they trained on). Its failed step
+    then rejoins (``Trainer.rejoin``) instead of committing the step again on a stale model."""
+    if any(r.stale for r in results):
+        raise StaleStep(f"step {step} microbatches {chunk}: replaced by a newer attempt")
+    if any(r.duplicate for r in results):
+        raise StaleStep(f"step {step}: a shard applied it already (committed without this trainer, which is behind)")
+    return results

@@ -247,7 +247,9 @@ class Trainer:
             return False
         self.next_checkpoint = fleet.next_checkpoint
         self.use_fleet(fleet)
-        if (not self.replacement and fleet.rollback is None and fleet.committed_steps is not None
+        # Checked after a rollback too: one that stalled across it while the others redid steps
+        # from it, and died, holds the rollback's step; the shards hold theirs.
+        if (not self.replacement and fleet.committed_steps is not None
                 and self.manager.current_step() < fleet.committed_steps):
             return self.rejoin(fleet.committed_steps)
         return True

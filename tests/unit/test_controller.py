@@ -83,7 +83,8 @@ class NoSpares:
         pass
 
 
-def _controller(journal: MemoryJournal, executor, limits: BudgetLimits = BudgetLimits()):
+def _controller(journal: MemoryJournal, executor, limits: BudgetLimits = BudgetLimits(),
+                prune_commits=lambda step: None):
     lock = threading.RLock()
     books = Books(journal, lock, {"run_id": "r1", "attempt": 1, "supervisor_restarts": 0})
     hooks = HookList()
@@ -95,7 +96,7 @@ def _controller(journal: MemoryJournal, executor, limits: BudgetLimits = BudgetL
     policy = FailurePolicy(limits)
     decision = decide_recovery(RecoveryMode.PARTIAL, CostInputs(3600.0, 1.0, 1.0, 3.0, 2, 0.02))
     parts = Collaborators(
-        executor=executor, fleet=FakeFleet(), ledger=ledger, spares=NoSpares(), prune_commits=lambda step: None,
+        executor=executor, fleet=FakeFleet(), ledger=ledger, spares=NoSpares(), prune_commits=prune_commits,
         observe=costs, decide=lambda: decision, host_down_since=lambda node: None, suspects=set,
         partial_chain=lambda: (10,), consistent_chain=lambda: (10,), policy=policy, hooks=hooks,
         start_thread=lambda name, fn, *args: None,
@@ -303,12 +304,15 @@ def test_trainers_restarting_where_the_recovered_shards_stand_redo_the_lost_step
     shards already stood: steps 301.. were redone and nothing was lost."""
     from tests.unit.test_supervisor_books import _failure
 
-    journal = MemoryJournal()
-    controller, ledger, _ = _controller(journal, FakeExecutor(journal))
+    journal, pruned = MemoryJournal(), []
+    controller, ledger, _ = _controller(journal, FakeExecutor(journal), prune_commits=pruned.append)
     ledger.add([_failure("partial", 312, 301, shard=0), _failure("partial", 312, 301, shard=1),
                 _failure("partial", 120, 90, shard=0)])  # an older one: its loss stands
     controller.trainers_restarted_at(301)
     assert [f.failed_at_step for f in ledger.records()] == [301, 301, 120]
+    # The commits of steps 301..311 died with their trainers: left in the book, every trainer
+    # failing a step below 312 would look left behind and rejoin (a needless fallback).
+    assert pruned == [301]
     assert controller.served.first_steps == [0, 0]  # the live shards apply from step 0 (< 301) on: unchanged
     # Journaled: a restarted supervisor does not close them at 312 again.
     assert [f["failed_at_step"] for f in journal.last()["ledger"]["failures"]] == [301, 301, 120]

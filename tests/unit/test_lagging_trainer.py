@@ -155,3 +155,106 @@ def test_await_shards_says_how_many_steps_the_commit_reports_hold(last_committed
                        FailurePolicy(BudgetLimits()), Deadlines(30.0), TrainerSetup(finished=False), lambda s: None,
                        True, "r")
     assert desk.await_shards(1, 54).committed_steps == committed
+
+
+@pytest.mark.parametrize("applied, action", [(141, "join"), (175, "roll back")])
+def test_a_replacement_joins_a_live_trainer_at_its_checkpoint_only_if_the_shards_are_there_too(
+        tmp_path, monkeypatch, applied, action):
+    """Trainer 1 stalled between two steps while trainer 0 trained on to 176, then trainer 0
+    died; its replacement started at checkpoint 142 and trainer 1, resumed, healed from it to
+    142 (torchft heals to the highest step in the quorum). Asked, trainer 1 says "142 steps,
+    established": the replacement joined, nothing rolled back, and the shards, at 176, skipped
+    the redone steps as applied. The shards are asked too: ahead of the checkpoint, nobody alive
+    holds those steps' dense state, and everything goes back to 142."""
+    import actors.supervisor.desk as desk_module
+    from actors.supervisor.desk import TrainerDesk
+    from actors.supervisor.facts import Survey
+    from actors.supervisor.machine import Running, TrainersAllDied
+    from actors.supervisor.restore_targets import RestoreTargets
+    from core.deadlines import Deadlines
+    from core.records import TrainerFacts
+    from tests.unit.test_supervisor_books import _book
+
+    class Shard:
+        state = SimpleNamespace(remote=lambda: "ref")
+
+    class Controller:
+        transitions: list = []
+
+        def wait_settled(self, timeout_s):
+            return True
+
+        def state_now(self):
+            return Running()
+
+        def fleet(self):
+            return 2, (Shard(), Shard())
+
+        def transition(self, event):
+            self.transitions.append(event)
+
+        def rollback_after(self, generation):
+            return None
+
+    class Checkpoints:
+        store = None
+        targets = RestoreTargets(lambda: None)
+
+        def chain_upto(self, step):
+            return (142,)
+
+        def next_due(self):
+            return None
+
+    monkeypatch.setattr(desk_module.ray, "get", lambda refs, timeout=None: [
+        SimpleNamespace(applied_step=applied) for _ in refs])
+    lock, controller = threading.RLock(), Controller()
+    book = _book(tmp_path, lock=lock)
+    book.start_training(0, 2, 0.0)
+    events = EventLog(lock, HookList(), lambda: None)
+    desk = TrainerDesk(lock, controller, Checkpoints(), book, events, FailurePolicy(BudgetLimits()), Deadlines(30.0),
+                       TrainerSetup(finished=False), lambda s: None, True, "r",
+                       survey=lambda: Survey({}, {}, {1: TrainerFacts(rank=1, pid=7, steps=142, established=True)}))
+    desk.fallback_to_checkpoint(142, 0)
+    if action == "join":
+        assert controller.transitions == [] and events.recent("replacement_joined")
+    else:
+        [event] = controller.transitions
+        assert isinstance(event, TrainersAllDied) and event.step == 142
+        assert events.recent("replacement_decided")[-1]["action"] == "roll back"
+
+
+@pytest.mark.parametrize("committed, rejoins", [(130, True), (100, False)])
+def test_a_trainer_that_stalled_across_a_rollback_rejoins_if_the_others_redid_steps_without_it(committed, rejoins):
+    """Trainer 1 stalled across a full recovery to step 100; trainer 0 redid steps 100..129
+    and died. Trainer 1's failed step brings it the rollback, to 100, while the shards hold 130:
+    it is left behind as much as one that missed no rollback."""
+    from core.records import Rollback
+
+    class RollingBackSupervisor(Supervisor):
+        def await_shards(self, generation, step):
+            self.calls.append(("await_shards", step))
+            return FleetView(generation + 1, ("s0", "s1"), Rollback(generation + 1, 100, None),
+                             committed_steps=self.committed_steps)
+
+    supervisor = RollingBackSupervisor(committed_steps=committed)
+    t = _trainer(supervisor, 54)
+    _fail_step(t)
+    assert (("trainer_setup", 1) in supervisor.calls) is rejoins
+    assert t.manager.current_step() == (142 if rejoins else 100)
+
+
+def test_a_push_of_a_step_a_shard_applied_already_fails_the_step():
+    """The stale trainer whose step does not fail otherwise (stopped between two steps, resumed
+    alone after the others died): its push of step 54 finds a shard at 176, which answers
+    ``duplicate``. Before, the answer was ignored and the step committed again on the stale
+    dense model; now the step fails, and its failure rejoins it."""
+    from actors.trainer.shards import StaleStep, check_pushed
+    from core.records import PushResult
+
+    fresh = [PushResult(applied=False), PushResult(applied=True)]
+    assert check_pushed(54, (0, 1), fresh) == fresh
+    with pytest.raises(StaleStep, match="applied it already"):
+        check_pushed(54, (0, 1), [PushResult(applied=False), PushResult(applied=True, duplicate=True)])
+    with pytest.raises(StaleStep, match="newer attempt"):
+        check_pushed(54, (0, 1), [PushResult(applied=False, stale=True)])
