@@ -129,17 +129,22 @@ def test_a_promoted_shard_killed_before_its_new_mirror_exists_loses_what_its_row
     new mirror can exist (no warm spare: a new process takes seconds): the second recovery is from
     the checkpoint, and it loses every update since that checkpoint, the primary's before the
     promotion included. Before, the promoted mirror had no first step: the report said 0 samples
-    lost and `cpr verify` recounted 4,096 (issue 39, defect 1)."""
+    lost and `cpr verify` recounted 4,096 (issue 39, defect 1).
+
+    Checkpoints every 40 steps: the one the second recovery loads is usually 40, older than the
+    promotion, so the primary's updates of steps 40..50 are among those lost. On a loaded
+    machine the background write of 40 may still run when the first kill comes: the kill fails
+    that save (its shard died writing), it is retried at step 51 and the second recovery loads
+    that one. Either way it is a checkpoint from before the second kill, and the promoted shard
+    keeps its primary's first step, so the loss is counted (seen in CI: chain [51], 1,024 lost)."""
     faults = {"max_failures": 0, "at_steps": {"shard:1": [50, 53]}}
-    # Checkpoints every 40 steps: the one the second recovery loads (40) is older than the
-    # promotion, so the primary's updates of steps 40..50 are among those lost.
     cfg = _replica_config(tmp_path, small_data, "twice", faults=faults,
                           checkpoint={"every_steps": 40, "keep_last": 100})
     report, _, _, _ = _run(ray_local, cfg, [])
     first, second = sorted((f for f in report["failures"] if f["shard"] == 1), key=lambda f: f["detected_at"])
     assert first["recovery"] == "replica" and first["lost_samples"] == 0
-    assert second["recovery"] == "partial" and second["chain"] == [40], second
-    assert second["first_step"] is not None and second["first_step"] <= 40, second
+    assert second["recovery"] == "partial" and len(second["chain"]) == 1 and 40 <= second["chain"][0] < 53, second
+    assert second["first_step"] is not None and second["first_step"] <= second["chain"][0], second
     assert second["lost_samples"] > 0, "the updates of the steps since the checkpoint were lost"
     verdict = verify_run(cfg.run_dir, wait_s=30)  # the recount from the audit logs agrees
     assert verdict.violations == [], verdict.violations
