@@ -118,45 +118,6 @@ def test_a_trainer_at_the_commits_redoes_its_failed_step(committed):
     assert [c[0] for c in supervisor.calls] == ["step_failed", "await_shards"]
 
 
-@pytest.mark.parametrize("last_committed, committed", [(175, 176), (None, 0)])
-def test_await_shards_says_how_many_steps_the_commit_reports_hold(last_committed, committed):
-    from actors.supervisor.desk import TrainerDesk
-    from actors.supervisor.machine import Running
-    from core.deadlines import Deadlines
-
-    class Controller:
-        def wait_settled(self, timeout_s):
-            return True
-
-        def state_now(self):
-            return Running()
-
-        def fleet(self):
-            return 2, ("shard0", "shard1")
-
-        def rollback_after(self, known_generation):
-            return None
-
-        def settle(self, known_generation, redo_step):
-            pass
-
-    class Trainers:
-        def last_step_committed(self):
-            return last_committed
-
-    class Checkpoints:
-        store = None
-
-        def next_due(self):
-            return None
-
-    lock = threading.RLock()
-    desk = TrainerDesk(lock, Controller(), Checkpoints(), Trainers(), EventLog(lock, HookList(), lambda: None),
-                       FailurePolicy(BudgetLimits()), Deadlines(30.0), TrainerSetup(finished=False), lambda s: None,
-                       True, "r")
-    assert desk.await_shards(1, 54).committed_steps == committed
-
-
 @pytest.mark.parametrize("applied, action", [(141, "join"), (175, "roll back")])
 def test_a_replacement_joins_a_live_trainer_at_its_checkpoint_only_if_the_shards_are_there_too(
         tmp_path, monkeypatch, applied, action):
