@@ -15,6 +15,7 @@ from core.records import (
     CommitRecord, EvalResult, FinalView, FleetView, Progress, RunStatus, SaveRequest, SaveResult, StepFailure,
     Target, TrainerSetup, TrainerStart,
 )
+from core.step_protocol import Decision, StepStart, Vote
 
 __all__ = ["SupervisorClient"]
 
@@ -74,6 +75,12 @@ class SupervisorClient:
 
     def group_broken(self, quorum: int, step: int) -> bool:
         return self._call("group_broken", quorum, step)
+
+    def decide_step(self, vote: Vote) -> Decision:
+        return self._call("decide_step", vote)
+
+    def start_step(self, rank: int, generation: int, step: int, healed_from: int | None) -> StepStart:
+        return self._call("start_step", rank, generation, step, healed_from)
 
     def checkpoint_due(self) -> int | None:
         return self._call("checkpoint_due")

@@ -17,20 +17,20 @@ import numpy as np
 import ray
 
 from core.checkpoint import warm_up
-from core.deadlines import Deadline, Deadlines
+from core.deadlines import Deadlines
 from core.logs import configure_process_logging
-from core.errors import StaleLease
 from core.plan import TableSlice
-from core.records import PushResult, ShardFacts, ShardInfo, ShardState
+from core.records import ShardFacts, ShardInfo, ShardState
 from actors.lease import LeaseSpec, shard_place
 from actors.shard_chunks import (
-    PendingSteps, at_idle_priority, init_weights, load_kernel, merge_chunks, offsets, table_bytes, tables_wanted, writable,
+    PendingSteps, at_idle_priority, init_weights, load_kernel, offsets, table_bytes, tables_wanted, writable,
 )
 from actors.shard_link import LinkServer, exclusive, link_supported
 from actors.shard_mirror import MirrorRole
+from actors.shard_step import ShardSteps
 from actors.shard_persist import ShardSaving
 from actors.shard_save import ShardCheckpoints
-from actors.shm import ShmArray, ShmReader
+from actors.shm import ShmReader
 
 __all__ = ["EmbeddingShard"]
 
@@ -39,15 +39,12 @@ logger = logging.getLogger(__name__)
 APPLIED_WINDOW = 1024  # updates whose microbatch ids a shard keeps in memory (applied_log)
 
 
-class EmbeddingShard(MirrorRole, ShardSaving):
+class EmbeddingShard(ShardSteps, MirrorRole, ShardSaving):
     """Holds ``slices`` (TableSlice) of the embedding tables, dimension ``dim``.
 
-    A step's embedding update is applied once, at its commit: its gradients must all be here
-    (``microbatches_per_step`` microbatches), and the trainers must have committed it, which a
-    request for a later step (or a save of it) shows. The update then does not depend on which
-    trainer computed which microbatch, a microbatch resent by a redo overwrites its earlier copy
-    instead of being applied twice, and a step that failed elsewhere and is redone finds the
-    rows it found the first time. A mirror (``actors.shard_mirror``) gets every complete step.
+    A step's embedding update is applied once, at its commit (``actors.shard_step``: its
+    gradients all here, and a request naming its try committed). A mirror
+    (``actors.shard_mirror``) gets every complete step.
 
     Its callers wait ``call_timeout_s`` (T); every wait of its own is shorter
     (``core.deadlines``), so a slow mirror or slow storage fails, not this shard.
@@ -131,6 +128,7 @@ class EmbeddingShard(MirrorRole, ShardSaving):
         self._audit = None
         self.tracking_s = 0.0
         self.steps_dropped = 0
+        self.commits_refused = 0  # requests refused for naming no commit of the step complete here
         self.first_step_after_load: int | None = None
         self._promoted = False  # a mirror that took its primary's place: its rows hold the primary's steps
         # (step, microbatch ids) of the last APPLIED_WINDOW updates; the audit log keeps every one
@@ -223,127 +221,6 @@ class EmbeddingShard(MirrorRole, ShardSaving):
             return self.tbe(idx, off)
         with torch.no_grad():
             return self.tbe(idx, off)
-
-    @exclusive
-    def lookup(
-        self,
-        step: int,
-        microbatches: tuple[int, ...],
-        lengths: np.ndarray | ShmArray,
-        indices: np.ndarray | ShmArray,
-        out: ShmArray | None = None,
-    ) -> np.ndarray | ShmArray:
-        """Pooled embeddings float32 [B, S*D] of a trainer's microbatches of ``step`` (written
-        to ``out`` when given: a trainer on this node, see actors.shm). The ids are kept until
-        the step's gradients arrive, so the trainer does not send them twice."""
-        t0 = time.perf_counter()
-        lengths, indices = self._shm.get(lengths), self._shm.get(indices)
-        graph = None
-        self._commit_before(step)
-        if step > self.applied_step:
-            # A whole-step chunk keeps the kernel's autograd record: its update needs no second forward.
-            whole = len(microbatches) >= self.microbatches_per_step
-            pooled = graph = self._forward(lengths, indices, grad=whole)
-            self._pending.add(step, microbatches, lengths, indices, graph if whole else None)
-            if self._complete == step:
-                self._complete = None  # a redo: its chunks are replaced, their gradients come again
-            if self._ckpt.tracking:
-                t_track = time.perf_counter()
-                self._ckpt.observe(lengths, indices)
-                self.tracking_s += time.perf_counter() - t_track
-        else:
-            pooled = self._forward(lengths, indices, grad=False)
-        out = self._shm.put(out, pooled.detach().cpu().numpy())
-        self.compute_s += time.perf_counter() - t0
-        return out
-
-    @exclusive
-    def lookup_eval(self, lengths: np.ndarray | ShmArray, indices: np.ndarray | ShmArray, out: ShmArray | None = None):
-        """Pooled embeddings for evaluation (training committed every step); nothing is kept."""
-        self._commit_before(float("inf"))
-        lengths, indices = self._shm.get(lengths), self._shm.get(indices)
-        return self._shm.put(out, self._forward(lengths, indices, grad=False).cpu().numpy())
-
-    @exclusive
-    def push_grads(self, step: int, microbatches: tuple[int, ...], grad: np.ndarray | ShmArray) -> PushResult:
-        """Stores the pooled-embedding gradient of a chunk. ``applied``: the step is complete
-        here (and on the mirror), so its update happens once, at its commit."""
-        if step <= self.applied_step:
-            return PushResult(applied=True, duplicate=True)
-        deadline = Deadline(self.deadlines.lock_wait_s)
-        chunk = self._pending.chunk(step, microbatches)
-        if chunk is None:
-            # A newer attempt of this step split it differently and replaced this chunk (or a
-            # load dropped it): this gradient belongs to an abandoned attempt. The caller's
-            # step fails and is redone; nothing here changes.
-            return PushResult(applied=False, stale=True)
-        if not self._pending.completes(step, chunk):
-            chunk.grad = self._shm.get(grad)  # kept until the step's other chunks arrive: a copy
-            return PushResult(applied=False)
-        if not self._hold_lease(deadline):
-            # The cluster did not confirm this shard's place in time: not taken, the step is
-            # redone (a process replaced meanwhile raises Fenced here and exits).
-            return PushResult(applied=False, stale=True)
-        chunk.grad = self._shm.get(grad)  # the trainer's slab is rewritten before the commit
-        if not self._send_to_mirror(step):  # within mirror_feed_s: a slow mirror is killed, not this shard
-            chunk.grad = None  # not complete: the redo sends it again, to this shard alone
-            return PushResult(applied=False, stale=True)
-        self._check_act(f"completion of step {step}")
-        self._complete = step
-        self._log({"event": "complete", "step": step,
-                   "microbatches": [m for c in self._pending.ordered(step) for m in c.microbatches]})
-        return PushResult(applied=True)
-
-    def _commit_before(self, step: float, deadline: Deadline | None = None) -> None:
-        """Steps before ``step`` are committed (a trainer asks for ``step``, a save of ``step``
-        steps comes): the complete step, if older, applies now. ``deadline``: the call's bound
-        on its waits under the lock (``Deadlines.lock_wait_s`` from now by default)."""
-        if self._complete is not None and self._complete < step:
-            if not self._hold_lease(deadline or Deadline(self.deadlines.lock_wait_s)):
-                # Cut off from the cluster: its successor may hold the place and apply this step.
-                raise StaleLease(f"shard {self.shard_id}: its place was not confirmed in time; "
-                                 f"step {self._complete} is not applied here")
-            complete, self._complete = self._complete, None
-            record = self._apply(complete)
-            self._check_act(f"apply of step {complete}")
-            # Recorded only now: an apply that outlasted the lease may have overlapped the
-            # successor's, and this process exits with it (the rows it changed go with it).
-            self._log(record)
-
-    def _hold_lease(self, deadline: Deadline) -> bool:
-        """The lease's confirmation (``Lease.hold``) for an act that follows, waited for at most
-        two terms and never past ``deadline``; True without a lease."""
-        return self._lease is None or self._lease.hold(timeout_s=deadline.remaining(2 * self._lease.term_s))
-
-    def _check_act(self, act: str) -> None:
-        """The act just done under ``_hold_lease`` ended while the lease held; else it may have
-        overlapped a successor's, and the process is fenced: it exits (``Lease.check_act``)."""
-        if self._lease is not None:
-            self._lease.check_act(f"shard {self.shard_id}'s {act}")
-
-    def _apply(self, step: int) -> dict:
-        """Applies ``step``; returns its audit record, stamped with the moment the apply ended,
-        for the caller to write once the act is known to have ended within the lease."""
-        torch = self._torch
-        t0 = time.perf_counter()
-        ordered = self._pending.ordered(step)
-        self.applied_microbatches.append((step, tuple(m for c in ordered for m in c.microbatches)))
-        lengths, indices, grad = merge_chunks(ordered)
-        pooled = ordered[0].graph if len(ordered) == 1 and ordered[0].graph is not None else None
-        if pooled is None:
-            pooled = self._forward(lengths, indices, grad=True)
-        pooled.backward(torch.from_numpy(writable(grad)).to(self.device))
-        self.rows_updated_total += int(indices.size)
-        if self.first_step_after_load is None:
-            self.first_step_after_load = step
-        self.applied_step = step
-        record = {"t": round(time.time(), 6), "event": "apply", "step": step,
-                  "microbatches": list(self.applied_microbatches[-1][1])}
-        # An older step still pending never completed here (its other chunks went to a
-        # shard that died, or were redone): its update to this shard is lost, not delayed.
-        self.steps_dropped += self._pending.drop_through(step)
-        self.compute_s += time.perf_counter() - t0
-        return record
 
     @exclusive
     def facts(self) -> ShardFacts:

@@ -25,7 +25,7 @@ class Chunk:
     lengths: np.ndarray  # int64 [S, B]
     indices: np.ndarray  # int64 [nnz]
     grad: np.ndarray | None = None  # float32 [B, S*D]
-    graph: object = None  # the lookup's output with its autograd record, when the chunk is the whole step
+    graph: object = None  # the lookup's output with its autograd record, when the chunk is the whole step in order
 
 
 class PendingSteps:
@@ -35,14 +35,34 @@ class PendingSteps:
     def __init__(self, microbatches_per_step: int):
         self.microbatches_per_step = microbatches_per_step
         self._steps: dict[int, dict[tuple[int, ...], Chunk]] = {}
+        self._tries: dict[int, tuple[int, int]] = {}  # step -> (generation, attempt) of its chunks
+
+    def newer_try(self, step: int, try_: tuple[int, int] | None) -> bool | None:
+        """Whether ``try_`` of ``step`` is newer than the try its chunks here belong to (True),
+        the same or unknown (None), or older (False: a late request of an abandoned try)."""
+        held = self._tries.get(step)
+        if try_ is None or held is None or held == try_:
+            return None
+        return try_ > held
+
+    def try_of(self, step: int) -> tuple[int, int] | None:
+        return self._tries.get(step)
 
     def add(self, step: int, microbatches: tuple[int, ...], lengths: np.ndarray, indices: np.ndarray,
-            graph: object = None) -> None:
+            graph: object = None, try_: tuple[int, int] | None = None) -> None:
+        """A chunk of ``step``; a newer ``try_`` than the step's chunks here replaces them all
+        (their gradients belong to an abandoned try)."""
+        if self.newer_try(step, try_):
+            self._steps.pop(step, None)
+        if try_ is not None:
+            self._tries[step] = try_
         chunks = self._steps.setdefault(step, {})
         # A redo may split the step differently (fewer trainers): the new chunk replaces
         # every older one it overlaps, so no microbatch is ever counted twice.
         for key in [k for k in chunks if set(k) & set(microbatches)]:
             del chunks[key]
+        if not _in_order(microbatches):
+            graph = None  # its rows are not in the order merge_chunks gives the gradient
         chunks[tuple(microbatches)] = Chunk(tuple(microbatches), lengths, indices, graph=graph)
 
     def steps(self) -> list[int]:
@@ -61,7 +81,8 @@ class PendingSteps:
         return have >= self.microbatches_per_step
 
     def ordered(self, step: int) -> list[Chunk]:
-        """The chunks of ``step`` by microbatch id: the same batch however it was split."""
+        """The chunks of ``step`` by their first microbatch id; ``merge_chunks`` makes of them
+        the same batch however the step was split."""
         chunks = self._steps[step]
         return [chunks[k] for k in sorted(chunks)]
 
@@ -69,12 +90,15 @@ class PendingSteps:
         """Forgets ``step`` (applied) and every older step; returns how many older ones were
         still pending (never completed here: their update to this shard is lost)."""
         old = [s for s in self._steps if s <= step]
+        for s in [s for s in self._tries if s <= step]:
+            del self._tries[s]
         for s in old:
             del self._steps[s]
         return sum(s < step for s in old)
 
     def clear(self) -> None:
         self._steps.clear()
+        self._tries.clear()
 
 
 def writable(a: np.ndarray) -> np.ndarray:
@@ -93,19 +117,39 @@ def offsets(lengths: np.ndarray) -> np.ndarray:
 
 
 def merge_chunks(chunks: list[Chunk]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Concatenates chunks along the batch, keeping fbgemm's slice-major id layout."""
-    if len(chunks) == 1:
+    """The step's batch (lengths, ids, gradient) from its chunks, in fbgemm's slice-major id
+    layout, with its rows in microbatch-id order however the trainers split the step: the
+    kernel sums a row's gradients in batch order, so only the same order gives the same bits
+    (two trainers send microbatches (0, 2) and (1, 3)). A chunk's rows are its microbatches',
+    in its order, equally many each: a training store holds only whole microbatches of
+    ``training.microbatch_rows``. A chunk whose rows do not divide evenly stays whole."""
+    if len(chunks) == 1 and _in_order(chunks[0].microbatches):
         c = chunks[0]
         return c.lengths, c.indices, c.grad
-    lengths = np.concatenate([c.lengths for c in chunks], axis=1)
-    per_slice_bounds = [np.concatenate([[0], np.cumsum(c.lengths.sum(axis=1))]) for c in chunks]
+    # (microbatch id, its chunk k, its columns a:b in that chunk), in microbatch-id order
+    blocks = []
+    for k, c in enumerate(chunks):
+        width, n = c.lengths.shape[1], len(c.microbatches)
+        if n and width % n == 0:
+            w = width // n
+            blocks += [(m, k, j * w, (j + 1) * w) for j, m in enumerate(c.microbatches)]
+        else:
+            blocks.append((min(c.microbatches, default=-1), k, 0, width))
+    blocks.sort()
+    lengths = np.concatenate([chunks[k].lengths[:, a:b] for _, k, a, b in blocks], axis=1)
+    grad = np.concatenate([chunks[k].grad[a:b] for _, k, a, b in blocks], axis=0)
+    bounds = [offsets(c.lengths) for c in chunks]  # a slice's bags are contiguous in a chunk's ids
     pieces = []
     for s in range(lengths.shape[0]):
-        for c, b in zip(chunks, per_slice_bounds):
-            pieces.append(c.indices[b[s] : b[s + 1]])
+        for _, k, a, b in blocks:
+            o, row = bounds[k], s * chunks[k].lengths.shape[1]
+            pieces.append(chunks[k].indices[o[row + a] : o[row + b]])
     indices = np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.int64)
-    grad = np.concatenate([c.grad for c in chunks], axis=0)
     return lengths, indices, grad
+
+
+def _in_order(microbatches) -> bool:
+    return all(a < b for a, b in zip(microbatches, microbatches[1:]))
 
 
 def init_weights(torch, tbe, slices, seed: int) -> None:

@@ -73,7 +73,7 @@ class ShardCheckpoints:
         # The rows written for a save whose manifest is not known to be committed yet:
         # (step, rows). They count as saved only once it is (two-phase save).
         self._unconfirmed: tuple[int, np.ndarray] | None = None
-        self._since_save: list[np.ndarray] = []  # shard rows looked up after that save's snapshot
+        self._since_save: list[np.ndarray] = []  # shard rows updated after that save's snapshot
         self._write: _Write | None = None  # the background write of the last save's snapshot
         # The buffer a full snapshot is copied into, made by prepare_snapshot_buffer.
         self._buf: ShardRows | None = None
@@ -93,7 +93,7 @@ class ShardCheckpoints:
         torch.from_numpy(counts).index_add_(0, index, torch.ones(1, dtype=torch.int32).expand(ids.size))
 
     def observe(self, lengths: np.ndarray, indices: np.ndarray) -> None:
-        """Counts the rows a step looked up (``tracking`` policies only), on the tracker's
+        """Counts the rows of a step applied (``tracking`` policies only), on the tracker's
         thread (``actors.tracking``): every method below that reads or changes the counts
         drains it first."""
         self._tracker.put(lengths, indices, wake=not on_link_thread())  # a link wakes it after its reply

@@ -1,6 +1,7 @@
-"""MFU/SSU access tracking beside the step, not in it: a shard's lookups hand their ids to a
-thread of its own, which updates the policy's counts in the order the lookups came, between
-the shard's requests.
+"""MFU/SSU access tracking beside the step, not in it: a shard hands a step's ids to a thread
+of its own once, when it applies the step (not at each lookup: a redone step is looked up
+again), and the thread updates the policy's counts in the order the steps came, between the
+shard's requests.
 
 Tracking in the lookup cost about 4 % of every step (``np.unique`` over the step's ids): more
 than the full saves it was meant to make cheaper. The thread counts while holding the shard's
@@ -8,9 +9,10 @@ lock, so it runs while the shard is idle (the trainers compute their dense part)
 competes with a request for the interpreter. Whoever reads or changes the policy (a save's
 selection, a confirmation, a load) holds that lock and first ``drain``s the queue on its own
 thread: the policy then sees exactly the accesses it would have seen inline, in the same
-order, and selects the same rows. A lookup served over the shard's link wakes the thread only
-once its reply is sent: woken during the request, it took the CPU from the thread serving it on a
-busy node (the emulation's MFU and SSU runs lost 1.4 % of their steps that way).
+order, and selects the same rows. A step applied in a lookup served over the shard's link
+wakes the thread only once its reply is sent: woken during the request, it took the CPU from
+the thread serving it on a busy node (the emulation's MFU and SSU runs lost 1.4 % of their
+steps that way).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from collections.abc import Callable
 
 __all__ = ["AccessTracker", "MAX_QUEUED"]
 
-MAX_QUEUED = 32  # steps' ids waiting for the thread before a lookup counts them itself
+MAX_QUEUED = 32  # steps' ids waiting for the thread before the next step's apply counts them itself
 
 logger = logging.getLogger(__name__)
 

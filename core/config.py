@@ -177,7 +177,8 @@ class TrainingConfig(_Section):
     progress_every_steps: int = Field(10, ge=1)
     """How often trainers report step, loss and samples/s."""
     collective_timeout_s: float = Field(60.0, gt=0.0, le=3600.0)
-    """torchft quorum / all-reduce timeout."""
+    """torchft all-reduce timeout. A trainer's read of its step's data gives up at half of it;
+    the next quorum waits it plus the saving trainer's save (``core.deadlines``)."""
     connect_timeout_s: float = Field(2.0, gt=0.0, le=3600.0)
     """Timeout of the trainers' gloo connection setup after each new quorum, at most
     ``collective_timeout_s``. A peer that dies while the group connects stalls the survivors

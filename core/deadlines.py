@@ -16,9 +16,18 @@ mirror, the storage, a shard) is the one declared slow, not the healthy one wait
     its caller                caller_s(method) = inner_s(method) + 2 T (a supervisor that Ray
                               restarts meanwhile answers the retried call once rebuilt)
 
+    a trainer's peers         C = training.collective_timeout_s: their all-reduce
+      its step's data         data_read_s = C/2: a read that hangs fails this trainer's step
+                              (flagged in its vote) while its peers still wait in the all-reduce
+    the next quorum           quorum_s = C + saving_s: the saving trainer (the quorum's first
+                              participant) asks which save is due and saves after its commit,
+                              before its next quorum (saving_s = caller_s of both, 7 T); a peer
+                              gives up on the quorum only after that (before, C alone: a slow
+                              background write drained by the save restarted the peer)
+
 ``SupervisorClient`` (``actors.client``) passes ``caller_s`` to every call; the supervisor's
 methods bound their own waits by ``inner_s``; a shard is given T when it starts and bounds its
-own waits as above (``nesting`` lists every pair).
+own waits as above (``nesting`` lists every pair; ``step_nesting`` a trainer's against its peers').
 """
 
 from __future__ import annotations
@@ -53,11 +62,12 @@ STARTING = frozenset({"start", "trainer_setup"})
 class Deadlines:
     shard_call_s: float
     shard_start_s: float = 0.0  # a new shard process's start (embeddings.start_timeout_s)
+    collective_s: float = 0.0  # a trainer's wait for its peers' all-reduce (training.collective_timeout_s)
 
     @classmethod
     def of(cls, cfg) -> "Deadlines":
         """The deadlines of a run config."""
-        return cls(cfg.embeddings.call_timeout_s, cfg.embeddings.start_timeout_s)
+        return cls(cfg.embeddings.call_timeout_s, cfg.embeddings.start_timeout_s, cfg.training.collective_timeout_s)
 
     @property
     def supervisor_wait_s(self) -> float:
@@ -108,6 +118,39 @@ class Deadlines:
             ("a shard's wait for its own write", self.written_s, "the supervisor's save_written", t),
             ("one shard call", t, "a recovery's wait", self.supervisor_wait_s),
             ("a save's wait for its shards' files (save_written)", t, "the save in flight's drain", self.save_drain_s),
+        )
+
+    @property
+    def data_read_s(self) -> float:
+        """A trainer's wait for its step's microbatches (``Prefetcher.get``): a read that hangs
+        fails its step, flagged in its vote, while its peers still wait in the all-reduce (C)."""
+        return self.collective_s / 2
+
+    @property
+    def saving_s(self) -> float:
+        """The longest the saving trainer (the quorum's first participant) waits between its
+        commit and its next quorum: which save is due, then the save (the previous save's
+        drain and the snapshot, ``inner_s``), each as its caller waits for it."""
+        return self.caller_s("checkpoint_due") + self.caller_s("save_checkpoint")
+
+    @property
+    def quorum_s(self) -> float:
+        """A trainer's wait for the next quorum (torchft's ``quorum_timeout``): the lighthouse
+        forms none without the saving trainer while it heartbeats and the others are not more
+        than half (two trainers: the other alone), so they wait out its save, then the
+        collective timeout for a peer that is merely slow."""
+        return self.collective_s + self.saving_s
+
+    def step_nesting(self) -> tuple[tuple[str, float, str, float], ...]:
+        """As ``nesting``, for a trainer's waits in a step against its peers' waits for it."""
+        return (
+            ("a trainer's read of its step's data", self.data_read_s, "its peers' all-reduce", self.collective_s),
+            ("the previous save's drain", self.save_drain_s, "the save_checkpoint that waits for it",
+             self.inner_s("save_checkpoint")),
+            ("the supervisor's save_checkpoint", self.inner_s("save_checkpoint"), "the saving trainer's call",
+             self.caller_s("save_checkpoint")),
+            ("the saving trainer's checkpoint_due and save_checkpoint", self.saving_s, "its peers' next quorum",
+             self.quorum_s),
         )
 
     def inner_s(self, method: str) -> float:

@@ -100,6 +100,12 @@ class StaleLease(RuntimeError):
     it applied nothing and the caller's step is redone (a process replaced meanwhile is fenced)."""
 
 
+class StaleRequest(RuntimeError):
+    """A shard refused a request outside the step protocol's current try (``core.step_protocol``):
+    one of an abandoned try, or one whose step follows a step the shard holds complete and the
+    request names no commit of. Nothing changed there; the caller's step is redone."""
+
+
 class RunFailed(CprError):
     """The run stopped before its end (a failure budget, an unrecoverable error); its report
     is written and ``cpr train --resume RUN_DIR`` continues it."""

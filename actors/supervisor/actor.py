@@ -33,6 +33,7 @@ from core.records import (
     Target, TrainerSetup, TrainerStart,
 )
 from core.schedule import StepSchedule
+from core.step_protocol import Decision, StepStart, Vote
 
 __all__ = ["Supervisor", "supervisor_name", "history_to_use"]
 
@@ -185,6 +186,12 @@ class Supervisor:
 
     def group_broken(self, quorum: int, step: int) -> bool:
         return self._p.trainers.group_broken(quorum, step)
+
+    def decide_step(self, vote: Vote) -> Decision:
+        return self._p.trainers.decide(vote)
+
+    def start_step(self, rank: int, generation: int, step: int, healed_from: int | None) -> StepStart:
+        return self._p.trainers.start_step(rank, generation, step, healed_from)
 
     def record_progress(self, progress: Progress) -> None:
         self._p.trainers.progress(progress)

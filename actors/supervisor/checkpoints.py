@@ -26,13 +26,14 @@ from actors.supervisor.costs import SharedCosts
 from actors.supervisor.hooks import RunHooks
 from actors.supervisor.restore_targets import RestoreTargets
 from actors.supervisor.save_failures import FailedSaves
+from actors.supervisor.save_schedule import SaveSchedule
 from actors.supervisor.save_job import SAVE_ERRORS, Abandoned, SaveJob, reason as one_line
 from core.checkpoint import DATA_POSITION_FILE, DENSE_FILE, FULL, INCREMENTAL, CheckpointStore, DataPosition, write_blob
 from core.config import RunConfig
-from core.deadlines import Deadlines
+from core.deadlines import Deadline, Deadlines
 from core.errors import ConfigError
 from core.records import SaveRequest, SaveResult, WrittenPart
-from policies import FailurePolicy, IntervalController, interval_steps
+from policies import FailurePolicy, IntervalController
 
 __all__ = ["CheckpointCoordinator"]
 
@@ -44,7 +45,7 @@ _SCHEDULE_FIELDS = (
 )
 
 
-class CheckpointCoordinator:
+class CheckpointCoordinator(SaveSchedule):
     def __init__(
         self,
         cfg: RunConfig,
@@ -115,44 +116,6 @@ class CheckpointCoordinator:
             if info.kind == FULL:
                 self.last_full_step = info.step
 
-    # ------------------------------------------------------------------ schedule
-
-    def after(self, step: int) -> int | None:
-        """The step count at which the next checkpoint is due, or None when saves are off.
-
-        MFU/SSU saves write r of the rows, 1/r times as often as full saves would come.
-        With ``auto_interval`` the interval comes from the CPR cost model, re-chosen (and
-        logged) as the online estimates change; the time since the last failure counts as
-        exposure, so a quiet stretch lengthens the interval again.
-        """
-        ck = self.cfg.checkpoint
-        if not ck.enabled:
-            return None
-        scale = ck.r if ck.policy != "full" else 1.0
-        step_time_s = self.step_time_s()
-        fallback_steps = self.cfg.training.progress_every_steps
-        candidates = []
-        if ck.every_steps is not None:
-            candidates.append(max(1, round(ck.every_steps * scale)))
-        if ck.every_s is not None:
-            candidates.append(interval_steps(ck.every_s * scale, step_time_s) if step_time_s else fallback_steps)
-        if ck.auto_interval:
-            candidates.append(self._auto_interval(scale, step_time_s, fallback_steps))
-        self.interval_steps_in_use = min(candidates)
-        return step + self.interval_steps_in_use
-
-    def _auto_interval(self, scale: float, step_time_s: float | None, fallback_steps: int) -> int:
-        self.costs.observe_time(self.clock())
-        decision, change = self.controller.update()
-        steps = interval_steps(decision.interval_s * scale, step_time_s) if step_time_s else fallback_steps
-        if change is not None or steps != self.interval_steps_in_use:
-            self.record_event(
-                "interval_changed", interval_s=round(decision.interval_s * scale, 3), interval_steps=steps,
-                step_time_s=round(step_time_s, 4) if step_time_s else None, mtbf_s=round(self.costs.mtbf_s(), 3),
-                mode=decision.mode.value, reason=change.reason if change is not None else "measured step time changed",
-            )
-        return steps
-
     def start(self, step: int = 0) -> None:
         self.last_checkpoint_step = step
         self.next_checkpoint_step = self.after(step)
@@ -213,16 +176,26 @@ class CheckpointCoordinator:
         is due (``final``: the run's last step, saved in full whatever the schedule and the
         policy): every shard copies the rows to save into memory and the call returns; a
         guarded background thread writes the dense state, waits for every shard's file and
-        commits the manifest. Only the copies hold the training path (``hold_s``)."""
+        commits the manifest. Only the copies hold the training path (``hold_s``). It answers
+        within ``Deadlines.inner_s("save_checkpoint")``, which its trainer's peers wait out in
+        their next quorum (``Deadlines.quorum_s``)."""
+        deadlines = Deadlines(self.cfg.embeddings.call_timeout_s)
+        deadline = Deadline(deadlines.inner_s("save_checkpoint"))
         job = self._in_flight
         # One save at a time: the previous one commits (or not) first, within its deadline.
         waited_s = self.drain(self._time_left(job)) if job is not None else 0.0
         if job is not None and job.thread is not None and job.thread.is_alive():
-            result = self._still_writing(job, request.step, waited_s)
+            result = self._still_writing(job, request.step, waited_s, deadline.remaining())
             self.failures.stop_if_over_budget()
             return result
-        with self._timeline:
+        # The snapshot keeps its T. A timeline held longer (a commit, a rollback's fencing, a
+        # count of lost samples reading a chain's files): the save stays due, asked again.
+        if not self._timeline.acquire(timeout=max(0.0, deadline.remaining() - deadlines.shard_call_s)):
+            return SaveResult(False, self.next_checkpoint_step, waited_s)
+        try:
             result = self._snapshot(request, shards, run_id, position)
+        finally:
+            self._timeline.release()
         self.failures.stop_if_over_budget()
         return SaveResult(result.saved, result.next_step, result.duration_s + waited_s)
 
@@ -230,12 +203,15 @@ class CheckpointCoordinator:
         drain_s = Deadlines(self.cfg.embeddings.call_timeout_s).save_drain_s
         return max(0.0, job.started + drain_s - time.monotonic())
 
-    def _still_writing(self, job: SaveJob, step: int, waited_s: float) -> SaveResult:
+    def _still_writing(self, job: SaveJob, step: int, waited_s: float, timeout_s: float) -> SaveResult:
         """The save in flight outlived its deadline (storage that hangs rather than fails): it is
         abandoned (it never commits) and counted as failed once, and each save due while it still
         writes fails too, after the backoff (``budgets.max_failed_saves``), without waiting for
-        it: training goes on, no second save writes beside it."""
-        with self._timeline:
+        it: training goes on, no second save writes beside it. One that is committing (it holds
+        the timeline past ``timeout_s``) is not abandoned: the save due is asked again."""
+        if not self._timeline.acquire(timeout=max(0.0, timeout_s)):
+            return SaveResult(False, self.next_checkpoint_step, waited_s)
+        try:
             due = self.next_checkpoint_step is not None and step >= self.next_checkpoint_step
             if job.overdue and not due:
                 return SaveResult(False, self.next_checkpoint_step, waited_s)
@@ -244,6 +220,8 @@ class CheckpointCoordinator:
             err = TimeoutError(f"the save of step {job.request.step} still writes after "
                                f"{time.monotonic() - job.started:.1f}s: the storage does not answer")
             retry = self._failed(failed, err, self.after(step))
+        finally:
+            self._timeline.release()
         self.record_event("checkpoint_failed", step=failed, phase="write", error=str(err), **retry)
         return SaveResult(False, self.next_checkpoint_step, waited_s)
 

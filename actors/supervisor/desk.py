@@ -205,10 +205,10 @@ class TrainerDesk:
                                "(4 x embeddings.call_timeout_s)")
 
     def _with_commits(self, view: FleetView) -> FleetView:
-        """The view with the steps the commit reports say are committed: a trainer holding
-        fewer stalled while the others trained on (``Trainer.rejoin``)."""
-        last = self._trainers.last_step_committed()
-        return dataclasses.replace(view, committed_steps=0 if last is None else last + 1)
+        """The view with the steps the run holds committed (the step ledger's, else the commit
+        reports'): a trainer whose dense model holds other than these stalled while the others
+        trained on, or was healed past a rollback (``Trainer.commit`` rejoins it)."""
+        return dataclasses.replace(view, committed_steps=self._trainers.timeline_steps())
 
     def fallback_to_checkpoint(self, step: int, rank: int) -> FleetView:
         """Every trainer died and the new ones start at checkpoint ``step``: roll the shards

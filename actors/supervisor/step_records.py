@@ -20,6 +20,7 @@ from core.books import CommitTally, KillRecord, StepCommit, TrainerFailure
 from core.codec import decode, encode
 from core.journal import AppendLog
 from core.records import CommitRecord, Heal, StepFailure
+from core.step_protocol import Decision, StepLedger, StepStart, Vote
 
 __all__ = ["StepRecords", "COMMIT_WINDOW", "read_commits"]
 
@@ -97,6 +98,7 @@ class StepRecords:
         self._failed: deque[StepFailure] = deque()
         self._redos: dict[int, dict[int, int]] = {}  # step -> rank -> failures
         self._broken: dict[int, set[int]] = {}  # step -> quorum ids whose all-reduce failed somewhere
+        self.ledger = StepLedger()  # the one decision of every try of this attempt's steps
 
     # ------------------------------------------------------------------ reports
 
@@ -140,6 +142,19 @@ class StepRecords:
         per_rank[f.rank] = per_rank.get(f.rank, 0) + 1
         return max(per_rank.values())
 
+    def decide(self, v: Vote) -> Decision:
+        """The decision of ``v``'s try (``core.step_protocol``): the first vote of a try decides it
+        and is written to the book before anyone hears it, so a supervisor restart keeps it."""
+        decision, new = self.ledger.vote(v)
+        if v.broken_quorum is not None:
+            self._broken.setdefault(v.step.step, set()).add(v.broken_quorum)
+        if new or v.broken_quorum is not None:
+            self._append({"kind": "decision", **encode(v)})
+        return decision
+
+    def start_step(self, generation: int, step: int, healed: bool) -> StepStart:
+        return self.ledger.start(generation, step, healed)
+
     def heal(self, h: Heal) -> None:
         self.heals.append((self.attempt, h))
 
@@ -154,6 +169,7 @@ class StepRecords:
 
     def _prune(self, step: int) -> None:
         self._window = {s: c for s, c in self._window.items() if s < step}
+        self.ledger.rolled_back(step)
         self._newest = max(self._window, default=None)
         self._tallies[-1].cut(step)
         for fold in self._folds.values():
@@ -256,7 +272,7 @@ class StepRecords:
     def sizes(self) -> dict[str, int]:
         """How many entries each structure holds (a bounded book keeps these flat)."""
         return {"window": len(self._window), "failed": len(self._failed), "redos": len(self._redos),
-                "broken": len(self._broken), "seen": self._seen.size(), "heals": len(self.heals),
+                "broken": len(self._broken), "tries": self.ledger.sizes(), "seen": self._seen.size(), "heals": len(self.heals),
                 "ranges": sum(len(t.committed) + len(t.degraded) for t in self._tallies),
                 "folds": sum(1 + len(f.degraded) for f in self._folds.values())}
 
@@ -296,6 +312,11 @@ class StepRecords:
             f = decode(StepFailure, record)
             if self._seen.fresh(f.rank, f.pid, f.seq, f.process):
                 self._add_failure(f)
+        elif kind == "decision":
+            v = decode(Vote, record)
+            self.ledger.vote(v)
+            if v.broken_quorum is not None:
+                self._broken.setdefault(v.step.step, set()).add(v.broken_quorum)
         elif kind == "pruned":  # the books of an earlier version wrote prunes here
             self._prune(record["step"])
 

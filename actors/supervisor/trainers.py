@@ -31,6 +31,7 @@ from core.codec import decode, encode
 from core.journal import AppendLog
 from core.books import CommitTally, KillRecord, TrainerFailure
 from core.records import CommitRecord, Heal, Progress, StepFailure, Target, TrainerStart
+from core.step_protocol import Decision, StepStart, Vote
 from policies import Budget, FailurePolicy
 
 __all__ = ["TrainerBook"]
@@ -182,6 +183,22 @@ class TrainerBook:
         if over is not None:
             self._fail(over)
 
+    def decide(self, v: Vote) -> Decision:
+        """The one decision of ``v``'s try (``core.step_protocol``)."""
+        with self._lock:
+            return self._steps.decide(v)
+
+    def start_step(self, rank: int, generation: int, step: int, healed_from: int | None) -> StepStart:
+        """Trainer ``rank``'s try at ``step``; ``healed_from``: its step before torchft healed it
+        in this quorum (a replacement's or a live trainer's heal), recorded as an event, and
+        refused past the steps the run committed since its last rollback."""
+        with self._lock:
+            start = self._steps.start_step(generation, step, healed_from is not None)
+        if healed_from is not None:
+            self._events.record("dense_healed", rank=rank, from_step=healed_from, step=step, generation=generation,
+                                allowed=start.heal_allowed)
+        return start
+
     def group_broken(self, quorum: int, step: int) -> bool:
         with self._lock:
             return self._steps.broken(quorum, step)
@@ -267,6 +284,13 @@ class TrainerBook:
         """Steps this attempt's commit reports say are committed (0: none yet)."""
         last = self.last_step_committed()
         return 0 if last is None else last + 1
+
+    def timeline_steps(self) -> int | None:
+        """Steps the run holds committed since its last rollback: the step ledger's decisions
+        (made before any trainer steps), else this attempt's commit reports; None: unknown."""
+        with self._lock:
+            steps, last = self._steps.ledger.committed_steps(), self._steps.last_step()
+        return steps if steps is not None else None if last is None else last + 1
 
     def committed_since(self, step: int) -> bool:
         with self._lock:

@@ -98,7 +98,7 @@ def _make_trainer(rank: int, cfg: RunConfig, supervisor: SupervisorClient, setup
     trainer = Trainer(
         rank=rank, cfg=cfg, supervisor=supervisor, shards=shards, schedule=setup.schedule, model=model,
         optimizer=optimizer, manager=manager, pg=pg,
-        prefetch=Prefetcher(microbatch_loader(train_file, setup.schedule, setup.plan)),
+        prefetch=Prefetcher(microbatch_loader(train_file, setup.schedule, setup.plan), Deadlines.of(cfg).data_read_s),
         generation=setup.generation, next_checkpoint=setup.next_checkpoint_step, resume=setup.resume,
         replacement=setup.training_started, initial_state=initial_state, audit=_audit_file(setup, rank), lease=lease,
     )
@@ -136,7 +136,10 @@ def _make_manager(rank: int, cfg: RunConfig, model, optimizer, loop_config: dict
         state_dict=lambda: {"model": model.state_dict(), "optim": optimizer.state_dict()},
         replica_id=f"cpr_trainer_{rank}",
         lighthouse_addr=f"{lighthouse.scheme}://{loop_config['lighthouse_host']}:{lighthouse.port}",
-        hostname=ray.util.get_node_ip_address(), timeout=collective_timeout, quorum_timeout=collective_timeout,
+        hostname=ray.util.get_node_ip_address(), timeout=collective_timeout,
+        # Longer than the saving trainer's save after its commit: a peer waiting for it in the
+        # next quorum must not give up (and restart) while a slow write drains.
+        quorum_timeout=timedelta(seconds=Deadlines.of(cfg).quorum_s),
         checkpoint_transport=PGTransport(pg, timeout=collective_timeout, device=torch.device("cpu")),
         world_size=1, rank=0,
         # Synchronous quorum: a replacement finishes healing inside the quorum and then takes

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 
 import numpy as np
 
@@ -14,7 +14,12 @@ from core.plan import ShardingPlan
 from core.records import PhaseTimes
 from core.schedule import StepSchedule
 
-__all__ = ["Prefetcher", "PhaseTimer", "microbatch_loader"]
+__all__ = ["Prefetcher", "PhaseTimer", "DataReadTimeout", "microbatch_loader"]
+
+
+class DataReadTimeout(TimeoutError):
+    """A step's microbatches were not read within the deadline (a store that hangs): this
+    trainer's step fails and is redone; no shard is at fault."""
 
 
 def microbatch_loader(train_file: MicrobatchStore, schedule: StepSchedule, plan: ShardingPlan):
@@ -32,10 +37,14 @@ def microbatch_loader(train_file: MicrobatchStore, schedule: StepSchedule, plan:
 
 class Prefetcher:
     """``get`` returns the microbatches loaded ahead if the guess (step and microbatches) was
-    right, and loads them on the spot otherwise (a failed step, a new quorum)."""
+    right, and loads them otherwise (a failed step, a new quorum), within ``timeout_s``
+    (``Deadlines.data_read_s``): a read that hangs fails the step before the peers' all-reduce
+    gives up on this trainer. Every read runs on the one pool thread: one reader of the file
+    at a time (a wrong guess still loading finishes first, inside the deadline)."""
 
-    def __init__(self, load: Callable):
+    def __init__(self, load: Callable, timeout_s: float):
         self._load = load
+        self.timeout_s = timeout_s
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="cpr-prefetch")
         self._key = None
         self._future = None
@@ -45,13 +54,18 @@ class Prefetcher:
             self._key, self._future = (step, tuple(mine)), self._pool.submit(self._load, step, mine)
 
     def get(self, step: int, mine: list[int]):
+        """The microbatches ``mine`` of ``step``; raises ``DataReadTimeout`` after ``timeout_s``
+        (the read goes on, or hangs, on the pool thread: the next read waits behind it)."""
         key, future = self._key, self._future
         self._key = self._future = None
-        if key == (step, tuple(mine)):
-            return future.result()
-        if future is not None and not future.cancel():
-            future.exception()  # a wrong guess still loading: one reader of the file at a time
-        return self._load(step, mine)
+        if key != (step, tuple(mine)):
+            if future is not None:
+                future.cancel()  # a wrong guess not started yet
+            future = self._pool.submit(self._load, step, mine)
+        if not wait([future], timeout=self.timeout_s).done:
+            future.cancel()
+            raise DataReadTimeout(f"step {step}: microbatches {list(mine)} not read within {self.timeout_s}s")
+        return future.result()
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

@@ -18,6 +18,7 @@ from actors.shard_link import LinkClient, LinkClosed
 from actors.shm import ShmSlab, shm_available
 from core.plan import ShardingPlan
 from core.records import PushResult, ShardInfo
+from core.step_protocol import StepId
 
 __all__ = ["ShardClient", "ShardCallFailed", "StaleStep"]
 
@@ -154,9 +155,12 @@ class ShardClient:
         for k in range(len(self._shards)):
             self._slab(k)
 
-    def lookup(self, rows: np.ndarray, step: int | None = None, chunk: tuple[int, ...] = (), routed=None) -> np.ndarray:
+    def lookup(self, rows: np.ndarray, step: int | None = None, chunk: tuple[int, ...] = (), routed=None,
+               attempt: StepId | None = None, commit: StepId | None = None) -> np.ndarray:
         """Pooled embeddings float32 [B, F, D] of ``rows`` (int64 [B, F]); ``routed``: the
-        rows already split per shard (ShardingPlan.route), when a prefetch did it."""
+        rows already split per shard (ShardingPlan.route), when a prefetch did it. ``attempt``:
+        the try this lookup belongs to; ``commit``: the newest committed try, which every shard
+        applies before it answers (``core.step_protocol``)."""
         batch = rows.shape[0]
         refs = []
         self._connect()
@@ -176,7 +180,7 @@ class ShardClient:
             if step is None:
                 self._send(refs, "lookup_eval", *args, out=out)
             else:
-                self._send(refs, "lookup", step, chunk, *args, out=out)
+                self._send(refs, "lookup", step, chunk, *args, out=out, attempt=attempt, commit=commit)
         parts = [p if isinstance(p, np.ndarray) else self._slabs[k].view(p) for k, p in enumerate(self._gather(refs))]
         if step is None:
             return self.plan.assemble_pooled(parts)
@@ -188,17 +192,18 @@ class ShardClient:
             self._pooled = np.empty(shape, dtype=np.float32)
         return self.plan.assemble_pooled(parts, out=self._pooled)
 
-    def push_grads(self, step: int, chunk: tuple[int, ...], grad: np.ndarray) -> list[PushResult]:
+    def push_grads(self, step: int, chunk: tuple[int, ...], grad: np.ndarray,
+                   attempt: StepId | None = None) -> list[PushResult]:
         refs = []
         self._connect()
         for k in range(len(self._shards)):
             slab = self._slab(k)
             if slab is None:
-                self._send(refs, "push_grads", step, chunk, self.plan.gather_grad(grad, k))
+                self._send(refs, "push_grads", step, chunk, self.plan.gather_grad(grad, k), attempt=attempt)
                 continue
             (d_grad,) = slab.layout([((grad.shape[0], len(self.plan.shards[k]) * self.dim), np.float32)])
             self.plan.gather_grad(grad, k, out=slab.view(d_grad))
-            self._send(refs, "push_grads", step, chunk, d_grad)
+            self._send(refs, "push_grads", step, chunk, d_grad, attempt=attempt)
         return check_pushed(step, chunk, self._gather(refs))
 
 

@@ -19,7 +19,6 @@ position over the quorum.
 
 from __future__ import annotations
 
-import io
 import json
 import logging
 import os
@@ -31,20 +30,27 @@ import torch
 
 from actors.client import SupervisorClient
 from actors.trainer.collective import sum_over_trainers
-from actors.trainer.pipeline import PhaseTimer, Prefetcher
+from actors.trainer.pipeline import DataReadTimeout, PhaseTimer, Prefetcher
 from actors.trainer.shards import ShardCallFailed, ShardClient, StaleStep
+from actors.trainer.timeline import DenseTimeline
 from core.config import RunConfig
-from core.errors import StaleLease, TrainerConflict
-from core.records import CommitRecord, FleetView, Progress, ResumePoint, Rollback, SaveRequest, StepFailure
+from core.errors import StaleRequest, StaleLease, TrainerConflict
+from core.records import CommitRecord, Progress, ResumePoint, SaveRequest, StepFailure
 from core.schedule import StepSchedule
+from core.step_protocol import Decision, StepId, Vote
 
-__all__ = ["Trainer", "Attempt", "RestartFromCheckpoint"]
+__all__ = ["Trainer", "Attempt", "RestartFromCheckpoint", "HealRefused"]
 
 logger = logging.getLogger(__name__)
 
 
 class RestartFromCheckpoint(RuntimeError):
     """Raised by a trainer so that Ray Train restarts the whole group from the newest checkpoint."""
+
+
+class HealRefused(RuntimeError):
+    """torchft healed this trainer's dense model to a step the run has not committed since its
+    last rollback (a peer still on the abandoned timeline): the step fails and it rejoins."""
 
 
 @dataclass
@@ -59,11 +65,15 @@ class Attempt:
     committed: bool = False
     broken_quorum: int | None = None
     total: int = 0  # the step's microbatch count as the all-reduce summed it
+    id: StepId | None = None  # (generation, step, attempt): what its lookups, pushes and vote name
+    summed: bool = False  # the all-reduce completed here: this trainer holds the step's dense gradient
+    decision: Decision | None = None
 
 
 @dataclass
-class Trainer:
-    """A trainer process's state across steps (built by ``actors.trainer.loop``)."""
+class Trainer(DenseTimeline):
+    """A trainer process's state across steps (built by ``actors.trainer.loop``); where its
+    dense model stands between steps (a rollback, a rejoin) is ``DenseTimeline``'s."""
 
     rank: int
     cfg: RunConfig
@@ -88,6 +98,8 @@ class Trainer:
     last_participant: int | None = None
     conflicts: int = 0
     reports: int = 0
+    next_try: StepId | None = None  # this trainer's next try, as the step ledger told it
+    committed_try: StepId | None = None  # the newest committed try: its lookups tell the shards to apply it
     process: str = field(default_factory=lambda: uuid.uuid4().hex[:12])  # pids repeat across hosts
     loss_sum: float = 0.0
     loss_rows: int = 0
@@ -101,18 +113,24 @@ class Trainer:
     # ------------------------------------------------------------------ the protocol
 
     def quorum(self) -> Attempt:
-        """Joins this step's quorum; a replacement's first formed quorum decides what it does."""
+        """Joins this step's quorum; a replacement's first formed quorum decides what it does.
+        Every heal (the dense model moved to another step inside the quorum, a replacement's or
+        a live trainer's) is recorded at the supervisor, which refuses one past the steps the
+        run committed since its last rollback; then the try this trainer starts is known."""
         self.phases.start()
         if self.lease is not None:
             self.lease.hold()  # a trainer replaced meanwhile (its host cut off and back) exits here
+        before = self.manager.current_step()
         self.manager.start_quorum()
         self.manager.wait_quorum()
         self.phases.lap("quorum")
         attempt = Attempt(self.manager.current_step(), self.manager.participating_rank())
         self.optimizer.zero_grad(set_to_none=False)
         # Only a quorum that formed decides anything: one whose group failed to connect (a
-        # peer died meanwhile) left this trainer at its start step without healing it.
+        # peer died meanwhile), or whose heal failed, left this trainer at its start step
+        # without healing it: it neither computes nor pushes, and breaks the group at once (vote).
         healthy = self.manager.errored() is None
+        healed_from = before if healthy and attempt.step != before else None
         if self.first_quorum and healthy:
             self.first_quorum = False
             if self.replacement and self.resume is not None and attempt.step == self.resume.step:
@@ -122,9 +140,26 @@ class Trainer:
                                                   time.time())
             self.replacement = False
             self.audit_load(attempt.step, "heal", event="heal")
+        elif healed_from is not None:
+            self.audit_load(attempt.step, "heal", event="heal")
+        self._start_try(attempt, healed_from)
         if self.last_participant is None and attempt.participant == 0:
             self.supervisor.record_training_started(attempt.step, self.manager.num_participants(), time.time())
         return attempt
+
+    def _start_try(self, attempt: Attempt, healed_from: int | None) -> None:
+        """The try's identity: the one the last decision named, or, when this trainer did not
+        vote on the previous try (its first step, a heal, a rollback, a new fleet), the one the
+        supervisor's step ledger says, with the newest committed try."""
+        step = self.manager.current_step()  # a rollback in _decide_at_checkpoint moved it
+        known = self.next_try is not None and (self.next_try.generation, self.next_try.step) == (self.generation, step)
+        if healed_from is not None or not known:
+            start = self.supervisor.start_step(self.rank, self.generation, step, healed_from)
+            self.next_try, self.committed_try = start.step, start.committed
+            if not start.heal_allowed and attempt.error is None:
+                attempt.error = HealRefused(f"healed from step {healed_from} to {step}, which the run has not "
+                                            f"committed since its last rollback")
+        attempt.id = self.next_try
 
     def _decide_at_checkpoint(self, attempt: Attempt) -> None:
         """Nobody was ahead to heal from: every trainer died (the shards go back to the same
@@ -157,19 +192,28 @@ class Trainer:
             time.sleep(min(4.0, 0.25 * 2**self.conflicts))
 
     def compute(self, attempt: Attempt) -> None:
-        """This trainer's microbatches of the step, through the model and back to the shards."""
+        """This trainer's microbatches of the step, through the model and back to the shards.
+        Nothing is looked up or pushed on a dense model that is not the quorum's (a failed heal)."""
         participants = self.manager.num_participants()
+        if attempt.error is None and self.manager.errored() is not None:
+            attempt.error = getattr(self.manager.errored(), "original_exception", self.manager.errored())
         if attempt.participant is None or not self.manager.is_participating() or attempt.error is not None:
             return
         attempt.mine = self.schedule.assignment(attempt.step, attempt.participant, participants)
         if not attempt.mine:
             return
         step, m = attempt.step, self.schedule.microbatches_per_step
-        labels, dense, rows, routed = self.prefetch.get(step, attempt.mine)
+        try:
+            labels, dense, rows, routed = self.prefetch.get(step, attempt.mine)
+        except DataReadTimeout as err:  # the store did not answer: no shard at fault, the step is redone
+            attempt.error = err
+            return
         attempt.chunk = tuple(step * m + i for i in attempt.mine)
         self.phases.lap("data")
         try:
-            pooled = torch.from_numpy(self.shards.lookup(rows, step, attempt.chunk, routed)).requires_grad_(True)
+            looked_up = self.shards.lookup(rows, step, attempt.chunk, routed, attempt=attempt.id,
+                                           commit=self.committed_try)
+            pooled = torch.from_numpy(looked_up).requires_grad_(True)
             self.phases.lap("lookup")
             logits = self.model(torch.from_numpy(dense), pooled)
             # Scaled so that the SUM all-reduce gives the gradient of the step's mean loss over
@@ -184,46 +228,61 @@ class Trainer:
                 # (the same quorum expected): there this process mostly waits. Beside the dense
                 # compute it slowed every step down by the data loading's share of the GIL.
                 self.prefetch.ahead(step + 1, self.schedule.assignment(step + 1, attempt.participant, participants))
-            self.shards.push_grads(step, attempt.chunk, pooled.grad.numpy())
+            self.shards.push_grads(step, attempt.chunk, pooled.grad.numpy(), attempt=attempt.id)
             self.phases.lap("push")
             self.loss_sum += loss_total.item()
             self.loss_rows += len(labels)
         except ShardCallFailed as err:
             self.supervisor.report_shard_failure(err.shard, self.generation, err.reason, step)
             attempt.error = err
-        except (StaleStep, StaleLease) as err:  # no shard at fault: the step is redone
+        except (StaleStep, StaleLease, StaleRequest) as err:  # no shard at fault: the step is redone
             attempt.error = err
 
     def vote(self, attempt: Attempt) -> torch.Tensor:
         """The step's all-reduce: the dense gradient, a "failed here" flag and the microbatch
-        count, summed over the quorum's trainers. torchft's commit vote spans one replica group
-        (one trainer here); the summed flag makes the decision unanimous. The group's
-        collective is called directly, not through ``manager.allreduce``: a wait this trainer
-        walks away from must not report its late error into a later step."""
+        count, summed over the quorum's trainers; then this trainer's vote at the supervisor's
+        step ledger, whose first vote of the try decides it for every trainer (one that walked
+        away from the sum cannot contradict one that committed). The group's collective is
+        called directly, not through ``manager.allreduce``: a wait this trainer walks away from
+        must not report its late error into a later step. A trainer that cannot take part (its
+        quorum or heal failed) votes at once, naming the broken group: its peers stop waiting."""
         self.phases.start()
         extra = torch.tensor([float(attempt.error is not None), float(len(attempt.mine))])
         flat = torch.cat([p.grad.reshape(-1) for p in self.params] + [extra])
+        quorum_id = self.manager._quorum_id  # torchft 0.2 keeps the quorum id only privately
         if self.manager.errored() is None:
             if not self.manager.is_participating():
                 flat.zero_()
-            quorum_id = self.manager._quorum_id  # torchft 0.2 keeps the quorum id only privately
             failure = sum_over_trainers(self.pg, flat, lambda: self.supervisor.group_broken(quorum_id, attempt.step))
             if failure is not None:
                 self.manager.report_error(failure)
                 attempt.broken_quorum = quorum_id
+            else:
+                attempt.summed = True
+        elif self.manager.num_participants() > 1:
+            attempt.broken_quorum = quorum_id
         self.phases.lap("allreduce")
         attempt.total = int(round(flat[-1].item()))
+        ok = attempt.summed and attempt.error is None and flat[-2].item() == 0
+        if attempt.id is not None:
+            attempt.decision = self.supervisor.decide_step(Vote(attempt.id, self.rank, ok, attempt.broken_quorum))
         if attempt.error is not None:
             self.manager.report_error(attempt.error)
-        elif self.manager.errored() is None and flat[-2].item() > 0:
+        elif self.manager.errored() is None and not ok:
             attempt.error = ShardCallFailed(-1, "a peer trainer's step failed")
+            self.manager.report_error(attempt.error)
+        elif attempt.decision is not None and not attempt.decision.commit:
+            attempt.error = RuntimeError(f"{attempt.id} was decided aborted by another trainer's vote")
             self.manager.report_error(attempt.error)
         return flat
 
     def commit(self, attempt: Attempt, flat: torch.Tensor) -> bool:
-        """Steps the optimizer if every trainer of the quorum succeeded; else records the
-        failure and picks up the current fleet before the step is redone. False: stop."""
-        if self.manager.should_commit():
+        """Steps the optimizer if the try was decided committed and this trainer holds its sum;
+        else records the failure and picks up the current fleet before the step is redone, or
+        rejoins if its dense model is not at the run's committed steps (a commit it could not
+        follow, a stall, a heal past a rollback). False: stop."""
+        decision = attempt.decision
+        if self.manager.should_commit() and (decision is None or decision.commit):
             offset = 0
             for p in self.params:
                 n = p.numel()
@@ -232,12 +291,16 @@ class Trainer:
             self.optimizer.step()
             self.steps_since += 1
             attempt.committed = True
+            if decision is not None:
+                self.next_try, self.committed_try = decision.next, decision.committed
             self.supervisor.record_commit(CommitRecord(
                 attempt.step, self.rank, attempt.chunk, attempt.total, self.manager.num_participants(), time.time(),
                 self.generation, os.getpid(), self._next_report(), self.process,
             ))
             self._audit_commit(attempt)
             return True
+        if decision is not None:
+            self.next_try, self.committed_try = decision.next, decision.committed
         self.supervisor.record_step_failed(StepFailure(
             attempt.step, self.rank, time.time(), str(attempt.error or self.manager.errored()), attempt.broken_quorum,
             os.getpid(), self._next_report(), self.process,
@@ -248,10 +311,13 @@ class Trainer:
         self.next_checkpoint = fleet.next_checkpoint
         self.use_fleet(fleet)
         # Checked after a rollback too: one that stalled across it while the others redid steps
-        # from it, and died, holds the rollback's step; the shards hold theirs.
-        if (not self.replacement and fleet.committed_steps is not None
-                and self.manager.current_step() < fleet.committed_steps):
-            return self.rejoin(fleet.committed_steps)
+        # from it, and died, holds the rollback's step; the shards hold theirs. A try decided
+        # committed that this trainer could not follow (its sum abandoned) leaves it one behind.
+        committed = fleet.committed_steps
+        if decision is not None and decision.commit and committed is None:
+            committed = decision.step.step + 1
+        if not self.replacement and committed is not None and self.manager.current_step() != committed:
+            return self.rejoin(committed)
         return True
 
     def _next_report(self) -> int:
@@ -266,65 +332,6 @@ class Trainer:
                 "t": round(time.time(), 6), "event": "commit", "step": attempt.step, "rank": self.rank,
                 "quorum": self.manager._quorum_id, "microbatches": list(attempt.chunk), "total": attempt.total,
             }) + "\n")
-
-    # ------------------------------------------------------------------ around the protocol
-
-    def use_fleet(self, fleet: FleetView) -> None:
-        """A new fleet (a recovery): its shards, and after a full recovery its rollback."""
-        if fleet.generation != self.generation:
-            self.generation = fleet.generation
-            self.shards.shards = fleet.shards
-            if fleet.rollback is not None:
-                self.roll_back(fleet.rollback)
-
-    def rejoin(self, committed: int) -> bool:
-        """This trainer's dense model holds fewer steps than the others committed: it stalled
-        while they trained on without it. A peer ahead would heal it in its next quorum, but
-        if none is left (they died meanwhile) it would form a quorum alone and redo committed
-        steps on its stale dense state: the dense model silently back where it stalled, while
-        the shards skip those steps as applied. So it starts again as a replacement does: at
-        the newest checkpoint, its first quorum deciding (healed by a live peer ahead, or
-        every trainer holding the committed steps died and everything falls back to that
-        checkpoint: ``fallback_to_checkpoint``). False: the run is over."""
-        logger.warning("trainer %d holds %d steps, %d are committed: it rejoins as a replacement",
-                       self.rank, self.manager.current_step(), committed)
-        setup = self.supervisor.trainer_setup(self.rank)
-        if setup.finished:
-            return False
-        start = setup.resume or ResumePoint(0, None)
-        self.use_fleet(FleetView(setup.generation, setup.shards))
-        self.roll_back(Rollback(setup.generation, start.step, start.dense), why="rejoin")
-        self.resume, self.replacement, self.first_quorum = start, True, True
-        self.started_s = time.perf_counter()
-        return True
-
-    def roll_back(self, rollback: Rollback, why: str = "rollback") -> None:
-        """A full recovery's rollback: the checkpoint's dense state (step 0's without one) and step."""
-        if rollback.dense is not None:
-            self.load_dense(rollback.dense)
-        else:
-            self.model.load_state_dict(self.initial_state["model"])
-            self.optimizer.load_state_dict(self.initial_state["optim"])
-        m = self.schedule.microbatches_per_step
-        self.manager.load_state_dict({"step": rollback.step, "batches_committed": rollback.step * m})
-        self.audit_load(rollback.step, why)
-
-    def audit_load(self, step: int, why: str, event: str = "load") -> None:
-        """The dense state is now that of ``step`` committed steps: a resume or a rollback (a
-        "load"), or a replacement healed from a live peer (a "heal", which redoes nothing)."""
-        if self.audit is not None:
-            self.audit.write(json.dumps({"t": round(time.time(), 6), "event": event, "step": step, "rank": self.rank,
-                                         "why": why}) + "\n")
-
-    def load_dense(self, blob: bytes) -> None:
-        sd = torch.load(io.BytesIO(blob), weights_only=True)
-        self.model.load_state_dict(sd["model"])
-        self.optimizer.load_state_dict(sd["optim"])
-
-    def dense_blob(self) -> bytes:
-        buf = io.BytesIO()
-        torch.save({"model": self.model.state_dict(), "optim": self.optimizer.state_dict()}, buf)
-        return buf.getvalue()
 
     def save_and_report(self, attempt: Attempt) -> None:
         """After the step: the save, if one is due (the saving trainer is the quorum's first

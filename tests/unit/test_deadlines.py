@@ -158,3 +158,42 @@ def test_every_wait_inside_a_shard_call_is_shorter_than_what_its_caller_waits(t)
     # with room for a call queued behind another's waits under the lock.
     assert d.lock_wait_s + d.mirror_feed_s < d.shard_call_s
     assert d.written_s < d.shard_call_s and d.mirror_feed_s < d.shard_call_s
+
+
+@pytest.mark.parametrize("t, c", [(0.05, 0.05), (2.0, 60.0), (60.0, 60.0), (60.0, 1.0), (3600.0, 3600.0)])
+def test_every_wait_of_a_step_is_shorter_than_its_peers_wait_for_it(t, c):
+    """Whatever embeddings.call_timeout_s (T) and training.collective_timeout_s (C) are: they
+    need no relation to each other, each trainer's wait nests inside its peers' wait for it."""
+    d = Deadlines(shard_call_s=t, collective_s=c)
+    for inner, inner_s, outer, outer_s in d.step_nesting():
+        assert 0 < inner_s < outer_s, (inner, inner_s, outer, outer_s)
+
+
+def test_a_peer_waits_for_the_next_quorum_longer_than_the_saving_trainer_saves(monkeypatch):
+    """Item 5: the saving trainer (the quorum's first participant) asks which save is due and
+    saves after its commit, up to 7 T as its client waits (the previous save's drain, 2 T,
+    among it), while its peer waited for the next quorum only the collective timeout (60 s,
+    no retries): with two trainers the lighthouse forms no quorum without the saving one, so a
+    background write over ~60 s restarted the peer. Read from the real values: the Manager's
+    quorum_timeout as the trainer builds it, against the timeouts its client passes."""
+    import ray
+    import torchft
+    import torchft.checkpointing.pg_transport as pg_transport
+
+    import actors.gloo
+    import actors.trainer.loop as loop
+    from core.config import config_from_dict
+
+    built = {}
+    monkeypatch.setattr(torchft, "Manager", lambda **kwargs: built.update(kwargs))
+    monkeypatch.setattr(pg_transport, "PGTransport", lambda *args, **kwargs: None)
+    monkeypatch.setattr(actors.gloo, "ReconfigurableGloo", lambda *args: None)
+    monkeypatch.setattr(loop, "use_node_interface", lambda: None)
+    monkeypatch.setattr(ray.util, "get_node_ip_address", lambda: "127.0.0.1")
+    monkeypatch.setenv("TORCHFT_LIGHTHOUSE", "http://127.0.0.1:29510")
+    cfg = config_from_dict({"data": {"train": ["t.tsv"], "eval": ["e.tsv"]}})
+    loop._make_manager(0, cfg, None, None, {"lighthouse_host": "127.0.0.1"})
+    quorum_s = built["quorum_timeout"].total_seconds()
+    seen = caller_timeouts(Deadlines.of(cfg))
+    assert quorum_s > seen["checkpoint_due"] + seen["save_checkpoint"], (quorum_s, seen["save_checkpoint"])
+    assert quorum_s > cfg.training.collective_timeout_s  # and a peer merely slow to join, as before

@@ -17,6 +17,7 @@ from actors.supervisor.events import EventLog
 from actors.supervisor.hooks import HookList
 from actors.trainer.step import Trainer
 from core.records import FleetView, ResumePoint, TrainerSetup
+from core.step_protocol import StepId, StepStart
 from policies import BudgetLimits, FailurePolicy
 
 
@@ -76,6 +77,9 @@ class Supervisor:
 
     def record_trainer_healed(self, rank, step, heal_s, at):
         self.calls.append(("healed", step))
+
+    def start_step(self, rank, generation, step, healed_from):
+        return StepStart(StepId(generation, step, 0), None)
 
     def record_training_started(self, step, participants, at):
         pass

@@ -25,6 +25,7 @@ from actors.supervisor.save_failures import FailedSaves
 from core.books import SaveFailures
 from core.checkpoint import CheckpointStore, DataPosition, ShardRows, write_shard_file
 from core.config import config_from_dict
+from core.deadlines import Deadlines
 from core.journal import Journal, flat_view
 from core.records import SaveRequest, Snapshot, WrittenPart
 from policies import BudgetLimits, FailurePolicy, OnlineCostModel
@@ -269,6 +270,34 @@ def test_a_save_that_hangs_is_abandoned_once_and_training_is_not_held_by_it(tmp_
     first.thread.join(10)
     assert not [e for e in events if e["kind"] == "checkpoint_saved"], "an abandoned save never commits"
     assert c.save(SaveRequest(c.next_due(), b"dense"), shards, "r", POSITION).saved  # the storage answers again
+
+
+def test_a_save_answers_within_its_deadline_while_the_timeline_is_held(tmp_path, no_ray, monkeypatch):
+    # Before, the save waited for the timeline lock with no deadline: a count of lost samples
+    # reading a chain's files (or a rollback's fencing) held it, the saving trainer's call ran
+    # past what it waits (5 T), and its peers waited in the next quorum as long.
+    real = config_from_dict
+    monkeypatch.setattr(sys.modules[__name__], "config_from_dict",
+                        lambda d: real({**d, "embeddings": {"call_timeout_s": 0.25}}))
+    storage, run, events = Storage(), Run(), []
+    c, shards = _coordinator(tmp_path, storage, run, lambda kind, **f: events.append({"kind": kind, **f}))
+    held, release = threading.Event(), threading.Event()
+
+    def hold():
+        with c.timeline():
+            held.set()
+            release.wait(30)
+
+    threading.Thread(target=hold, daemon=True).start()
+    assert held.wait(5)
+    t0 = time.monotonic()
+    out = c.save(SaveRequest(EVERY, b"dense"), shards, "r", POSITION)
+    assert time.monotonic() - t0 < Deadlines(0.25).inner_s("save_checkpoint")
+    assert not out.saved and out.next_step == EVERY == c.next_due(), "still due: asked again at the next step"
+    assert events == [], "not a failed save"
+    release.set()
+    assert c.save(SaveRequest(EVERY + 1, b"dense"), shards, "r", POSITION).saved
+    c.drain()
 
 
 def test_a_trainer_book_that_cannot_be_written_fails_the_run_with_its_reason(tmp_path):
