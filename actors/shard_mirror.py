@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 
 import numpy as np
 import ray
@@ -41,10 +42,12 @@ class MirrorMissed(RuntimeError):
 
 class MirrorFeed:
     """The primary's end: sends each complete step to the mirror and waits ``timeout_s`` (the
-    primary's ``Deadlines.mirror_feed_s``) for its receipt."""
+    primary's ``Deadlines.mirror_feed_s``) for its receipt. ``may_act``: whether the primary
+    still holds its place (its lease); a primary cut off from the cluster kills no mirror, which
+    may be its successor by now."""
 
-    def __init__(self, handle, name: str, timeout_s: float):
-        self.handle, self.name, self.timeout_s = handle, name, timeout_s
+    def __init__(self, handle, name: str, timeout_s: float, may_act: Callable[[], bool] = lambda: True):
+        self.handle, self.name, self.timeout_s, self.may_act = handle, name, timeout_s, may_act
 
     def send(self, step: int, lengths: np.ndarray, indices: np.ndarray, grad: np.ndarray) -> bool:
         """True once the mirror holds step ``step``'s inputs; False (and the mirror killed) if it
@@ -58,11 +61,17 @@ class MirrorFeed:
             return False
         return True
 
-    def kill(self) -> None:
+    def kill(self) -> bool:
+        """Kills the mirror, only while this primary holds its place (``may_act``; a fenced one
+        raises there and exits). False: not killed."""
+        if not self.may_act():
+            logger.warning("mirror %s not killed: this primary could not confirm its place", self.name)
+            return False
         try:
             ray.kill(self.handle, no_restart=True)
         except (ValueError, ray.exceptions.RayError):
             pass
+        return True
 
 
 class _MirrorOf:
@@ -105,7 +114,7 @@ class MirrorRole:
             refs = [handle.sync_base.remote(self.shard_id, applied, weights, states)]
             if self._complete is not None:
                 refs.append(handle.replicate.remote(self._complete, *merge_chunks(self._pending.ordered(self._complete))))
-            self._feed = feed = MirrorFeed(handle, name, self.deadlines.mirror_feed_s)
+            self._feed = feed = MirrorFeed(handle, name, self.deadlines.mirror_feed_s, self._may_act)
             hold_s = time.perf_counter() - t0
         try:
             ray.get(refs, timeout=timeout_s)

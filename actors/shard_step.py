@@ -170,6 +170,11 @@ class ShardSteps:
         two terms and never past ``deadline``; True without a lease."""
         return self._lease is None or self._lease.hold(timeout_s=deadline.remaining(2 * self._lease.term_s))
 
+    def _may_act(self) -> bool:
+        """Whether this shard may act on the cluster now (kill its mirror): its lease confirmed
+        within the lock's wait."""
+        return self._hold_lease(Deadline(self.deadlines.lock_wait_s))
+
     def _check_act(self, act: str) -> None:
         """The act just done under ``_hold_lease`` ended while the lease held; else it may have
         overlapped a successor's, and the process is fenced: it exits (``Lease.check_act``)."""

@@ -21,7 +21,7 @@ from verify.kills import (check_damage_unused, check_hosts, check_kills, counts_
 from verify.leftovers import leftovers
 from verify.lost import STORE_MANIFEST, DataCache, check_replicas, recount_lost
 from verify.store import Store
-from verify.timeline import torn_lines, walk_dense, walk_shard
+from verify.timeline import applies_committed, torn_lines, walk_dense, walk_shard
 
 __all__ = ["Verdict", "verify_run"]
 
@@ -107,6 +107,7 @@ def verify_run(run_dir: str | Path, wait_s: float = 10.0) -> Verdict:
     if not run.trainers:
         v.append("no trainer audit log (is audit_log on?)")
     v += walk_dense(run.trainers, run.m, total, killed)
+    v += applies_committed(run.shards, run.trainers)
     store = Store(_checkpoint_uri(run))
     lost = _check_lost(run, report, spans, store, cache, schedule, v)
     v += check_replicas(run.shards, report)

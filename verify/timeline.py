@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from verify.files import AuditFile
 
-__all__ = ["LostSpanSeen", "walk_shard", "walk_dense", "torn_lines"]
+__all__ = ["LostSpanSeen", "applies_committed", "walk_shard", "walk_dense", "torn_lines"]
 
 
 @dataclass
@@ -175,6 +175,29 @@ def _share_of_killed(step: int, commits: list[dict], trainers: list[AuditFile], 
         if held == step:
             return True
     return False
+
+
+def applies_committed(shards: dict[int, list[AuditFile]], trainers: list[AuditFile]) -> list[str]:
+    """A shard applies a step only on a commit of its try: every apply that names its try
+    (generation, attempt) names one the trainers committed, wherever they committed that step
+    at all (a try is one decision for every trainer; a step redone after a rollback commits
+    again in another try, and any of its committed tries may be the one applied)."""
+    committed: dict[int, set[tuple[int, int]]] = {}
+    for f in trainers:
+        for r in f.records:
+            if r.get("event") == "commit" and r.get("try") is not None:
+                g, step, attempt = r["try"]
+                committed.setdefault(step, set()).add((g, attempt))
+    v = []
+    for k, files in sorted(shards.items()):
+        for f in files:
+            for r in f.records:
+                if r.get("event") != "apply" or r.get("try") is None or r["step"] not in committed:
+                    continue
+                if tuple(r["try"]) not in committed[r["step"]]:
+                    v.append(f"shard {k} applied step {r['step']} of try {tuple(r['try'])}, which no trainer committed "
+                             f"(committed: {sorted(committed[r['step']])})")
+    return v
 
 
 def torn_lines(files: list[AuditFile], killed: set[int]) -> list[str]:

@@ -331,6 +331,7 @@ class Trainer(DenseTimeline):
             self.audit.write(json.dumps({
                 "t": round(time.time(), 6), "event": "commit", "step": attempt.step, "rank": self.rank,
                 "quorum": self.manager._quorum_id, "microbatches": list(attempt.chunk), "total": attempt.total,
+                "try": [attempt.id.generation, attempt.id.step, attempt.id.attempt] if attempt.id else None,
             }) + "\n")
 
     def save_and_report(self, attempt: Attempt) -> None:

@@ -302,3 +302,14 @@ def test_an_apply_within_its_lease_is_recorded_with_the_moment_it_ended(tmp_path
     _step(shard, 1)
     applies = [r for r in _audit(tmp_path) if r["event"] == "apply"]
     assert [(r["step"], r["t"]) for r in applies] == [(0, 1000.0)]
+
+
+def test_a_primary_that_cannot_confirm_its_place_kills_no_mirror(monkeypatch):
+    """A primary cut off from the cluster, whose mirror was promoted meanwhile, came back and
+    timed out feeding it: before, it killed the mirror, which was the shard by then."""
+    from actors.shard_mirror import MirrorFeed
+
+    killed = []
+    monkeypatch.setattr(ray, "kill", lambda handle, no_restart=True: killed.append(handle))
+    assert not MirrorFeed("mirror", "m", 1.0, may_act=lambda: False).kill() and killed == []
+    assert MirrorFeed("mirror", "m", 1.0, may_act=lambda: True).kill() and killed == ["mirror"]

@@ -318,3 +318,18 @@ def test_books_that_contradict_what_the_processes_confirmed_are_a_finding():
               {"kind": "books_corrected", "finding": "contradiction", "subject": "mirror:1", "detail": "broken"}]
     assert _contradictions({"events": events}) == [
         "the supervisor's books contradicted what the processes confirmed (mirror:1): broken"]
+
+
+def test_a_shard_applying_a_try_no_trainer_committed_is_a_violation():
+    """Step 3's first try was abandoned and its second committed: a shard that applied the
+    first (its gradients were all there when the next request came) broke the protocol."""
+    from verify.timeline import applies_committed
+
+    trainer = AuditFile(Path("trainer-0-10.jsonl"), "trainer", 0, 0)
+    trainer.records = [{"t": 1.0, "event": "commit", "step": 3, "try": [2, 3, 1], "_line": 1}]
+    shard = shard_file(2, applies([3], 2.0))
+    shard.records[-1]["try"] = [2, 1]
+    assert applies_committed({0: [shard]}, [trainer]) == []
+    shard.records[-1]["try"] = [2, 0]
+    [v] = applies_committed({0: [shard]}, [trainer])
+    assert "shard 0 applied step 3 of try (2, 0), which no trainer committed" in v
