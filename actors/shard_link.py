@@ -154,7 +154,8 @@ class LinkClient:
     a request, then ``receive`` its reply; any failure closes the link for good (a late
     reply must never be read as the next call's)."""
 
-    def __init__(self, address: str, connect_timeout_s: float = 2.0):
+    def __init__(self, address: str, connect_timeout_s: float = 2.0, send_timeout_s: float = 60.0):
+        self._send_timeout_s = send_timeout_s  # the caller's wait for the whole call (T): a send never waits longer
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._sock.settimeout(connect_timeout_s)
         try:
@@ -166,7 +167,7 @@ class LinkClient:
 
     def send(self, name: str, *args, **kwargs) -> None:
         try:
-            self._sock.settimeout(None)
+            self._sock.settimeout(self._send_timeout_s)
             _send(self._sock, pickle.dumps((name, args, kwargs), protocol=pickle.HIGHEST_PROTOCOL))
         except OSError as err:
             self.close()

@@ -49,11 +49,12 @@ class MirrorFeed:
     def __init__(self, handle, name: str, timeout_s: float, may_act: Callable[[], bool] = lambda: True):
         self.handle, self.name, self.timeout_s, self.may_act = handle, name, timeout_s, may_act
 
-    def send(self, step: int, lengths: np.ndarray, indices: np.ndarray, grad: np.ndarray) -> bool:
-        """True once the mirror holds step ``step``'s inputs; False (and the mirror killed) if it
-        did not take them in time."""
+    def send(self, step: int, lengths: np.ndarray, indices: np.ndarray, grad: np.ndarray,
+             try_: tuple[int, int] | None = None) -> bool:
+        """True once the mirror holds step ``step``'s inputs (of try ``try_``); False (and the
+        mirror killed) if it did not take them in time."""
         try:
-            ray.get(self.handle.replicate.remote(step, lengths, indices, grad), timeout=self.timeout_s)
+            ray.get(self.handle.replicate.remote(step, lengths, indices, grad, try_), timeout=self.timeout_s)
         except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError, MirrorMissed) as err:
             logger.warning("mirror %s did not take step %d (%s): killing it; the step is redone without it",
                            self.name, step, type(err).__name__)
@@ -113,7 +114,8 @@ class MirrorRole:
             # Submitted under the lock, so they reach the mirror before any step sent later.
             refs = [handle.sync_base.remote(self.shard_id, applied, weights, states)]
             if self._complete is not None:
-                refs.append(handle.replicate.remote(self._complete, *merge_chunks(self._pending.ordered(self._complete))))
+                refs.append(handle.replicate.remote(self._complete, *merge_chunks(self._pending.ordered(self._complete)),
+                                                    self._pending.try_of(self._complete)))
             self._feed = feed = MirrorFeed(handle, name, self.deadlines.mirror_feed_s, self._may_act)
             hold_s = time.perf_counter() - t0
         try:
@@ -132,7 +134,7 @@ class MirrorRole:
         if self._feed is None:
             return True
         t0 = time.perf_counter()
-        if self._feed.send(step, *merge_chunks(self._pending.ordered(step))):
+        if self._feed.send(step, *merge_chunks(self._pending.ordered(step)), self._pending.try_of(step)):
             self.mirror_steps += 1
             self.mirror_send_s += time.perf_counter() - t0
             return True
@@ -176,10 +178,12 @@ class MirrorRole:
             self.applied_step = applied_step
             m.based, m.broken = True, None
 
-    def replicate(self, step: int, lengths: np.ndarray, indices: np.ndarray, grad: np.ndarray) -> None:
-        """Step ``step``'s inputs, complete on the primary. The steps it holds before ``step``
-        are committed: the mirror's thread applies them after this answer. Step ``step`` again
-        (redone after a failure) replaces its inputs. A gap breaks the mirror for good."""
+    def replicate(self, step: int, lengths: np.ndarray, indices: np.ndarray, grad: np.ndarray,
+                  try_: tuple[int, int] | None = None) -> None:
+        """Step ``step``'s inputs, complete on the primary in try ``try_`` (its audit log names
+        it). The steps it holds before ``step`` are committed: the mirror's thread applies them
+        after this answer. Step ``step`` again (redone after a failure) replaces its inputs. A
+        gap breaks the mirror for good."""
         with self._lock:
             m = self._mirror
             if m is None or not m.based or m.broken:
@@ -189,7 +193,7 @@ class MirrorRole:
                 m.broken = f"got step {step} after step {last} (applied {self.applied_step})"
                 raise MirrorMissed(f"{self.spare}: {m.broken}")
             microbatches = tuple(range(step * self.microbatches_per_step, (step + 1) * self.microbatches_per_step))
-            self._pending.add(step, microbatches, np.asarray(lengths), np.asarray(indices))
+            self._pending.add(step, microbatches, np.asarray(lengths), np.asarray(indices), try_=try_)
             self._pending.chunk(step, microbatches).grad = np.asarray(grad)
             if len(self._pending.steps()) > 1:
                 m.work.set()  # a step is never applied on this (the primary's) call

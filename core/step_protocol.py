@@ -118,10 +118,14 @@ class StepLedger:
         return StepStart(StepId(generation, step, attempt), self.committed, allowed)
 
     def rolled_back(self, step: int) -> None:
-        """Everything went back to ``step`` committed steps: later tries belong to an abandoned
-        timeline, and nothing is pending on the reloaded shards."""
-        self._tries = {k: t for k, t in self._tries.items() if k[1] < step}
-        self._next = {k: n for k, n in self._next.items() if k[1] < step}
+        """Everything went back to ``step`` committed steps: the tries of later steps belong to an
+        abandoned timeline. They stay, decided aborted (a vote of one still on its way gets
+        "abort", not a fresh decision on the new timeline), and their attempt counters stay, so a
+        new try of such a step never reuses an abandoned one's identity. Nothing is pending on
+        the reloaded shards: no committed try is named to them."""
+        for (_, st), tries in self._tries.items():
+            if st >= step:
+                tries.update(dict.fromkeys(tries, False))
         self.committed = None
         self._steps = step
 

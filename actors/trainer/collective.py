@@ -51,7 +51,12 @@ def sum_over_trainers(pg, flat, group_broken: Callable[[], bool]) -> Exception |
     finished = threading.Event()
     fut.add_done_callback(lambda _: finished.set())
     while not finished.wait(_GROUP_CHECK_S):
-        if group_broken():
+        try:
+            broken = group_broken()
+        except Exception as err:  # noqa: BLE001 - the supervisor restarting: gloo's own timeout still bounds the wait
+            logger.warning("could not ask whether the group broke (%r); still waiting for the sum", err)
+            broken = False
+        if broken:
             return GroupBroken("another trainer's all-reduce of this step failed; stopped waiting for this one")
     try:
         fut.value()

@@ -82,7 +82,7 @@ class ShardClient:
             self._links[k] = None
             if local and info.link:
                 try:
-                    self._links[k] = LinkClient(info.link)
+                    self._links[k] = LinkClient(info.link, send_timeout_s=self.timeout_s)
                 except OSError:
                     pass  # the shard's calls go through Ray
         return self._slabs[k]

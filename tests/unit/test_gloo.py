@@ -128,6 +128,23 @@ def test_a_slow_peer_is_waited_for_while_the_group_is_whole(store):
     assert "sum [2.0, 2.0]" in out
 
 
+def test_a_question_that_fails_does_not_end_the_wait(store):
+    # The supervisor restarting while a trainer waits for a slow peer: before, the question's
+    # error escaped the vote and ended the trainer.
+    peer = _peer(f"127.0.0.1:{store.port}/q6", delay=0.5)
+    pg = ReconfigurableGloo(COLLECTIVE, CONNECT)
+    pg.configure(f"127.0.0.1:{store.port}/q6", "me", 0, 2)
+
+    def unreachable():
+        raise TimeoutError("supervisor restarting")
+
+    x = torch.ones(2)
+    assert sum_over_trainers(pg, x, unreachable) is None
+    assert x.tolist() == [2.0, 2.0]
+    out, _ = peer.communicate(timeout=30)
+    assert "sum [2.0, 2.0]" in out
+
+
 def test_a_dead_peer_fails_the_sum_at_once(store):
     peer = _peer(f"127.0.0.1:{store.port}/q6", delay=-1)
     pg = ReconfigurableGloo(COLLECTIVE, CONNECT)

@@ -95,3 +95,16 @@ def test_a_heal_is_recorded_whether_a_replacement_or_a_live_trainer_healed(tmp_p
     assert not book.start_step(1, G, 5, healed_from=0).heal_allowed
     assert [(e["from_step"], e["step"], e["allowed"]) for e in book._events.recent("dense_healed")] == [
         (0, 1, True), (0, 5, False)]
+
+
+def test_a_rollback_keeps_the_abandoned_tries_aborted_and_never_reuses_their_identity():
+    """Every trainer restarted at the checkpoint where the shards stand (no new generation): a
+    late vote of the abandoned timeline's try is aborted, and the new try of that step gets
+    another attempt number, so no shard or vote mistakes one for the other."""
+    ledger = StepLedger(committed_steps=20)
+    assert ledger.vote(Vote(_try(20), 0, True))[0].commit
+    ledger.rolled_back(20)
+    late, new = ledger.vote(Vote(_try(20), 1, True))
+    assert not late.commit and not new and not late.rejoin
+    assert ledger.start(G, 20).step == _try(20, 1)
+    assert ledger.committed_steps() == 20
