@@ -77,6 +77,7 @@ class StepLedger:
         self._tries: dict[tuple[int, int], dict[int, bool]] = {}  # (generation, step) -> attempt -> commit
         self._next: dict[tuple[int, int], int] = {}  # (generation, step) -> the next attempt
         self.committed: StepId | None = None  # the newest committed try
+        self._floor: tuple[int, int, int] | None = None  # the last rollback: (generation, step, first new attempt)
         # Steps the run holds committed (its dense state and the shards): None until known
         # (a new attempt of the run learns it from its first commit).
         self._steps = committed_steps
@@ -96,11 +97,12 @@ class StepLedger:
         new = s.attempt not in tries
         if new:
             # A step commits once, at the run's committed steps: never a step committed already
-            # (a stalled trainer's redo) nor one past them (a dense model healed past a rollback).
-            tries[s.attempt] = v.ok and (self._steps is None or s.step == self._steps)
+            # (a stalled trainer's redo) nor one past them (a dense model healed past a rollback),
+            # nor a try that began before the last rollback (its first vote came late).
+            tries[s.attempt] = v.ok and (self._steps is None or s.step == self._steps) and not self._abandoned(s)
             self._next[key] = max(self._next.get(key, 0), s.attempt + 1)
             if tries[s.attempt]:
-                self.committed = max(self.committed, s) if self.committed is not None else s
+                self.committed = s  # always the newest: a commit lands at the run's committed steps
                 self._steps = s.step + 1
             self._forget(s.step)
         commit = tries[s.attempt]
@@ -117,17 +119,30 @@ class StepLedger:
         allowed = not healed or self._steps is None or step <= self._steps
         return StepStart(StepId(generation, step, attempt), self.committed, allowed)
 
-    def rolled_back(self, step: int) -> None:
-        """Everything went back to ``step`` committed steps: the tries of later steps belong to an
-        abandoned timeline. They stay, decided aborted (a vote of one still on its way gets
-        "abort", not a fresh decision on the new timeline), and their attempt counters stay, so a
-        new try of such a step never reuses an abandoned one's identity. Nothing is pending on
-        the reloaded shards: no committed try is named to them."""
+    def rolled_back(self, step: int, generation: int | None = None) -> None:
+        """Everything went back to ``step`` committed steps; the trainers start again in fleet
+        ``generation``. The tries of later steps belong to an abandoned timeline: those decided
+        stay, aborted (a vote of one still on its way gets "abort", not a fresh decision on the
+        new timeline), a first vote of one from before the rollback aborts it, and a new try of
+        ``step`` gets an attempt number none of them had. Nothing is pending on the reloaded
+        shards: no committed try is named to them."""
         for (_, st), tries in self._tries.items():
             if st >= step:
                 tries.update(dict.fromkeys(tries, False))
+        if generation is not None:
+            key = (generation, step)
+            self._next[key] = self._next.get(key, 0) + 1
+            self._floor = (generation, step, self._next[key])
         self.committed = None
         self._steps = step
+
+    def _abandoned(self, s: StepId) -> bool:
+        """Whether try ``s`` began before the last rollback: of an older generation, or of the
+        rollback's own generation with an attempt handed out before it."""
+        if self._floor is None or s.step < self._floor[1]:
+            return False
+        generation, _, first = self._floor
+        return s.generation < generation or (s.generation == generation and s.attempt < first)
 
     def _forget(self, newest: int) -> None:
         for key in [k for k in self._tries if k[1] < newest - _KEPT_STEPS]:

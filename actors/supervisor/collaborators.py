@@ -30,7 +30,7 @@ class Collaborators:
     fleet: object  # watch(k, generation, handle), find(k, gen), spawn(k, gen, taken), ready(handles), kill(handle)
     ledger: FailureLedger
     spares: object  # candidate(avoid), take(names), wake()
-    prune_commits: Callable[[int], None]
+    prune_commits: Callable[[int, int], None]  # (step, the generation the trainers start again in)
     observe: object  # SharedCosts: observe_failure, observe_reschedule, observe_load
     decide: Callable[[], RecoveryDecision]
     host_down_since: Callable[[str | None], float | None]

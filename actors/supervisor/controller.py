@@ -198,7 +198,7 @@ class RecoveryController:
             # redone is the fallback's own (all_trainers_failed.steps_lost).
             self._p.ledger.close_from(earlier, done.step)
         self.served.first_steps = [done.step] * self.n
-        self._p.prune_commits(done.step)
+        self._p.prune_commits(done.step, self.generation)
         dense_follows = done.why == FULL_RECOVERY or done.refused_from is not None
         self.rollback = Rollback(self.generation, done.step) if dense_follows else None
         if done.why == RESUME:
@@ -225,7 +225,7 @@ class RecoveryController:
             # Commits from ``step`` on died with their trainers (the shards never applied them):
             # left in the book, they would make every trainer that fails a step below them look
             # left behind (``Trainer.rejoin``), a needless fallback.
-            self._p.prune_commits(step)
+            self._p.prune_commits(step, self.generation)
             self._persist()
         self._p.ledger.count_later(recount)
 

@@ -89,7 +89,7 @@ class StepRecords:
         self._folds: dict[tuple, KillFold] = {}  # per trainer kill: its part of the steps folded
         self._seen = _Seen(4 * num_trainers + 16)
         self._records = 0  # records in the book file: where a rollback's prune applies on a replay
-        self.prunes: list[tuple[int, int]] = []  # (step, records before it) of every rollback
+        self.prunes: list[tuple] = []  # (step, records before it, generation) of every rollback
         self._begin_window()
 
     def _begin_window(self) -> None:
@@ -145,12 +145,20 @@ class StepRecords:
     def decide(self, v: Vote) -> Decision:
         """The decision of ``v``'s try (``core.step_protocol``): the first vote of a try decides it
         and is written to the book before anyone hears it, so a supervisor restart keeps it."""
+        steps = self.ledger.committed_steps()
         decision, new = self.ledger.vote(v)
-        if v.broken_quorum is not None:
-            self._broken.setdefault(v.step.step, set()).add(v.broken_quorum)
+        self._mark_broken(v, steps)
         if new or v.broken_quorum is not None:
             self._append({"kind": "decision", **encode(v)})
         return decision
+
+    def _mark_broken(self, v: Vote, steps: int | None) -> None:
+        """``v``'s quorum broke: its peers waiting in the all-reduce of that step walk away. A
+        trainer whose heal failed votes at its own (un-healed) step; its peers wait at the run's
+        committed steps (``steps``, as the ledger stood before this vote): both are marked."""
+        if v.broken_quorum is not None:
+            for step in {v.step.step, steps} - {None}:
+                self._broken.setdefault(step, set()).add(v.broken_quorum)
 
     def start_step(self, generation: int, step: int, healed: bool) -> StepStart:
         return self.ledger.start(generation, step, healed)
@@ -161,15 +169,16 @@ class StepRecords:
     def broken(self, quorum: int, step: int) -> bool:
         return quorum in self._broken.get(step, ())
 
-    def prune(self, step: int) -> None:
-        """Everything went back to ``step``: this attempt's commits from there on belong to an
-        abandoned timeline. Journaled with the rollback (where in the book it applies)."""
-        self._prune(step)
-        self.prunes.append((step, self._records))
+    def prune(self, step: int, generation: int | None = None) -> None:
+        """Everything went back to ``step`` (the trainers start again in fleet ``generation``):
+        this attempt's commits from there on belong to an abandoned timeline. Journaled with the
+        rollback (where in the book it applies)."""
+        self._prune(step, generation)
+        self.prunes.append((step, self._records, generation))
 
-    def _prune(self, step: int) -> None:
+    def _prune(self, step: int, generation: int | None = None) -> None:
         self._window = {s: c for s, c in self._window.items() if s < step}
-        self.ledger.rolled_back(step)
+        self.ledger.rolled_back(step, generation)
         self._newest = max(self._window, default=None)
         self._tallies[-1].cut(step)
         for fold in self._folds.values():
@@ -292,10 +301,10 @@ class StepRecords:
         pending, n = sorted(prunes, key=lambda p: p[1]), 0
         for n, record in enumerate(book, 1):
             while pending and pending[0][1] <= n - 1:
-                self._prune(pending.pop(0)[0])
+                self._prune(*_step_and_generation(pending.pop(0)))
             self._replay(dict(record))
-        for step, _ in pending:
-            self._prune(step)
+        for prune in pending:
+            self._prune(*_step_and_generation(prune))
         self._records, self.prunes = n, list(prunes)
         if history_only:
             self._redos, self._broken = {}, {}
@@ -314,11 +323,17 @@ class StepRecords:
                 self._add_failure(f)
         elif kind == "decision":
             v = decode(Vote, record)
+            steps = self.ledger.committed_steps()
             self.ledger.vote(v)
-            if v.broken_quorum is not None:
-                self._broken.setdefault(v.step.step, set()).add(v.broken_quorum)
+            self._mark_broken(v, steps)
         elif kind == "pruned":  # the books of an earlier version wrote prunes here
             self._prune(record["step"])
+
+
+def _step_and_generation(prune: tuple) -> tuple[int, int | None]:
+    """A journaled prune: (step, records before it[, generation]) (books before the step ledger
+    have no generation)."""
+    return prune[0], prune[2] if len(prune) > 2 else None
 
 
 def _absorb_commit(fold: KillFold, kill: KillRecord, end: float, step: int, c: _Commit, n: int | None = None) -> None:
@@ -366,7 +381,7 @@ def read_commits(book: Iterable[dict], prunes: Sequence[tuple[int, int]] = ()) -
             commits[(attempt, record["step"])] = StepCommit(
                 mbs, c.total if c else record["total"], c.participants if c else record["participants"],
                 c.time if c else record["time"])
-    for step, _ in pending:
+    for step, *_ in pending:
         commits = {k: c for k, c in commits.items() if k[0] != attempt or k[1] < step}
     out = {s: dataclasses.replace(c, microbatches=tuple(sorted(c.microbatches)))
            for (_, s), c in sorted(commits.items())}

@@ -203,11 +203,12 @@ class TrainerBook:
         with self._lock:
             return self._steps.broken(quorum, step)
 
-    def prune(self, step: int) -> None:
-        """Everything went back to ``step``: this attempt's commits from there on belong to an
-        abandoned timeline. Part of a rollback's transition: journaled with it."""
+    def prune(self, step: int, generation: int | None = None) -> None:
+        """Everything went back to ``step`` (the trainers start again in fleet ``generation``):
+        this attempt's commits from there on belong to an abandoned timeline. Part of a
+        rollback's transition: journaled with it."""
         with self._lock:
-            self._steps.prune(step)
+            self._steps.prune(step, generation)
 
     # ------------------------------------------------------------------ progress
 
@@ -293,8 +294,11 @@ class TrainerBook:
         return steps if steps is not None else None if last is None else last + 1
 
     def committed_since(self, step: int) -> bool:
+        """Whether a step from ``step`` on was committed: by the step ledger (decided before any
+        trainer reports it) or by a commit report."""
         with self._lock:
-            return self._steps.committed_since(step)
+            steps = self._steps.ledger.committed_steps()
+            return (steps is not None and steps > step) or self._steps.committed_since(step)
 
     def nodes(self) -> set:
         with self._lock:

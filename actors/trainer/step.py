@@ -99,6 +99,7 @@ class Trainer(DenseTimeline):
     conflicts: int = 0
     reports: int = 0
     next_try: StepId | None = None  # this trainer's next try, as the step ledger told it
+    try_quorum: int | None = None  # the quorum in which it was told
     committed_try: StepId | None = None  # the newest committed try: its lookups tell the shards to apply it
     process: str = field(default_factory=lambda: uuid.uuid4().hex[:12])  # pids repeat across hosts
     loss_sum: float = 0.0
@@ -135,27 +136,30 @@ class Trainer(DenseTimeline):
             self.first_quorum = False
             if self.replacement and self.resume is not None and attempt.step == self.resume.step:
                 self._decide_at_checkpoint(attempt)
+        self._start_try(attempt, healed_from)
         if self.replacement and attempt.participant is not None and healthy and attempt.error is None:
             self.supervisor.record_trainer_healed(self.rank, attempt.step, time.perf_counter() - self.started_s,
                                                   time.time())
             self.replacement = False
             self.audit_load(attempt.step, "heal", event="heal")
-        elif healed_from is not None:
+        elif healed_from is not None and attempt.error is None:
             self.audit_load(attempt.step, "heal", event="heal")
-        self._start_try(attempt, healed_from)
         if self.last_participant is None and attempt.participant == 0:
             self.supervisor.record_training_started(attempt.step, self.manager.num_participants(), time.time())
         return attempt
 
     def _start_try(self, attempt: Attempt, healed_from: int | None) -> None:
         """The try's identity: the one the last decision named, or, when this trainer did not
-        vote on the previous try (its first step, a heal, a rollback, a new fleet), the one the
+        vote on the previous try in this quorum (its first step, a heal, a rollback, a new fleet,
+        a quorum that changed: a peer may have tried the step without it), the one the
         supervisor's step ledger says, with the newest committed try."""
         step = self.manager.current_step()  # a rollback in _decide_at_checkpoint moved it
-        known = self.next_try is not None and (self.next_try.generation, self.next_try.step) == (self.generation, step)
+        known = (self.next_try is not None and self.try_quorum == self.manager._quorum_id
+                 and (self.next_try.generation, self.next_try.step) == (self.generation, step))
         if healed_from is not None or not known:
             start = self.supervisor.start_step(self.rank, self.generation, step, healed_from)
             self.next_try, self.committed_try = start.step, start.committed
+            self.try_quorum = self.manager._quorum_id
             if not start.heal_allowed and attempt.error is None:
                 attempt.error = HealRefused(f"healed from step {healed_from} to {step}, which the run has not "
                                             f"committed since its last rollback")
@@ -292,7 +296,7 @@ class Trainer(DenseTimeline):
             self.steps_since += 1
             attempt.committed = True
             if decision is not None:
-                self.next_try, self.committed_try = decision.next, decision.committed
+                self.next_try, self.committed_try, self.try_quorum = decision.next, decision.committed, self.manager._quorum_id
             self.supervisor.record_commit(CommitRecord(
                 attempt.step, self.rank, attempt.chunk, attempt.total, self.manager.num_participants(), time.time(),
                 self.generation, os.getpid(), self._next_report(), self.process,
@@ -300,7 +304,7 @@ class Trainer(DenseTimeline):
             self._audit_commit(attempt)
             return True
         if decision is not None:
-            self.next_try, self.committed_try = decision.next, decision.committed
+            self.next_try, self.committed_try, self.try_quorum = decision.next, decision.committed, self.manager._quorum_id
         self.supervisor.record_step_failed(StepFailure(
             attempt.step, self.rank, time.time(), str(attempt.error or self.manager.errored()), attempt.broken_quorum,
             os.getpid(), self._next_report(), self.process,

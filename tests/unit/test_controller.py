@@ -84,7 +84,7 @@ class NoSpares:
 
 
 def _controller(journal: MemoryJournal, executor, limits: BudgetLimits = BudgetLimits(),
-                prune_commits=lambda step: None):
+                prune_commits=lambda step, generation: None):
     lock = threading.RLock()
     books = Books(journal, lock, {"run_id": "r1", "attempt": 1, "supervisor_restarts": 0})
     hooks = HookList()
@@ -305,7 +305,7 @@ def test_trainers_restarting_where_the_recovered_shards_stand_redo_the_lost_step
     from tests.unit.test_supervisor_books import _failure
 
     journal, pruned = MemoryJournal(), []
-    controller, ledger, _ = _controller(journal, FakeExecutor(journal), prune_commits=pruned.append)
+    controller, ledger, _ = _controller(journal, FakeExecutor(journal), prune_commits=lambda step, generation: pruned.append(step))
     ledger.add([_failure("partial", 312, 301, shard=0), _failure("partial", 312, 301, shard=1),
                 _failure("partial", 120, 90, shard=0)])  # an older one: its loss stands
     controller.trainers_restarted_at(301)
@@ -369,7 +369,7 @@ def _mirrored_controller(decision_mode=RecoveryMode.PARTIAL):
                                         start_s=0.0))
     decision = decide_recovery(decision_mode, CostInputs(3600.0, 1.0, 1.0, 3.0, 2, 0.02))
     parts = Collaborators(
-        executor=FakeExecutor(journal), fleet=fleet, ledger=ledger, spares=NoSpares(), prune_commits=lambda step: None,
+        executor=FakeExecutor(journal), fleet=fleet, ledger=ledger, spares=NoSpares(), prune_commits=lambda step, generation: None,
         observe=costs, decide=lambda: decision, host_down_since=lambda node: None, suspects=set,
         partial_chain=lambda: (10,), consistent_chain=lambda: (10,), policy=FailurePolicy(BudgetLimits()),
         hooks=hooks, start_thread=lambda name, fn, *args: None, mirrors=mirrors,

@@ -173,7 +173,7 @@ def test_a_try_its_peer_committed_is_not_redone_by_the_trainer_that_walked_away_
     supervisor = Supervisor(committed_steps=40)
     supervisor.ledger.vote(Vote(StepId(2, 40, 0), 0, True))  # the peer's vote
     t = _trainer(supervisor, Manager(40), pg=Group(error=RuntimeError("gloo: connection reset")))
-    t.next_try = StepId(2, 40, 0)  # the decision of step 39 named it
+    t.next_try, t.try_quorum = StepId(2, 40, 0), 5  # the decision of step 39 named it, in this quorum
     attempt = t.quorum()
     attempt.mine = [1]  # computed and pushed (not replayed here)
     flat = t.vote(attempt)
