@@ -115,6 +115,7 @@ def sigkill_together(supervisor, targets: dict[str, Target], trigger: str, log_d
 # a mirror being built: seconds without a warm spare), polling at _TARGET_POLL_S.
 _TARGET_WAIT_S = 30.0
 _TARGET_POLL_S = 0.5
+_SEEN_POLL_S = 0.02  # a kill at a point polls this often until the supervisor saw the death
 
 
 class InjectedFault(RuntimeError):
@@ -128,8 +129,10 @@ class Killer:
     that are not kills (``inject``)."""
 
     def __init__(self, targets: Callable[[], dict[str, Target]], record_kill: Callable[[KillRecord], None],
-                 timeout_s: float, log_dir: str, checkpoint_uri: str):
+                 timeout_s: float, log_dir: str, checkpoint_uri: str,
+                 seen_dead: Callable[[str, int], bool] = lambda target, pid: True):
         self.targets = targets
+        self.seen_dead = seen_dead  # whether the supervisor has taken note of that process's death
         self.record_kill = record_kill
         self.timeout_s = timeout_s
         self.log_dir = log_dir
@@ -166,7 +169,11 @@ class Killer:
                 raise LookupError(f"{target} has no process now" + (f" (waited {wait_s:.0f} s)" if wait_s else ""))
             time.sleep(_TARGET_POLL_S)
 
-    def __call__(self, target: str, trigger: str) -> None:
+    def __call__(self, target: str, trigger: str, until_seen: bool = False) -> None:
+        """Kills ``target``; ``until_seen``: returns only once the supervisor has taken note of
+        each death (within the call timeout), so that a kill at a point of the supervisor's own
+        work lands during that work however fast the rest of it would go (a recovery that
+        adopted a warm spare in 10 ms finished before the death it was meant to meet)."""
         if target == "supervisor":
             # Its own kill: only the "sending" line can be written (the sender dies with it).
             now = time.time()
@@ -181,6 +188,11 @@ class Killer:
             sigkill_together(me, victims, trigger, self.log_dir, timeout_s=self.timeout_s)
         except Exception as err:  # noqa: BLE001 - a target already gone is not an error of the run
             logger.warning("injected kill of %s failed: %s", sorted(victims), err)
+            return
+        deadline = time.monotonic() + self.timeout_s
+        for name, info in victims.items() if until_seen else ():
+            while not self.seen_dead(name, info.pid) and time.monotonic() < deadline:
+                time.sleep(_SEEN_POLL_S)
 
 
 class FaultInjector(RunHooks):
@@ -189,7 +201,7 @@ class FaultInjector(RunHooks):
     never repeat it."""
 
     def __init__(self, faults: FaultsConfig, lock: threading.RLock, persist: Callable[[], None],
-                 kill: Callable[[str, str], None], start_thread: Callable[..., threading.Thread],
+                 kill: Callable[..., None], start_thread: Callable[..., threading.Thread],
                  num_shards: int, num_trainers: int, inject: Callable[[FaultSpec, str], None] | None = None):
         self.faults = faults
         self._lock = lock
@@ -218,7 +230,9 @@ class FaultInjector(RunHooks):
                 continue
             if spec.error is not None:
                 raise InjectedFault(f"{spec.error} (injected at {point})")
-            self._kill(spec.kill, f"at {point}")
+            # At a point of the supervisor's work, the work goes on once the death is noted; a
+            # thread's tick may be the thread that notes it.
+            self._kill(spec.kill, f"at {point}", not point.startswith("thread."))
         for i, fault in enumerate(self.faults.inject):
             if fault.at != point or self._steps_done < fault.after_step or self._inject is None:
                 continue

@@ -172,7 +172,8 @@ def assemble(inputs: RunInputs, on_crash: Callable[[str, BaseException], None], 
                        lambda step: _position(cfg, inputs.schedule, step), ck.final, run_id, mirrors.wait_first,
                        survey=lambda: surveyor.ask(trainers_only=True))
     killer = Killer(lambda: _targets(controller, trainers, spares) | mirrors.targets(), lambda kill: record_kill(ledger, events, kill),
-                    deadlines.shard_call_s, fault_log_dir(inputs.run_dir), cfg.checkpoint_uri)
+                    deadlines.shard_call_s, fault_log_dir(inputs.run_dir), cfg.checkpoint_uri,
+                    seen_dead=lambda target, pid: _death_seen(controller, target, pid))
     faults = _faults(cfg, lock, persist, killer, start_thread, hooks)
     parts = Parts(inputs, lock, books, hooks, events, ledger, trainers, spares, mirrors, checkpoints, controller, desk, fleet,
                   hosts, costs, policy, deadlines, run_log, faults, killer, _Value())
@@ -185,6 +186,15 @@ def _count_lost(inputs: RunInputs, checkpoints: CheckpointCoordinator, f: Failur
     with checkpoints.timeline():  # no rollback fences the chain's files meanwhile
         rows = chain_rows(inputs.plan, checkpoints.store, span)
     return count_lost_samples(inputs.cfg, inputs.plan, inputs.schedule, inputs.train_cache, span, rows)
+
+
+def _death_seen(controller: RecoveryController, target: str, pid: int) -> bool:
+    """Whether the supervisor has taken note of the death of ``target``'s process ``pid``: a
+    shard being recovered, or served by another process; anything else is not waited for."""
+    if not target.startswith("shard:"):
+        return True
+    k = int(target.split(":")[1])
+    return k in getattr(controller.state_now(), "targets", {}) or controller.served.targets().get(k, (None,))[0] != pid
 
 
 def _faults(cfg: RunConfig, lock, persist, killer: Killer, start_thread, hooks: HookList) -> FaultInjector | None:
