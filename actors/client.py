@@ -79,6 +79,12 @@ class SupervisorClient:
     def decide_step(self, vote: Vote) -> Decision:
         return self._call("decide_step", vote)
 
+    def decide_step_async(self, vote: Vote):
+        """``decide_step`` started, its answer waited for later (``wait("decide_step", ref)``)."""
+        if self.guard is not None:
+            self.guard()
+        return self.handle.decide_step.remote(vote)
+
     def start_step(self, rank: int, generation: int, step: int, healed_from: int | None) -> StepStart:
         return self._call("start_step", rank, generation, step, healed_from)
 

@@ -205,6 +205,8 @@ def _train(t: Trainer) -> bool:
     the supervisor stopped the run (a budget, an interrupt) before that."""
     status_ref = None
     while True:
+        if not t.settle_vote():  # before the next lookup names the last try committed, or the run ends
+            return True
         if t.manager.current_step() >= t.schedule.total_steps:
             end = _finish(t)
             if end is not None:

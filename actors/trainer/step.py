@@ -66,6 +66,7 @@ class Attempt:
     broken_quorum: int | None = None
     total: int = 0  # the step's microbatch count as the all-reduce summed it
     id: StepId | None = None  # (generation, step, attempt): what its lookups, pushes and vote name
+    vote_ref: object = None  # its vote's pending answer (a vote of a sum that completed with no failure)
     summed: bool = False  # the all-reduce completed here: this trainer holds the step's dense gradient
     decision: Decision | None = None
 
@@ -100,6 +101,7 @@ class Trainer(DenseTimeline):
     reports: int = 0
     next_try: StepId | None = None  # this trainer's next try, as the step ledger told it
     try_quorum: int | None = None  # the quorum in which it was told
+    pending_vote: object = None  # the answer to its last vote, not waited for yet (settle_vote)
     committed_try: StepId | None = None  # the newest committed try: its lookups tell the shards to apply it
     process: str = field(default_factory=lambda: uuid.uuid4().hex[:12])  # pids repeat across hosts
     loss_sum: float = 0.0
@@ -269,7 +271,14 @@ class Trainer(DenseTimeline):
         attempt.total = int(round(flat[-1].item()))
         ok = attempt.summed and attempt.error is None and flat[-2].item() == 0
         if attempt.id is not None:
-            attempt.decision = self.supervisor.decide_step(Vote(attempt.id, self.rank, ok, attempt.broken_quorum))
+            vote = Vote(attempt.id, self.rank, ok, attempt.broken_quorum)
+            if ok:
+                # Everyone's share is in the sum: the try commits unless a trainer whose sum broke
+                # voted first. Not waited for here (a round trip every step): answered before
+                # anything names this try committed (``settle_vote``).
+                attempt.vote_ref = self.supervisor.decide_step_async(vote)
+            else:
+                attempt.decision = self.supervisor.decide_step(vote)
         if attempt.error is not None:
             self.manager.report_error(attempt.error)
         elif self.manager.errored() is None and not ok:
@@ -296,7 +305,11 @@ class Trainer(DenseTimeline):
             self.steps_since += 1
             attempt.committed = True
             if decision is not None:
-                self.next_try, self.committed_try, self.try_quorum = decision.next, decision.committed, self.manager._quorum_id
+                self.next_try, self.committed_try = decision.next, decision.committed
+            else:  # the vote's answer is pending: these hold once it says commit
+                self.next_try = StepId(attempt.id.generation, attempt.step + 1, 0) if attempt.id else None
+                self.committed_try, self.pending_vote = attempt.id, attempt.vote_ref
+            self.try_quorum = self.manager._quorum_id
             self.supervisor.record_commit(CommitRecord(
                 attempt.step, self.rank, attempt.chunk, attempt.total, self.manager.num_participants(), time.time(),
                 self.generation, os.getpid(), self._next_report(), self.process,
@@ -324,6 +337,23 @@ class Trainer(DenseTimeline):
             return self.rejoin(committed)
         return True
 
+    def settle_vote(self) -> bool:
+        """The answer to this trainer's last vote, sent without waiting: before its next lookup
+        names the try committed, before a save applies it, before the run's end. Commit: it
+        stands. Abort (a trainer whose sum broke voted first): this dense model holds a step the
+        run did not commit, and it rejoins at the newest checkpoint. False: the run is over."""
+        ref, self.pending_vote = self.pending_vote, None
+        if ref is None:
+            return True
+        decision = self.supervisor.wait("decide_step", ref)
+        if decision.commit:
+            self.next_try, self.committed_try = decision.next, decision.committed
+            return True
+        logger.warning("trainer %d committed %s, which another trainer's vote had decided aborted", self.rank,
+                       decision.step)
+        self.next_try = None
+        return self.rejoin(decision.step.step)
+
     def _next_report(self) -> int:
         """This process's next report number: a report Ray delivers twice (a call retried
         across a supervisor restart) counts once."""
@@ -350,7 +380,7 @@ class Trainer(DenseTimeline):
         # The run's last state is saved in full whatever the policy: what `cpr export` and
         # `cpr train --resume` of a finished run read.
         final = attempt.committed and done == total and self.cfg.checkpoint.final
-        if attempt.participant == 0 and (due or final):
+        if attempt.participant == 0 and (due or final) and self.settle_vote():
             self.phases.start()
             saved = self.supervisor.save_checkpoint(SaveRequest(done, self.dense_blob(), final))
             if due:

@@ -78,6 +78,13 @@ class Supervisor:
         self.votes.append(vote)
         return self.ledger.vote(vote)[0]
 
+    def decide_step_async(self, vote: Vote):
+        self.votes.append(vote)
+        return self.ledger.vote(vote)[0]  # the answer, as the ledger gives it when the vote arrives
+
+    def wait(self, method, ref):
+        return ref
+
     def group_broken(self, quorum, step):
         return False
 
@@ -204,3 +211,31 @@ def test_a_live_trainers_heal_within_the_committed_steps_is_recorded_and_trains(
     attempt = t.quorum()
     assert attempt.error is None and attempt.id == StepId(2, 52, 0)
     assert ("start_step", 52, 50) in supervisor.calls
+
+
+def test_a_commit_whose_vote_was_overruled_is_not_named_to_the_shards_and_the_trainer_rejoins():
+    """This trainer's sum completed with no failure: it votes without waiting and steps its
+    optimizer. A peer whose sum broke had voted first (abort). Before its next lookup names the
+    try committed, the answer comes: it rejoins instead."""
+    supervisor = Supervisor(committed_steps=40)
+    supervisor.ledger.vote(Vote(StepId(2, 40, 0), 0, False, broken_quorum=5))  # the peer's vote, first
+    t = _trainer(supervisor, Manager(40))
+    t.next_try, t.try_quorum = StepId(2, 40, 0), 5
+    attempt = t.quorum()
+    attempt.mine = [1]
+    flat = t.vote(attempt)
+    assert attempt.summed and attempt.decision is None and attempt.vote_ref is not None
+    assert t.commit(attempt, flat) and t.manager.current_step() == 41 and t.committed_try == StepId(2, 40, 0)
+    assert t.settle_vote()  # rejoined: the run goes on
+    assert ("trainer_setup", 1) in supervisor.calls and t.manager.current_step() == 40 and t.replacement
+
+
+def test_a_commit_whose_vote_stands_names_its_try_to_the_shards():
+    supervisor = Supervisor(committed_steps=40)
+    t = _trainer(supervisor, Manager(40))
+    t.next_try, t.try_quorum = StepId(2, 40, 0), 5
+    attempt = t.quorum()
+    attempt.mine = [1]
+    assert t.commit(attempt, t.vote(attempt)) and t.settle_vote()
+    assert t.committed_try == StepId(2, 40, 0) and t.next_try == StepId(2, 41, 0)
+    assert ("trainer_setup", 1) not in supervisor.calls
