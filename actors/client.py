@@ -79,11 +79,12 @@ class SupervisorClient:
     def decide_step(self, vote: Vote) -> Decision:
         return self._call("decide_step", vote)
 
-    def decide_step_async(self, vote: Vote):
-        """``decide_step`` started, its answer waited for later (``wait("decide_step", ref)``)."""
+    def commit_voted(self, vote: Vote, commit: CommitRecord):
+        """A vote of a sum that completed with no failure, with this trainer's commit report,
+        started: its ``Decision`` waited for later (``wait("commit_voted", ref)``)."""
         if self.guard is not None:
             self.guard()
-        return self.handle.decide_step.remote(vote)
+        return self.handle.commit_voted.remote(vote, commit)
 
     def start_step(self, rank: int, generation: int, step: int, healed_from: int | None) -> StepStart:
         return self._call("start_step", rank, generation, step, healed_from)

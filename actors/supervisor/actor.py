@@ -190,6 +190,13 @@ class Supervisor:
     def decide_step(self, vote: Vote) -> Decision:
         return self._p.trainers.decide(vote)
 
+    def commit_voted(self, vote: Vote, commit: CommitRecord) -> Decision:
+        """A trainer's vote with its commit report: the report counts only if the try commits."""
+        decision = self._p.trainers.decide(vote)
+        if decision.commit:
+            self._p.trainers.commit(commit)
+        return decision
+
     def start_step(self, rank: int, generation: int, step: int, healed_from: int | None) -> StepStart:
         return self._p.trainers.start_step(rank, generation, step, healed_from)
 

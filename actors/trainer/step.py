@@ -66,7 +66,7 @@ class Attempt:
     broken_quorum: int | None = None
     total: int = 0  # the step's microbatch count as the all-reduce summed it
     id: StepId | None = None  # (generation, step, attempt): what its lookups, pushes and vote name
-    vote_ref: object = None  # its vote's pending answer (a vote of a sum that completed with no failure)
+    vote: Vote | None = None  # its vote when its sum completed with no failure: sent with the commit report
     summed: bool = False  # the all-reduce completed here: this trainer holds the step's dense gradient
     decision: Decision | None = None
 
@@ -274,9 +274,9 @@ class Trainer(DenseTimeline):
             vote = Vote(attempt.id, self.rank, ok, attempt.broken_quorum)
             if ok:
                 # Everyone's share is in the sum: the try commits unless a trainer whose sum broke
-                # voted first. Not waited for here (a round trip every step): answered before
-                # anything names this try committed (``settle_vote``).
-                attempt.vote_ref = self.supervisor.decide_step_async(vote)
+                # voted first. Sent with the commit report, not waited for (a round trip every
+                # step): answered before anything names this try committed (``settle_vote``).
+                attempt.vote = vote
             else:
                 attempt.decision = self.supervisor.decide_step(vote)
         if attempt.error is not None:
@@ -304,16 +304,20 @@ class Trainer(DenseTimeline):
             self.optimizer.step()
             self.steps_since += 1
             attempt.committed = True
-            if decision is not None:
-                self.next_try, self.committed_try = decision.next, decision.committed
-            else:  # the vote's answer is pending: these hold once it says commit
-                self.next_try = StepId(attempt.id.generation, attempt.step + 1, 0) if attempt.id else None
-                self.committed_try, self.pending_vote = attempt.id, attempt.vote_ref
-            self.try_quorum = self.manager._quorum_id
-            self.supervisor.record_commit(CommitRecord(
+            record = CommitRecord(
                 attempt.step, self.rank, attempt.chunk, attempt.total, self.manager.num_participants(), time.time(),
                 self.generation, os.getpid(), self._next_report(), self.process,
-            ))
+            )
+            self.try_quorum = self.manager._quorum_id
+            if attempt.vote is not None:
+                # The vote and the commit report in one call: the book counts the report only if
+                # the try is decided committed. Its answer holds these once it says commit.
+                self.pending_vote = self.supervisor.commit_voted(attempt.vote, record)
+                self.next_try, self.committed_try = StepId(attempt.id.generation, attempt.step + 1, 0), attempt.id
+            else:
+                if decision is not None:
+                    self.next_try, self.committed_try = decision.next, decision.committed
+                self.supervisor.record_commit(record)
             self._audit_commit(attempt)
             return True
         if decision is not None:
@@ -345,7 +349,7 @@ class Trainer(DenseTimeline):
         ref, self.pending_vote = self.pending_vote, None
         if ref is None:
             return True
-        decision = self.supervisor.wait("decide_step", ref)
+        decision = self.supervisor.wait("commit_voted", ref)
         if decision.commit:
             self.next_try, self.committed_try = decision.next, decision.committed
             return True

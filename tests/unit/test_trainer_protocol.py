@@ -78,9 +78,12 @@ class Supervisor:
         self.votes.append(vote)
         return self.ledger.vote(vote)[0]
 
-    def decide_step_async(self, vote: Vote):
+    def commit_voted(self, vote: Vote, commit):
         self.votes.append(vote)
-        return self.ledger.vote(vote)[0]  # the answer, as the ledger gives it when the vote arrives
+        decision = self.ledger.vote(vote)[0]  # the answer, as the ledger gives it when the vote arrives
+        if decision.commit:
+            self.record_commit(commit)
+        return decision
 
     def wait(self, method, ref):
         return ref
@@ -224,9 +227,10 @@ def test_a_commit_whose_vote_was_overruled_is_not_named_to_the_shards_and_the_tr
     attempt = t.quorum()
     attempt.mine = [1]
     flat = t.vote(attempt)
-    assert attempt.summed and attempt.decision is None and attempt.vote_ref is not None
+    assert attempt.summed and attempt.decision is None and attempt.vote is not None
     assert t.commit(attempt, flat) and t.manager.current_step() == 41 and t.committed_try == StepId(2, 40, 0)
     assert t.settle_vote()  # rejoined: the run goes on
+    assert ("commit", 40) not in supervisor.calls  # the book never counted its commit report
     assert ("trainer_setup", 1) in supervisor.calls and t.manager.current_step() == 40 and t.replacement
 
 
@@ -238,4 +242,4 @@ def test_a_commit_whose_vote_stands_names_its_try_to_the_shards():
     attempt.mine = [1]
     assert t.commit(attempt, t.vote(attempt)) and t.settle_vote()
     assert t.committed_try == StepId(2, 40, 0) and t.next_try == StepId(2, 41, 0)
-    assert ("trainer_setup", 1) not in supervisor.calls
+    assert ("trainer_setup", 1) not in supervisor.calls and ("commit", 40) in supervisor.calls
