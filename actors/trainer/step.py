@@ -341,23 +341,6 @@ class Trainer(DenseTimeline):
             return self.rejoin(committed)
         return True
 
-    def settle_vote(self) -> bool:
-        """The answer to this trainer's last vote, sent without waiting: before its next lookup
-        names the try committed, before a save applies it, before the run's end. Commit: it
-        stands. Abort (a trainer whose sum broke voted first): this dense model holds a step the
-        run did not commit, and it rejoins at the newest checkpoint. False: the run is over."""
-        ref, self.pending_vote = self.pending_vote, None
-        if ref is None:
-            return True
-        decision = self.supervisor.wait("commit_voted", ref)
-        if decision.commit:
-            self.next_try, self.committed_try = decision.next, decision.committed
-            return True
-        logger.warning("trainer %d committed %s, which another trainer's vote had decided aborted", self.rank,
-                       decision.step)
-        self.next_try = None
-        return self.rejoin(decision.step.step)
-
     def _next_report(self) -> int:
         """This process's next report number: a report Ray delivers twice (a call retried
         across a supervisor restart) counts once."""

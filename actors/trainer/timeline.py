@@ -1,5 +1,6 @@
-"""Where a trainer's dense model stands between steps: a new fleet and its rollback, a rejoin
-at the newest checkpoint, and the audit log's record of each (``Trainer`` mixes it in)."""
+"""Where a trainer's dense model stands between steps: whether its last commit stands (the
+answer to its vote), a new fleet and its rollback, a rejoin at the newest checkpoint, and the
+audit log's record of each (``Trainer`` mixes it in)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,25 @@ logger = logging.getLogger(__name__)
 
 class DenseTimeline:
     """Uses the trainer's ``model``, ``optimizer``, ``manager``, ``supervisor``, ``shards``,
-    ``schedule``, ``generation``, ``audit``, ``rank`` and ``initial_state``."""
+    ``schedule``, ``generation``, ``audit``, ``rank``, ``initial_state`` and its tries
+    (``pending_vote``, ``next_try``, ``committed_try``)."""
+
+    def settle_vote(self) -> bool:
+        """The answer to this trainer's last vote, sent without waiting: before its next lookup
+        names the try committed, before a save applies it, before the run's end. Commit: it
+        stands. Abort (a trainer whose sum broke voted first): this dense model holds a step the
+        run did not commit, and it rejoins at the newest checkpoint. False: the run is over."""
+        ref, self.pending_vote = self.pending_vote, None
+        if ref is None:
+            return True
+        decision = self.supervisor.wait("commit_voted", ref)
+        if decision.commit:
+            self.next_try, self.committed_try = decision.next, decision.committed
+            return True
+        logger.warning("trainer %d committed %s, which another trainer's vote had decided aborted", self.rank,
+                       decision.step)
+        self.next_try = None
+        return self.rejoin(decision.step.step)
 
     def use_fleet(self, fleet: FleetView) -> None:
         """A new fleet (a recovery): its shards, and after a full recovery its rollback."""
