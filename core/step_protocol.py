@@ -138,11 +138,13 @@ class StepLedger:
 
     def _abandoned(self, s: StepId) -> bool:
         """Whether try ``s`` began before the last rollback: of an older generation, or of the
-        rollback's own generation with an attempt handed out before it."""
+        rollback's own step and generation with an attempt handed out before it. (A later step's
+        try of that generation from before the rollback cannot commit: the run's committed steps
+        went back to the rollback's step, below it.)"""
         if self._floor is None or s.step < self._floor[1]:
             return False
-        generation, _, first = self._floor
-        return s.generation < generation or (s.generation == generation and s.attempt < first)
+        generation, step, first = self._floor
+        return s.generation < generation or (s.generation == generation and s.step == step and s.attempt < first)
 
     def _forget(self, newest: int) -> None:
         for key in [k for k in self._tries if k[1] < newest - _KEPT_STEPS]:

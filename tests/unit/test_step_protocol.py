@@ -108,3 +108,16 @@ def test_a_rollback_keeps_the_abandoned_tries_aborted_and_never_reuses_their_ide
     assert not late.commit and not new and not late.rejoin
     assert ledger.start(G, 20).step == _try(20, 1)
     assert ledger.committed_steps() == 20
+
+
+def test_the_new_timeline_commits_step_after_step_after_a_rollback():
+    """The rollback's step gets a fresh attempt; the steps after it start at attempt 0 as usual.
+    (CI at 62247e1: step 41's first try after a rollback to 40 was taken for a pre-rollback one
+    and aborted; with the vote not waited for, every trainer rejoined, over and over.)"""
+    ledger = StepLedger(committed_steps=46)
+    ledger.rolled_back(40, G + 1)
+    start = ledger.start(G + 1, 40)
+    assert start.step == _try(40, 1, G + 1)
+    assert ledger.vote(Vote(start.step, 0, True))[0].commit
+    assert ledger.vote(Vote(_try(41, 0, G + 1), 0, True))[0].commit
+    assert not ledger.vote(Vote(_try(42, 0, G), 1, True))[0].commit  # the old generation's, late
