@@ -85,10 +85,6 @@ class StepLedger:
     def committed_steps(self) -> int | None:
         return self._steps
 
-    def decided(self, try_: StepId) -> bool | None:
-        """The decision of ``try_``: commit (True), abort (False), or None (not voted on yet)."""
-        return self._tries.get((try_.generation, try_.step), {}).get(try_.attempt)
-
     def vote(self, v: Vote) -> tuple[Decision, bool]:
         """The decision of ``v``'s try, and whether this vote made it (the caller journals it)."""
         s = v.step
