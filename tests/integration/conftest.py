@@ -15,13 +15,21 @@ import pytest
 from .test_shard_recovery import _config, _run
 
 
+# When the clean run trained (seconds since the epoch, start and end): the actors it started
+# are those that started in between (the session's cluster also holds other tests' runs).
+CLEAN_RUN_SPAN: dict[str, float] = {}
+
+
 @pytest.fixture(scope="session")
 def clean_run(ray_local, small_data, tmp_path_factory):
     """One failure-free run of the full-recovery config, trained once for the suite: the
     full-recovery test compares a failed run against it, the end-to-end test checks its
     training. Returns the config and what ``_run`` returns."""
     cfg = _config(tmp_path_factory.mktemp("clean"), small_data, "full", "clean")
-    return cfg, _run(ray_local, cfg)
+    start = time.time()
+    result = _run(ray_local, cfg)
+    CLEAN_RUN_SPAN.update(start=start, end=time.time())
+    return cfg, result
 
 
 class LocalCluster:

@@ -16,6 +16,7 @@ from ray._common.test_utils import wait_for_condition
 
 from actors.shard import EmbeddingShard
 
+from .conftest import CLEAN_RUN_SPAN
 from .test_shard_recovery import _local, _looked_up, _run
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
@@ -28,12 +29,20 @@ def test_two_shards_two_trainers(ray_local, clean_run):
     # Nothing of the run stays behind on the cluster: shards, supervisor, and Ray Train's
     # controller with its torchft lighthouse (kept alive by Ray Train's SIGINT handler
     # unless fit() restores the previous one; the run's fit() ran on the main thread).
+    # Only this run's actors: those started while it trained (the session's cluster also
+    # runs other tests' jobs, whose drivers may have been killed moments ago).
+    span = CLEAN_RUN_SPAN
+
     def leftovers():
         run = {"EmbeddingShard", "Supervisor", "TrainController", "LighthouseServerActor", "RayTrainWorker"}
-        return [a["ActorClassName"] for a in ray_local._private.state.actors().values()
-                if a["State"] == "ALIVE" and a["ActorClassName"] in run]
+        return [(a["ActorClassName"], a.get("Name"), a.get("Pid")) for a in ray_local._private.state.actors().values()
+                if a["State"] == "ALIVE" and a["ActorClassName"] in run
+                and span["start"] <= a.get("StartTime", 0) / 1000 <= span["end"]]
 
-    wait_for_condition(lambda: not leftovers(), timeout=60, retry_interval_ms=500)
+    try:
+        wait_for_condition(lambda: not leftovers(), timeout=60, retry_interval_ms=500)
+    except RuntimeError:
+        raise AssertionError(f"left alive 60 s after the run: {leftovers()}") from None
 
     # Loss went down: mean training loss of the first 20 steps vs the last 20.
     on_disk = json.loads((Path(cfg.run_dir) / "report.json").read_text())
