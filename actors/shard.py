@@ -147,15 +147,23 @@ class EmbeddingShard(ShardSteps, MirrorRole, ShardSaving):
         self.generation = generation
         if self._lease_spec is not None:  # applies only while it holds shard_id's place (actors.lease)
             self._lease = self._lease_spec.lease(shard_place(shard_id, generation)).start()
-        if self._audit_dir is not None:
-            # Append-only record of every update applied and every load, for the soak's
-            # exactly-once checks; written by this process, independent of the supervisor.
-            os.makedirs(self._audit_dir, exist_ok=True)
-            path = os.path.join(self._audit_dir, f"shard-{shard_id}-g{generation}.jsonl")
-            self._audit = open(path, "a", buffering=1)
-            self._log({"event": "open", "pid": os.getpid(), "host": socket.gethostname(),
-                       "ip": ray.util.get_node_ip_address(),
-                       "slices": [[s.table, s.row_start, s.row_end] for s in self.slices]})
+        self._open_audit(f"shard-{shard_id}-g{generation}.jsonl")
+
+    def _open_audit(self, name: str, **fields) -> str | None:
+        """Append-only record of every update applied and every load, for the soak's
+        exactly-once checks; written by this process, independent of the supervisor. Opens
+        ``name`` in the audit dir (closing the log it wrote before: a mirror's, at its
+        promotion) and writes its "open" line; returns its name (None: no audit log)."""
+        if self._audit_dir is None:
+            return None
+        if self._audit is not None:
+            self._audit.close()
+        os.makedirs(self._audit_dir, exist_ok=True)
+        self._audit = open(os.path.join(self._audit_dir, name), "a", buffering=1)
+        self._log({"event": "open", "pid": os.getpid(), "host": socket.gethostname(),
+                   "ip": ray.util.get_node_ip_address(), **fields,
+                   "slices": [[s.table, s.row_start, s.row_end] for s in self.slices]})
+        return name
 
     @exclusive
     def adopt(self, shard_id: int, slices: list[TableSlice], generation: int, committed: int | None = None) -> ShardInfo:
@@ -249,8 +257,11 @@ class EmbeddingShard(ShardSteps, MirrorRole, ShardSaving):
         )
 
     def _log(self, record: dict) -> None:
+        """A line of the audit log: a shard's names its generation, a mirror's the shard it mirrors."""
         if self._audit is not None:
-            self._audit.write(json.dumps({"t": round(time.time(), 6), "gen": self.generation, **record}) + "\n")
+            m = self._mirror
+            whose = {"gen": self.generation} if m is None else {"mirror_of": m.shard_id}
+            self._audit.write(json.dumps({"t": round(time.time(), 6), **whose, **record}) + "\n")
 
     @exclusive
     def applied_log(self) -> list[tuple[int, tuple[int, ...]]]:

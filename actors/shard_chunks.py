@@ -4,6 +4,7 @@ merged from chunks), and the initial rows."""
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import threading
@@ -243,3 +244,21 @@ def this_thread_idle() -> None:
             os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
         except OSError as err:
             logger.warning("could not run at idle priority: %r", err)
+
+
+def rows_digest(tbe, slices, lengths: np.ndarray, indices: np.ndarray) -> str:
+    """What an audited apply records of the rows it updated, for ``cpr verify --replay`` to
+    compare step by step: blake2b (8 bytes, hex) over, slice by slice in table order, the
+    updated rows in row order, each as its D float32 weights then its float32 momentum."""
+    import torch  # import cost: none here, the shard loaded it (load_kernel); the supervisor imports this module
+
+    counts = np.asarray(lengths).reshape(len(slices), -1).sum(axis=1)
+    starts = np.concatenate([[0], np.cumsum(counts)])
+    weights, states = tbe.split_embedding_weights(), tbe.split_optimizer_states()
+    h = hashlib.blake2b(digest_size=8)
+    for i in sorted(range(len(slices)), key=lambda i: slices[i].table):
+        ids = torch.from_numpy(np.unique(indices[starts[i]: starts[i + 1]]).astype(np.int64))
+        w = weights[i][ids].detach().cpu().numpy()
+        m = states[i][0][ids].detach().cpu().numpy()
+        h.update(np.ascontiguousarray(np.concatenate([w, m[:, None]], axis=1), dtype="<f4").tobytes())
+    return h.hexdigest()

@@ -14,6 +14,13 @@ inputs on both. A mirror that cannot take a step, or does not within ``Deadlines
 commit (the step fails and is redone without it), so no mirror that missed a commit lives, and
 a stalled mirror never makes the trainer give up on its healthy primary.
 
+With ``audit_log`` a mirror keeps an audit log of its own from its start,
+``mirror-<shard>-<its role>-<pid>.jsonl``: an "open" line naming the shard it mirrors, a "base"
+line per ``sync_base`` (``step``: the steps in the primary's rows, ``primary_gen``: its
+generation), and an "apply" line per step it applies, as a shard's. Promoted, it goes on in the
+log of the generation it became, whose "replica" load names the mirror's log (``mirror_log``):
+``cpr verify`` walks the mirror's steps from its base to the count that load claims.
+
 ``MirrorRole`` is mixed into ``EmbeddingShard``: the primary's side (``attach_mirror``, the feed)
 and the mirror's (``become_mirror``, ``sync_base``, ``replicate``, promotion in ``adopt``).
 """
@@ -21,6 +28,7 @@ and the mirror's (``become_mirror``, ``sync_base``, ``replicate``, promotion in 
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -84,6 +92,7 @@ class _MirrorOf:
         self.shard_id = shard_id
         self.based = False
         self.broken: str | None = None
+        self.log: str | None = None  # its audit log's name (``audit_log``)
         self.work = threading.Event()
 
 
@@ -112,7 +121,7 @@ class MirrorRole:
             weights = [w.detach().cpu().numpy() for w in self.tbe.split_embedding_weights()]
             states = [s[0].detach().cpu().numpy() for s in self.tbe.split_optimizer_states()]
             # Submitted under the lock, so they reach the mirror before any step sent later.
-            refs = [handle.sync_base.remote(self.shard_id, applied, weights, states)]
+            refs = [handle.sync_base.remote(self.shard_id, applied, weights, states, self.generation)]
             if self._complete is not None:
                 refs.append(handle.replicate.remote(self._complete, *merge_chunks(self._pending.ordered(self._complete)),
                                                     self._pending.try_of(self._complete)))
@@ -158,11 +167,15 @@ class MirrorRole:
             t0 = time.perf_counter()
             self._allocate(shard_id, list(slices), init=False)
             self._mirror = _MirrorOf(shard_id)
+            role = self.spare.rsplit("-", 1)[-1] if self.spare else "mirror"
+            self._mirror.log = self._open_audit(f"mirror-{shard_id}-{role}-{os.getpid()}.jsonl", spare=self.spare)
         threading.Thread(target=self._mirror_apply_loop, name="mirror-apply", daemon=True).start()
         return {"alloc_s": round(time.perf_counter() - t0, 4)}
 
-    def sync_base(self, shard_id: int, applied_step: int, weights: list, states: list) -> None:
-        """The primary's rows and Adagrad state after ``applied_step``: this mirror's start."""
+    def sync_base(self, shard_id: int, applied_step: int, weights: list, states: list,
+                  primary_gen: int | None = None) -> None:
+        """The primary's rows and Adagrad state after ``applied_step``: this mirror's start
+        (its primary serves as generation ``primary_gen``)."""
         with self._lock:
             m = self._mirror
             if m is None or m.shard_id != shard_id:
@@ -177,6 +190,7 @@ class MirrorRole:
             self._complete = None
             self.applied_step = applied_step
             m.based, m.broken = True, None
+            self._log({"event": "base", "step": applied_step + 1, "primary_gen": primary_gen})
 
     def replicate(self, step: int, lengths: np.ndarray, indices: np.ndarray, grad: np.ndarray,
                   try_: tuple[int, int] | None = None) -> None:
@@ -220,7 +234,7 @@ class MirrorRole:
 
     def _apply_committed(self) -> None:
         for step in self._pending.steps()[:-1]:
-            self._log(self._apply(step))  # a mirror holds no lease (and keeps no audit log until promoted)
+            self._log(self._apply(step))  # a mirror holds no lease; its audit log is its own until promoted
 
     def _promote(self, shard_id: int, generation: int, committed: int | None) -> None:
         """This mirror becomes shard ``shard_id`` of ``generation``: refused if it ever missed
@@ -234,12 +248,13 @@ class MirrorRole:
         self._apply_committed()  # every step before the newest it holds is committed
         held = self._pending.steps()
         self._complete = held[-1] if held else None  # applied at its commit, as on the primary
+        self._log({"event": "promoted", "shard": shard_id, "generation": generation, "step": self.applied_step + 1})
         self._mirror = None
         self._promoted = True
         m.work.set()
         self._activate(shard_id, generation)
         self._log({"event": "load", "chain": [], "why": "replica", "step": self.applied_step + 1,
-                   "pending": [self._complete] if self._complete is not None else []})
+                   "pending": [self._complete] if self._complete is not None else [], "mirror_log": m.log})
         self._ckpt.full_next = "promoted from a mirror, which counts no accesses: every row"
         self._ckpt.prepare_snapshot_buffer()
         logger.warning("%s promoted to shard %d generation %d at step %d", self.spare, shard_id, generation,

@@ -18,7 +18,7 @@ import time
 
 import numpy as np
 
-from actors.shard_chunks import merge_chunks, writable
+from actors.shard_chunks import merge_chunks, rows_digest, writable
 from actors.shard_link import exclusive
 from actors.shm import ShmArray
 from core.deadlines import Deadline
@@ -211,6 +211,8 @@ class ShardSteps:
         self.applied_step = step
         record = {"t": round(time.time(), 6), "event": "apply", "step": step, "try": self._pending.try_of(step),
                   "microbatches": list(microbatches)}
+        if self._audit is not None:  # the rows it left, for cpr verify --replay
+            record["rows"] = rows_digest(self.tbe, self.slices, lengths, indices)
         # An older step still pending never completed here (its other chunks went to a
         # shard that died, or were redone): its update to this shard is lost, not delayed.
         self.steps_dropped += self._pending.drop_through(step)

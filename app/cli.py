@@ -259,7 +259,9 @@ def export(run_dir: str, out_dir: str, step: int | None) -> None:
               help="Only what the run left on this host of a namespace cluster (run inside it): its processes.")
 @click.option("--named-actors", is_flag=True, help="With --host: also the run's named actors, asking the cluster "
               "that RAY_ADDRESS names.")
-def verify(run_dir: str, wait_s: float, host_ip: str | None, named_actors: bool) -> None:
+@click.option("--replay", is_flag=True, help="Also recompute the model in this process, step by committed step, "
+              "and compare it with every checkpoint the run left (docs/CHAOS.md).")
+def verify(run_dir: str, wait_s: float, host_ip: str | None, named_actors: bool, replay: bool) -> None:
     """Checks a finished RUN_DIR from what its processes wrote (fault log, audit logs, data
     cache, checkpoint files), never trusting its report: lists every violation and exits 1,
     or prints one line and exits 0. Needs the run's audit log (``audit_log: true``)."""
@@ -270,14 +272,24 @@ def verify(run_dir: str, wait_s: float, host_ip: str | None, named_actors: bool)
         return
     try:
         verdict = verify_run(run_dir, wait_s)
+        replayed = None
+        if replay:
+            from verify.replay.engine import replay_dir  # import cost: torch and fbgemm, 3 s; only with --replay
+
+            replayed = replay_dir(run_dir)
     except FileNotFoundError as err:
         raise CprError(str(err)) from None
-    if verdict.sound:
+    violations = verdict.violations + ([f"replay: {f}" for f in replayed.findings] if replayed else [])
+    if not violations:
         click.echo(verdict.summary())
+        if replayed is not None:
+            click.echo(replayed.summary() + f" ({replayed.seconds:.1f} s)")
+            for gap in replayed.gaps:
+                click.echo(f"not replayed: {gap}")
         return
-    for line in verdict.violations:
+    for line in violations:
         click.echo(f"violation: {line}")
-    click.echo(f"{run_dir}: {len(verdict.violations)} violations")
+    click.echo(f"{run_dir}: {len(violations)} violations")
     sys.exit(1)
 
 

@@ -290,8 +290,10 @@ class RunConfig(_Section):
     """Production-scale emulation (``cpr emulate``): the checkpoint interval and the shard failures come
     from these production figures on an emulated clock; none when absent."""
     audit_log: bool = False
-    """Shards and trainers append every applied update and commit to ``<run_dir>/audit/*.jsonl``, for
-    ``cpr verify``'s exactly-once checks (independent of the supervisor's bookkeeping)."""
+    """Shards (their mirrors from their start) and trainers append every applied update and commit to
+    ``<run_dir>/audit/*.jsonl``, for ``cpr verify``'s exactly-once checks (independent of the supervisor's
+    bookkeeping); the supervisor records each checkpoint retention removes, hashed just before, in
+    ``retention.jsonl``."""
     ray: RayConfig = RayConfig()
 
     @model_validator(mode="after")

@@ -1,6 +1,6 @@
 """An independent checker of finished runs (``cpr verify``). It imports nothing of the
-product's Ray layer (``actors``) or drivers (``app``), and from ``core`` only the step
-schedule (which cached microbatch a step uses); it reads the files other processes wrote."""
+product (``core``, ``actors``, ``app``, ``policies``): it reads the files other processes
+wrote, and recomputes what it needs of the run with its own code (``verify.replay``)."""
 
 from verify.run import Verdict, verify_run
 

@@ -1,5 +1,5 @@
 """What a finished run left on disk, read by the checker itself: the run's config and report,
-the audit logs of shards and trainers, the fault injector's log. A line that does not parse
+the audit logs of shards, their mirrors and trainers, the fault injector's log. A line that does not parse
 is kept as a torn line with its place in the file, never dropped: the checker decides
 whether its writer was killed while writing it.
 """
@@ -17,6 +17,8 @@ __all__ = ["AuditFile", "RunFiles", "read_jsonl", "load_run"]
 
 _SHARD_FILE = re.compile(r"^shard-(\d+)-g(\d+)\.jsonl$")
 _TRAINER_FILE = re.compile(r"^trainer-(\d+)-(\d+)\.jsonl$")
+# A replica-recovery mirror's log from its start (``actors.shard_mirror``): mirror-<shard>-<role>-<pid>.
+_MIRROR_FILE = re.compile(r"^mirror-(\d+)-(.+)\.jsonl$")
 
 
 @dataclass
@@ -24,9 +26,9 @@ class AuditFile:
     """One audit log: its records in file order, and the torn lines (index, text)."""
 
     path: Path
-    kind: str  # "shard" or "trainer"
-    key: int  # the shard id or the trainer rank
-    gen: int | None  # a shard's generation
+    kind: str  # "shard", "mirror" (a shard's mirror, until its promotion) or "trainer"
+    key: int  # the shard id (the mirrored one's for a mirror) or the trainer rank
+    gen: int | None  # a shard's generation (None for a mirror: it has none until promoted)
     records: list[dict] = field(default_factory=list)
     torn: list[tuple[int, str]] = field(default_factory=list)
     lines: int = 0
@@ -61,7 +63,7 @@ class RunFiles:
     config: dict
     report: dict | None
     run_info: dict
-    shards: dict[int, list[AuditFile]]
+    shards: dict[int, list[AuditFile]]  # a shard's generations' logs, then its mirrors'
     trainers: list[AuditFile]
     faults: list[dict]
     fault_torn: list[str]
@@ -92,18 +94,24 @@ def load_run(run_dir: str | Path) -> RunFiles:
     info_path = run_dir / "run.json"
     run_info = json.loads(info_path.read_text()) if info_path.exists() else {}
     shards: dict[int, list[AuditFile]] = {}
+    mirrors: dict[int, list[AuditFile]] = {}
     trainers: list[AuditFile] = []
     audit = run_dir / "audit"
     for p in sorted(audit.glob("*.jsonl")) if audit.is_dir() else []:
         if (m := _SHARD_FILE.match(p.name)) is not None:
             f = AuditFile(p, "shard", int(m.group(1)), int(m.group(2)))
             shards.setdefault(f.key, []).append(f)
+        elif (m := _MIRROR_FILE.match(p.name)) is not None:
+            f = AuditFile(p, "mirror", int(m.group(1)), None)
+            mirrors.setdefault(f.key, []).append(f)
         elif (m := _TRAINER_FILE.match(p.name)) is not None:
             f = AuditFile(p, "trainer", int(m.group(1)), None)
             trainers.append(f)
         else:
             continue
         f.records, f.torn, f.lines = read_jsonl(p)
+    for k, files in mirrors.items():
+        shards.setdefault(k, []).extend(files)
     faults, fault_torn = [], []
     for p in sorted((run_dir / "faults").glob("*.jsonl")) if (run_dir / "faults").is_dir() else []:
         records, torn, _ = read_jsonl(p)

@@ -8,50 +8,14 @@ access is one sparse feature of one sample: 1/26 of a sample.
 
 from __future__ import annotations
 
-import bisect
-import itertools
-import json
-import os
-
 import numpy as np
-import pyarrow as pa
-import pyarrow.fs as pafs
 
-from core.schedule import StepSchedule
+from verify.replay.data import DataCache
+from verify.replay.schedule import Schedule
 from verify.store import Store
 from verify.timeline import LostSpanSeen
 
-__all__ = ["DataCache", "check_replicas", "rows_per_table", "recount_lost"]
-
-
-STORE_MANIFEST = "store.json"
-
-
-class DataCache:
-    """The training data's microbatch store as written, read here on its own (any
-    ``pyarrow.fs`` URI): ``store.json`` lists the parts in order with their microbatch counts,
-    and record batch ``j`` of a part is its ``j``-th microbatch."""
-
-    def __init__(self, uri: str):
-        if "://" in uri and not uri.startswith("file://"):
-            self._fs, base = pafs.FileSystem.from_uri(uri)
-        else:
-            self._fs, base = pafs.LocalFileSystem(), os.path.abspath(uri.removeprefix("file://"))
-        with self._fs.open_input_stream(f"{base.rstrip('/')}/{STORE_MANIFEST}", compression=None) as f:
-            parts = json.loads(f.read())["parts"]
-        self._paths = [f"{base.rstrip('/')}/{p['file']}" for p in parts]
-        self._ends = list(itertools.accumulate(p["microbatches"] for p in parts))
-        self._open: dict[int, pa.ipc.RecordBatchFileReader] = {}
-
-    def __len__(self) -> int:
-        return self._ends[-1] if self._ends else 0
-
-    def sparse(self, i: int) -> np.ndarray:
-        part = bisect.bisect_right(self._ends, i)
-        if part not in self._open:
-            self._open[part] = pa.ipc.open_file(self._fs.open_input_file(self._paths[part]))
-        column = self._open[part].get_batch(i - (self._ends[part - 1] if part else 0)).column("sparse")
-        return column.values.to_numpy().reshape(len(column), -1)
+__all__ = ["check_replicas", "rows_per_table", "recount_lost"]
 
 
 def rows_per_table(model: dict, features: int) -> np.ndarray:
@@ -86,7 +50,7 @@ def check_replicas(shards: dict, report: dict) -> list[str]:
 
 
 def recount_lost(span: LostSpanSeen, slices: list[list[int]], store: Store, cache: DataCache,
-                 schedule: StepSchedule, model: dict) -> float:
+                 schedule: Schedule, model: dict) -> float:
     """Lost samples of one partially recovered generation."""
     redo = span.redo if span.redo is not None else 0
     # Every step from the first it applied to the redo: its last committed step may be missing

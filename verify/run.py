@@ -7,19 +7,19 @@ takes the report's word for anything.
 
 from __future__ import annotations
 
-import json
 import math
-import os
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from core.schedule import StepSchedule
 from verify.files import RunFiles, load_run
 from verify.kills import (check_damage_unused, check_hosts, check_kills, counts_by_kind, host_faults, host_victims,
                           landed_kills, planted_damage, stalled_pids)
 from verify.leftovers import leftovers
-from verify.lost import STORE_MANIFEST, DataCache, check_replicas, recount_lost
+from verify.lost import check_replicas, recount_lost
+from verify.replay.data import DataCache, train_store
+from verify.replay.schedule import Schedule
+from verify.retention import check_removed
 from verify.store import Store
 from verify.timeline import applies_committed, torn_lines, walk_dense, walk_shard
 
@@ -43,20 +43,6 @@ class Verdict:
                 f"{f.get('checkpoints_verified', 0)} checkpoints verified")
 
 
-def _train_cache(run: RunFiles) -> str | None:
-    """The training store's URI: as run.json names it, else the local store in data.cache_dir
-    that lists the run's train files."""
-    uri = run.run_info.get("train_cache")
-    if uri and ("://" in uri or (Path(uri) / STORE_MANIFEST).exists()):
-        return uri
-    cache_dir = run.resolve(run.config["data"].get("cache_dir") or str(Path(run.config["run_dir"]) / "cache"))
-    sources = [os.path.abspath(p) for p in run.config["data"]["train"]]
-    for meta in sorted(cache_dir.glob(f"train-*/{STORE_MANIFEST}")):
-        if json.loads(meta.read_text()).get("sources") == sources:
-            return str(meta.parent)
-    return None
-
-
 def _checkpoint_uri(run: RunFiles) -> str:
     storage = run.config["checkpoint"].get("storage")
     return storage if storage else str(run.run_dir.resolve() / "checkpoints")
@@ -73,15 +59,13 @@ def verify_run(run_dir: str | Path, wait_s: float = 10.0) -> Verdict:
     kills, problems = landed_kills(run)
     kinds, others = counts_by_kind(run, kills)
     verdict.facts = {"kills_by_kind": dict(sorted(kinds.items())), "other_faults": dict(sorted(others.items()))}
-    cache_path = _train_cache(run)
+    cache_path = train_store(run)
     if cache_path is None:
         v.append("the training data cache of this run is not found (run.json names none, and no cache in "
                  "data.cache_dir lists the run's train files)")
         return verdict
-    tr = run.config["training"]
     cache = DataCache(cache_path)
-    schedule = StepSchedule.from_config(len(cache), tr["microbatches_per_step"], tr["epochs"], tr["max_steps"],
-                                        run.config["seed"])
+    schedule = Schedule.for_run(run.config, len(cache))
     total = schedule.total_steps
     state = (report.get("state") or {}).get("state")
     if state != "finished" or report.get("auc") is None:
@@ -115,8 +99,11 @@ def verify_run(run_dir: str | Path, wait_s: float = 10.0) -> Verdict:
     committed = store.committed()
     damage = planted_damage(run)
     planted = {(d.step, d.file) for d in damage}
+    shards = int(run.config["embeddings"]["num_shards"])
     for step in committed:
-        v += [p for p in store.problems(step) if not any(p.startswith(f"checkpoint {s}: file {f} ") for s, f in planted)]
+        v += [p for p in store.problems(step, shards=shards)
+              if not any(p.startswith(f"checkpoint {s}: file {f} ") for s, f in planted)]
+    v += check_removed(run, planted)
     v += check_damage_unused(run, damage, store.commit_time)
     if run.config["checkpoint"].get("final", True) and state == "finished" and total not in committed:
         v.append(f"the final checkpoint (step {total}) is not committed")

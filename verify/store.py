@@ -11,12 +11,28 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.fs as pafs
 
-__all__ = ["Store"]
+__all__ = ["Store", "DENSE_FILE", "files_missing", "shard_file"]
 
 _STEP_DIR = re.compile(r"^ckpt-(\d{12})$")
 _CHUNK = 8 << 20
 # "<algo>" hashes the whole file; "<algo>c<MiB>" the digests of its MiB-sized chunks.
 _ALGO = re.compile(r"(sha256|sha512|blake2b)(?:c([1-9][0-9]{0,3}))?")  # fullmatch; chunks up to 1024 MiB
+DENSE_FILE = "dense.pt"
+
+
+def shard_file(k: int) -> str:
+    return f"shard-{k}.arrow"
+
+
+def files_missing(step: int, files: dict, shards: int | None) -> list[str]:
+    """What a checkpoint of a run of ``shards`` shards must hold and whose manifest ``files``
+    does not list: the dense state and every shard's file (a shard writes one in every save,
+    its rows or none of them). ``shards`` None: not checked."""
+    if shards is None:
+        return []
+    wanted = [DENSE_FILE] + [shard_file(k) for k in range(shards)]
+    return [f"checkpoint {step}: its manifest lists no {name} (the run has {shards} shards)"
+            for name in wanted if name not in files]
 
 
 class Store:
@@ -53,9 +69,10 @@ class Store:
         with self.fs.open_input_stream(self._path(step, "manifest.json")) as f:
             return json.loads(f.read())
 
-    def problems(self, step: int) -> list[str]:
+    def problems(self, step: int, shards: int | None = None) -> list[str]:
         """What does not match the manifest of ``step``: a file missing, of another size, or
-        whose bytes hash to another digest."""
+        whose bytes hash to another digest; with ``shards`` (the run's number), also a manifest
+        that lists no dense state or no file of some shard (``files_missing``)."""
         try:
             manifest = self.manifest(step)
             files = manifest["files"]
@@ -63,7 +80,9 @@ class Store:
             return [f"checkpoint {step}: its manifest is unreadable ({err})"]
         if manifest.get("step") != step:
             return [f"checkpoint {step}: its manifest names step {manifest.get('step')}"]
-        out = []
+        if not isinstance(files, dict):
+            return [f"checkpoint {step}: its manifest's files are not a mapping"]
+        out = files_missing(step, files, shards)
         for name, entry in sorted(files.items()):
             algo, _, digest = str(entry.get("checksum", "")).partition(":")
             m = _ALGO.fullmatch(algo)
@@ -104,7 +123,7 @@ class Store:
 
     def shard_rows(self, step: int, shard: int) -> tuple[np.ndarray, np.ndarray]:
         """(table, row) of every row shard ``shard`` saved in checkpoint ``step``."""
-        with self.fs.open_input_file(self._path(step, f"shard-{shard}.arrow")) as f:
+        with self.fs.open_input_file(self._path(step, shard_file(shard))) as f:
             reader = pa.ipc.open_file(f)
             tables, rows = [], []
             for i in range(reader.num_record_batches):

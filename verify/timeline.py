@@ -6,6 +6,10 @@ no repeat); a load of a checkpoint at step ``c`` sets the count to ``c`` (a roll
 resume: steps ``c``.. are then applied exactly once more), except a partial recovery, which
 keeps the steps its predecessor applied and loses the updates no checkpoint held (counted
 in lost samples). At the end every count equals the run's number of steps.
+
+A replica-recovery mirror's log is walked on its own from its base (the steps in its primary's
+rows when it started): its applies find the same counts, and a promoted mirror's walk ends at
+the count its generation's "replica" load claims.
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ from dataclasses import dataclass, field
 
 from verify.files import AuditFile
 
-__all__ = ["LostSpanSeen", "applies_committed", "walk_shard", "walk_dense", "torn_lines"]
+__all__ = ["LostSpanSeen", "applies_committed", "walk_shard", "walk_mirrors", "walk_dense", "torn_lines"]
 
 
 @dataclass
@@ -35,6 +39,9 @@ def _expected(step: int, m: int) -> list[int]:
 
 
 def walk_shard(k: int, files: list[AuditFile], m: int, total: int) -> tuple[list[str], list[LostSpanSeen]]:
+    """Shard ``k``'s generations' logs walked in time order (its mirrors' on their own)."""
+    mirrors = [f for f in files if f.kind == "mirror"]
+    files = [f for f in files if f.kind != "mirror"]
     events = sorted((r for f in files for r in f.records), key=lambda r: (r["t"], r.get("gen", 0), r["_line"]))
     v: list[str] = []
     done, holder, pending = 0, None, None  # steps in the state; the generation serving; an unresolved load
@@ -104,7 +111,63 @@ def walk_shard(k: int, files: list[AuditFile], m: int, total: int) -> tuple[list
         span.redo = total if span.redo is None else span.redo
     if done != total:
         v.append(f"shard {k} holds {done} applied steps at the end, the run has {total}")
-    return v, spans
+    return v + walk_mirrors(k, mirrors, files, m), spans
+
+
+def _counts_held(files: list[AuditFile]) -> dict[int, set[int]]:
+    """generation -> the step counts its rows held: the initial rows' 0, what each load set,
+    and each count an apply reached."""
+    held: dict[int, set[int]] = {}
+    for f in files:
+        counts = held.setdefault(f.gen or 0, {0})
+        for r in f.records:
+            if r.get("event") == "load":
+                counts.add(r["step"] if r.get("why") == "replica" else (r["chain"][-1] if r["chain"] else 0))
+            elif r.get("event") == "apply":
+                counts.add(r["step"] + 1)
+    return held
+
+
+def walk_mirrors(k: int, mirrors: list[AuditFile], files: list[AuditFile], m: int) -> list[str]:
+    """Each mirror of shard ``k`` from its base (``files``: the shard's generations' logs): the
+    base is a count its primary's generation held, an apply of step ``s`` finds exactly ``s``
+    steps in the mirror's rows, and the mirror whose log a "replica" load names (``mirror_log``)
+    walked to the count that load claims (and its own "promoted" line says)."""
+    v: list[str] = []
+    held, walked = _counts_held(files), {}
+    for f in mirrors:
+        who, done = f"the mirror of shard {k} ({f.path.name})", None
+        for r in f.records:
+            kind = r.get("event")
+            if kind == "base":
+                done, g = r["step"], r.get("primary_gen")
+                if done not in (held.get(g, set()) if g is not None else set().union(*held.values())):
+                    v.append(f"{who} took a base of {done} steps, which its primary (generation {g}) never held")
+            elif kind == "apply":
+                s = r["step"]
+                if sorted(r["microbatches"]) != _expected(s, m):
+                    v.append(f"{who} applied step {s} with microbatches {r['microbatches']}, not {_expected(s, m)}")
+                if done is None:
+                    v.append(f"{who} applied step {s} before it had a base")
+                elif s < done:
+                    v.append(f"{who} applied step {s} again: its rows held {done} steps")
+                elif s > done:
+                    v.append(f"{who} skipped steps {done}..{s - 1}: applied step {s} next")
+                done = s + 1
+            elif kind == "promoted" and r.get("step") != done:
+                v.append(f"{who} was promoted claiming {r.get('step')} steps; its log holds {done}")
+        walked[f.path.name] = done
+    for f in files:
+        for r in f.records:
+            if r.get("event") != "load" or r.get("why") != "replica" or r.get("mirror_log") is None:
+                continue
+            name = r["mirror_log"]
+            if name not in walked:
+                v.append(f"shard {k} generation {f.gen}: the mirror that took its place left no log {name}")
+            elif walked[name] != r["step"]:
+                v.append(f"shard {k} generation {f.gen}: a mirror took its place claiming {r['step']} steps; "
+                         f"its log ({name}) walks to {walked[name]}")
+    return v
 
 
 def walk_dense(trainers: list[AuditFile], m: int, total: int, killed: set[int]) -> list[str]:
@@ -178,10 +241,11 @@ def _share_of_killed(step: int, commits: list[dict], trainers: list[AuditFile], 
 
 
 def applies_committed(shards: dict[int, list[AuditFile]], trainers: list[AuditFile]) -> list[str]:
-    """A shard applies a step only on a commit of its try: every apply that names its try
-    (generation, attempt) names one the trainers committed, wherever they committed that step
-    at all (a try is one decision for every trainer; a step redone after a rollback commits
-    again in another try, and any of its committed tries may be the one applied)."""
+    """A shard (or a mirror) applies a step only on a commit of its try: every apply of a step
+    the trainers committed in a try names its try (generation, attempt), and one they committed
+    (a try is one decision for every trainer; a step redone after a rollback commits again in
+    another try, and any of its committed tries may be the one applied). A step no trainer's
+    log says committed (every one killed before writing it) is not checked."""
     committed: dict[int, set[tuple[int, int]]] = {}
     for f in trainers:
         for r in f.records:
@@ -191,12 +255,16 @@ def applies_committed(shards: dict[int, list[AuditFile]], trainers: list[AuditFi
     v = []
     for k, files in sorted(shards.items()):
         for f in files:
+            who = f"the mirror of shard {k} ({f.path.name})" if f.kind == "mirror" else f"shard {k}"
             for r in f.records:
-                if r.get("event") != "apply" or r.get("try") is None or r["step"] not in committed:
+                if r.get("event") != "apply" or r["step"] not in committed:
                     continue
-                if tuple(r["try"]) not in committed[r["step"]]:
-                    v.append(f"shard {k} applied step {r['step']} of try {tuple(r['try'])}, which no trainer committed "
-                             f"(committed: {sorted(committed[r['step']])})")
+                tries = sorted(committed[r["step"]])
+                if r.get("try") is None:
+                    v.append(f"{who} applied step {r['step']} naming no try; the trainers committed it in {tries}")
+                elif tuple(r["try"]) not in committed[r["step"]]:
+                    v.append(f"{who} applied step {r['step']} of try {tuple(r['try'])}, which no trainer committed "
+                             f"(committed: {tries})")
     return v
 
 

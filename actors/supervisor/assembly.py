@@ -133,8 +133,10 @@ def assemble(inputs: RunInputs, on_crash: Callable[[str, BaseException], None], 
     )
     hooks.add(RunLogHook(run_log))
     hooks.add(MetricsHook(RunMetrics(run_id, trainers.samples_per_step), trainers.failure_of))
+    audit = str(inputs.run_dir / "audit") if cfg.audit_log else None
     checkpoints = CheckpointCoordinator(cfg, n, costs, events.record, trainers.step_time_s, hooks, start_thread,
-                                        keep=trainers.pinned, policy=policy, fail=lambda reason: controller.fail(reason))
+                                        keep=trainers.pinned, policy=policy, fail=lambda reason: controller.fail(reason),
+                                        audit_dir=audit)
 
     def occupied(exclude=()) -> list:
         c = controller
@@ -142,7 +144,6 @@ def assemble(inputs: RunInputs, on_crash: Callable[[str, BaseException], None], 
 
     hosts = HostWatch(lambda: _actor_nodes(controller, spares, trainers) | mirrors.known_nodes(), lambda info: _host_lost(info, reporter, trainers),
                       start_thread=start_thread, tick=lambda: hooks.at_point("thread.host-watch"))
-    audit = str(inputs.run_dir / "audit") if cfg.audit_log else None
     fleet = ShardFleet(
         cfg, inputs.plan, run_id, audit, on_death=lambda *a: controller.on_shard_death(*a),
         on_spare_death=lambda *a: mirrors.on_death(*a) or spares.on_death(*a), occupied=occupied, avoid=hosts.suspects,

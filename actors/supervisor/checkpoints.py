@@ -29,6 +29,7 @@ from actors.supervisor.save_failures import FailedSaves
 from actors.supervisor.save_schedule import SaveSchedule
 from actors.supervisor.save_job import SAVE_ERRORS, Abandoned, SaveJob, reason as one_line
 from core.checkpoint import DATA_POSITION_FILE, DENSE_FILE, FULL, INCREMENTAL, CheckpointStore, DataPosition, write_blob
+from core.checkpoint.removal_log import RemovalLog
 from core.config import RunConfig
 from core.deadlines import Deadline, Deadlines
 from core.errors import ConfigError
@@ -60,13 +61,16 @@ class CheckpointCoordinator(SaveSchedule):
         *,
         policy: FailurePolicy,
         fail: Callable[[str], None],
+        audit_dir: str | None = None,
     ):
         self.cfg = cfg
         ck = cfg.checkpoint
         # Restores chosen and not yet done (and lost samples still to count): kept from retention.
         self.targets = RestoreTargets(lambda: self.store)
+        # With an audit log, what retention removes is hashed and recorded first, for cpr verify.
         self.store = CheckpointStore(
             cfg.checkpoint_uri, keep_last=ck.keep_last, keep=lambda: set(keep()) | self.targets.protected(),
+            audit_removal=RemovalLog(audit_dir) if audit_dir is not None else None,
         ) if ck.stored else None
         self.costs = costs
         self.controller = IntervalController(cfg.recovery, costs, num_shards, ck.pls_target)

@@ -186,7 +186,10 @@ def _audit_file(setup: TrainerSetup, rank: int):
     # tells commits of different lighthouses apart by its address.
     audit.write(json.dumps({"t": round(time.time(), 6), "event": "open", "rank": rank, "pid": os.getpid(),
                             "host": socket.gethostname(), "ip": ray.util.get_node_ip_address(),
-                            "lighthouse": os.environ.get("TORCHFT_LIGHTHOUSE")}) + "\n")
+                            "lighthouse": os.environ.get("TORCHFT_LIGHTHOUSE"),
+                            # cpr verify --replay computes this trainer's shares with as many
+                            # threads: a matrix product's bits may depend on it.
+                            "threads": torch.get_num_threads()}) + "\n")
     return audit
 
 

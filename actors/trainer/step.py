@@ -30,6 +30,7 @@ import torch
 
 from actors.client import SupervisorClient
 from actors.trainer.collective import sum_over_trainers
+from actors.trainer.grads import MicrobatchGrads, dense_digest
 from actors.trainer.pipeline import DataReadTimeout, PhaseTimer, Prefetcher
 from actors.trainer.shards import ShardCallFailed, ShardClient, StaleStep
 from actors.trainer.timeline import DenseTimeline
@@ -108,10 +109,18 @@ class Trainer(DenseTimeline):
     loss_rows: int = 0
     steps_since: int = 0
     t_last: float = field(default_factory=time.perf_counter)
+    _grads: MicrobatchGrads | None = None
 
     @property
     def params(self) -> list:
         return list(self.model.parameters())
+
+    @property
+    def grads(self) -> MicrobatchGrads:
+        """The step's dense gradient, one slot per microbatch position (``grads``)."""
+        if self._grads is None:
+            self._grads = MicrobatchGrads(self.params, self.schedule.microbatches_per_step)
+        return self._grads
 
     # ------------------------------------------------------------------ the protocol
 
@@ -129,6 +138,7 @@ class Trainer(DenseTimeline):
         self.phases.lap("quorum")
         attempt = Attempt(self.manager.current_step(), self.manager.participating_rank())
         self.optimizer.zero_grad(set_to_none=False)
+        self.grads.clear()
         # Only a quorum that formed decides anything: one whose group failed to connect (a
         # peer died meanwhile), or whose heal failed, left this trainer at its start step
         # without healing it: it neither computes nor pushes, and breaks the group at once (vote).
@@ -221,13 +231,17 @@ class Trainer(DenseTimeline):
                                            commit=self.committed_try)
             pooled = torch.from_numpy(looked_up).requires_grad_(True)
             self.phases.lap("lookup")
-            logits = self.model(torch.from_numpy(dense), pooled)
-            # Scaled so that the SUM all-reduce gives the gradient of the step's mean loss over
-            # all M microbatches, whoever computed them.
-            loss_total = torch.nn.functional.binary_cross_entropy_with_logits(
-                logits, torch.from_numpy(labels), reduction="sum"
-            )
-            (loss_total / (m * self.cfg.training.microbatch_rows)).backward()
+            # One microbatch at a time, each gradient in its position's slot (``grads``), scaled
+            # so that the slots' sum is the gradient of the step's mean loss over all M.
+            rows, loss_total = self.cfg.training.microbatch_rows, 0.0
+            dense_t, labels_t = torch.from_numpy(dense), torch.from_numpy(labels)
+            for j, position in enumerate(attempt.mine):
+                a, b = j * rows, (j + 1) * rows
+                loss = torch.nn.functional.binary_cross_entropy_with_logits(
+                    self.model(dense_t[a:b], pooled[a:b]), labels_t[a:b], reduction="sum")
+                (loss / (m * rows)).backward()
+                self.grads.keep(position, self.params)
+                loss_total += loss.item()
             self.phases.lap("dense")
             if step + 1 < self.schedule.total_steps:
                 # The next step's data while this one's gradients apply and its trainers vote
@@ -236,7 +250,7 @@ class Trainer(DenseTimeline):
                 self.prefetch.ahead(step + 1, self.schedule.assignment(step + 1, attempt.participant, participants))
             self.shards.push_grads(step, attempt.chunk, pooled.grad.numpy(), attempt=attempt.id)
             self.phases.lap("push")
-            self.loss_sum += loss_total.item()
+            self.loss_sum += loss_total
             self.loss_rows += len(labels)
         except ShardCallFailed as err:
             self.supervisor.report_shard_failure(err.shard, self.generation, err.reason, step)
@@ -253,8 +267,7 @@ class Trainer(DenseTimeline):
         must not report its late error into a later step. A trainer that cannot take part (its
         quorum or heal failed) votes at once, naming the broken group: its peers stop waiting."""
         self.phases.start()
-        extra = torch.tensor([float(attempt.error is not None), float(len(attempt.mine))])
-        flat = torch.cat([p.grad.reshape(-1) for p in self.params] + [extra])
+        flat = self.grads.set_extra(attempt.error is not None, len(attempt.mine))
         quorum_id = self.manager._quorum_id  # torchft 0.2 keeps the quorum id only privately
         if self.manager.errored() is None:
             if not self.manager.is_participating():
@@ -296,11 +309,7 @@ class Trainer(DenseTimeline):
         follow, a stall, a heal past a rollback). False: stop."""
         decision = attempt.decision
         if self.manager.should_commit() and (decision is None or decision.commit):
-            offset = 0
-            for p in self.params:
-                n = p.numel()
-                p.grad.copy_(flat[offset: offset + n].view_as(p))
-                offset += n
+            self.grads.sum_into(self.params)
             self.optimizer.step()
             self.steps_since += 1
             attempt.committed = True
@@ -353,6 +362,7 @@ class Trainer(DenseTimeline):
                 "t": round(time.time(), 6), "event": "commit", "step": attempt.step, "rank": self.rank,
                 "quorum": self.manager._quorum_id, "microbatches": list(attempt.chunk), "total": attempt.total,
                 "try": [attempt.id.generation, attempt.id.step, attempt.id.attempt] if attempt.id else None,
+                "dense": dense_digest(self.params, [self.optimizer.state[i]["sum"] for i in range(len(self.params))]),
             }) + "\n")
 
     def save_and_report(self, attempt: Attempt) -> None:

@@ -6,12 +6,15 @@ retention, on top of CheckpointReader's verified reads and restore chains.
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
+
+import pyarrow as pa
 
 from core.checkpoint.files import (
     FULL,
@@ -29,6 +32,7 @@ from core.checkpoint.files import (
     step_dir_name,
     sync,
 )
+from core.checkpoint.checksum import new_hasher
 from core.checkpoint.manifest import manifest_from_json, manifest_to_json
 from core.checkpoint.reader import CheckpointReader
 from core.checkpoint.retention import expired_steps, protected_steps, with_bases
@@ -37,6 +41,8 @@ from core.errors import CheckpointCorrupt, CheckpointNotFound, ConfigError
 __all__ = ["CheckpointStore"]
 
 logger = logging.getLogger(__name__)
+
+_HASH_CHUNK_BYTES = 16 << 20
 
 
 class CheckpointStore(CheckpointReader):
@@ -50,6 +56,9 @@ class CheckpointStore(CheckpointReader):
             what each builds on, whatever ``keep_last`` says. Whoever changes what ``keep``
             returns does so inside ``keep_changing()`` for the change to bind a gc already
             running.
+        audit_removal: called with each checkpoint retention is about to remove and what
+            ``rehash`` found of it, before its manifest goes (``audit_log``:
+            ``core.checkpoint.removal_log``); a failure keeps the checkpoint, for a later gc.
 
     Corrupt checkpoints skipped by ``latest_valid``, ``chain_steps``, ``verified_chain`` and
     ``shard_chain`` are logged and appended to ``fallbacks`` as ``(step, reason)``, each
@@ -57,12 +66,14 @@ class CheckpointStore(CheckpointReader):
     (sizes checked, checksums taken from the bytes as written).
     """
 
-    def __init__(self, uri: str, keep_last: int = 3, keep: Callable[[], set[int]] | None = None) -> None:
+    def __init__(self, uri: str, keep_last: int = 3, keep: Callable[[], set[int]] | None = None,
+                 audit_removal: Callable[[int, dict], None] | None = None) -> None:
         if keep_last < 1:
             raise ConfigError(f"keep_last must be >= 1, got {keep_last}")
         super().__init__(uri)
         self.keep_last = keep_last
         self.keep = keep or set
+        self.audit_removal = audit_removal
         # A gc deletes manifests only if ``keep`` did not change since it read it, so a step
         # protected once ``keep_changing`` returns is never deleted by a gc under way. ``keep``
         # may take its owner's lock: it is read without holding this one.
@@ -237,6 +248,8 @@ class CheckpointStore(CheckpointReader):
             version = self._keep_version
             kept = protected | with_bases(infos, self.keep())
             doomed = [s for s in candidates if s not in kept]
+            # Hashed outside the lock (it reads every file); a step kept meanwhile stays.
+            found = {s: self.rehash(s) for s in doomed} if self.audit_removal is not None else {}
             with self._retention:
                 if version != self._keep_version:
                     continue
@@ -245,10 +258,38 @@ class CheckpointStore(CheckpointReader):
                     # a committed checkpoint with files missing.
                     manifest_path = self._path(step, MANIFEST_FILE)
                     if exists(self._fs, manifest_path):
+                        if self.audit_removal is not None:
+                            self.audit_removal(step, found[step])
                         self._fs.delete_file(manifest_path)
                 return doomed
         logger.info("checkpoint gc under %s deferred: the steps to keep kept changing", self.uri)
         return []
+
+    def rehash(self, step: int) -> dict:
+        """What is on storage of checkpoint ``step`` now: ``manifest``, its manifest as JSON (None,
+        with ``manifest_error``, if unreadable), and ``files``, for each file it lists the size
+        and the checksum computed again from the bytes, with the entry's algorithm (None, with
+        ``error``, for a file that cannot be read)."""
+        try:
+            with self._fs.open_input_stream(self._path(step, MANIFEST_FILE), compression=None) as f:
+                manifest = json.loads(f.read())
+            entries = sorted(manifest["files"].items())
+        except (OSError, ValueError, KeyError, TypeError, AttributeError, pa.ArrowException) as exc:
+            return {"manifest": None, "manifest_error": repr(exc)[:300], "files": {}}
+        return {"manifest": manifest, "files": {name: self._rehash_file(step, name, entry) for name, entry in entries}}
+
+    def _rehash_file(self, step: int, name: str, entry: Any) -> dict:
+        try:
+            check_file_name(name)
+            hasher = new_hasher(str(entry["checksum"]).partition(":")[0])
+            size = 0
+            with self._fs.open_input_stream(self._path(step, name), compression=None) as f:
+                while chunk := f.read_buffer(_HASH_CHUNK_BYTES):
+                    hasher.update(chunk)
+                    size += chunk.size
+        except (OSError, ValueError, KeyError, TypeError, pa.ArrowException) as exc:
+            return {"size_bytes": None, "checksum": None, "error": repr(exc)[:300]}
+        return {"size_bytes": size, "checksum": f"{hasher.name}:{hasher.hexdigest()}"}
 
     def _forget(self, step: int) -> None:
         self._valid.pop(step, None)

@@ -8,7 +8,7 @@ from core.config import RunConfig, config_from_dict
 
 
 def small_run_config(tmp_path, data, *, seed: int, steps: int, microbatches: int, call_timeout_s: float,
-                     collective_timeout_s: float, checkpoint: dict, faults: dict) -> RunConfig:
+                     collective_timeout_s: float, checkpoint: dict, faults: dict, recovery: str = "partial") -> RunConfig:
     return config_from_dict({
         "run_dir": str(tmp_path / "run"),
         "seed": seed,
@@ -18,7 +18,7 @@ def small_run_config(tmp_path, data, *, seed: int, steps: int, microbatches: int
         "training": {"num_trainers": 2, "microbatch_rows": 128, "microbatches_per_step": microbatches,
                      "max_steps": steps, "progress_every_steps": 5, "collective_timeout_s": collective_timeout_s},
         "checkpoint": checkpoint,
-        "recovery": "partial",
+        "recovery": recovery,
         "audit_log": True,
         "faults": {"max_failures": 0, **faults},
     })

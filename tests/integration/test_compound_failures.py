@@ -12,7 +12,7 @@ import pytest
 from core.checkpoint import CheckpointStore
 from core.config import config_from_dict
 from app.job import TrainingJob
-from verify import verify_run
+from tests.integration.checks import verified
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(400)]
 
@@ -49,7 +49,7 @@ def _train(cfg):
         after = {k: v.pid for k, v in _targets(job).items()}
     finally:
         job.close()
-    return report, before, after, verify_run(cfg.run_dir, wait_s=30).violations
+    return report, before, after, verified(cfg.run_dir).violations
 
 
 def _targets(job):

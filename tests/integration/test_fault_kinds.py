@@ -18,7 +18,7 @@ import time
 
 import pytest
 
-from verify import verify_run
+from tests.integration.checks import verified
 from verify.files import load_run
 
 from .small_runs import small_run_config, train_to_report
@@ -83,7 +83,7 @@ def _faulted_run(small_data, tmp_path_factory, name: str, steps: int, faults: di
             faults={"seed": 1, **faults},
         )
         report = train_to_report(cfg)
-        yield cfg, report, verify_run(cfg.run_dir, wait_s=30)
+        yield cfg, report, verified(cfg.run_dir)
 
 
 @pytest.fixture(scope="module")

@@ -31,7 +31,7 @@ from app.host_chaos import Cluster, kill_host, partition_host, restart_host
 from app.soak_hosts import check_hosts
 from core.faultlog import FaultLog, fault_log_dir
 from tests.s3_server import moto_argv, wait_until_running
-from verify import verify_run
+from tests.integration.checks import verified
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 
@@ -187,7 +187,7 @@ def test_training_across_hosts_survives_the_loss_of_a_host_and_a_partition(local
     assert len(partitioned) == 1 and partitioned[0]["declared_dead_at"] > parted_at, report["hosts_lost"]
     # The whole run from its files (exactly-once applies and commits, kills and host losses
     # against the report, lost samples recounted, checkpoints hashed), and nothing left anywhere.
-    verdict = verify_run(run_dir, wait_s=30)
+    verdict = verified(run_dir)
     assert verdict.violations == [] and left == [], (verdict.violations, left)
     assert verdict.facts["host_faults"] == 2, verdict.facts
 
@@ -253,7 +253,7 @@ def test_replica_recovery_survives_the_loss_of_the_host_holding_a_shard(local_cl
     assert report["lost_samples"] == 0 and report["auc"] is not None
     assert any(e["kind"] == "mirror_ready" and e["shard"] == 1 and e["time"] > killed_at for e in report["events"])
     try:
-        verdict = verify_run(run_dir, wait_s=30)
+        verdict = verified(run_dir)
         assert verdict.violations == [], verdict.violations
     finally:
         restart_host(ctl, faults, victim, "test")  # the module's next tests use both worker hosts

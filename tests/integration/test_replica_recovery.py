@@ -14,7 +14,7 @@ from core.checkpoint import CheckpointStore
 from app.job import TrainingJob
 from core.config import config_from_dict
 from tests.integration.test_shard_recovery import _config
-from verify import verify_run
+from tests.integration.checks import verified
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 
@@ -73,12 +73,16 @@ def _same_rows(a, b) -> bool:
 
 def test_killed_shards_are_served_by_their_mirrors_and_the_run_equals_one_without_failures(
         ray_local, small_data, tmp_path, clean_run):
-    """A mirror killed (and rebuilt), then both shards at once, once the new mirror is in sync:
-    each mirror takes its shard's place (one of them the rebuilt one), nothing read, nothing
-    lost, every row, Adagrad state and the AUC as in the run without failures."""
+    """A mirror killed (and rebuilt), then both shards at once, once the new mirror is in sync,
+    then a trainer: each mirror takes its shard's place (one of them the rebuilt one), nothing
+    read, nothing lost, every row, Adagrad state and the AUC as in the run without failures,
+    bit for bit, though one trainer computed every microbatch while the other came back (the
+    step's gradient is summed in microbatch order, whoever computed what); and the replay
+    recomputes it."""
     clean_cfg, (clean, clean_rows, *_) = clean_run
     cfg = _replica_config(tmp_path, small_data, "replica")
-    report, rows, events, (before, after) = _run(ray_local, cfg, [("mirror:1", 20), ("shard:0", 40), ("shard:1", None)])
+    report, rows, events, (before, after) = _run(
+        ray_local, cfg, [("mirror:1", 20), ("shard:0", 40), ("shard:1", None), ("trainer:1", 80)])
     failures = {f["actor"]: f for f in report["failures"]}
     assert sorted(failures) == ["shard:0", "shard:1"]
     for f in failures.values():
@@ -92,7 +96,7 @@ def test_killed_shards_are_served_by_their_mirrors_and_the_run_equals_one_withou
     assert _same_rows(clean_rows, rows), "rows and Adagrad state differ from the run without failures"
     assert report["auc"] == clean["auc"]
     assert report["mirrors"]["promoted"] == 2 and report["mirrors"]["memory_bytes"] > 0
-    verdict = verify_run(cfg.run_dir, wait_s=30)  # exactly once, nothing lost, from the audit logs alone
+    verdict = verified(cfg.run_dir)  # exactly once, nothing lost, from the audit logs alone
     assert verdict.violations == [], verdict.violations
 
 
@@ -109,7 +113,7 @@ def test_a_supervisor_killed_during_the_handover_finishes_it_from_its_journal(ra
     assert failure["recovery"] == "replica" and failure["lost_samples"] == 0 and failure["bytes_reloaded"] == 0
     assert after["shard:0"].pid == before["mirror:0"].pid
     assert _same_rows(clean_rows, rows) and report["auc"] == clean["auc"]
-    verdict = verify_run(cfg.run_dir, wait_s=30)
+    verdict = verified(cfg.run_dir)
     assert verdict.violations == [], verdict.violations
 
 
@@ -146,5 +150,5 @@ def test_a_promoted_shard_killed_before_its_new_mirror_exists_loses_what_its_row
     assert second["recovery"] == "partial" and len(second["chain"]) == 1 and 40 <= second["chain"][0] < 53, second
     assert second["first_step"] is not None and second["first_step"] <= second["chain"][0], second
     assert second["lost_samples"] > 0, "the updates of the steps since the checkpoint were lost"
-    verdict = verify_run(cfg.run_dir, wait_s=30)  # the recount from the audit logs agrees
+    verdict = verified(cfg.run_dir)  # the recount from the audit logs agrees
     assert verdict.violations == [], verdict.violations

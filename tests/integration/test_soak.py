@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.integration.checks import verified
 from verify import verify_run
 
 from .small_runs import small_run_config, train_to_report
@@ -55,7 +56,7 @@ def soak(ray_local, small_data, tmp_path_factory):
 def test_short_soak_eleven_kills_of_every_kind(soak):
     cfg, report = soak
     summary = {k: report.get(k) for k in ("steps", "state", "supervisor_restarts", "all_trainers_failed")}
-    verdict = verify_run(cfg.run_dir, wait_s=30)
+    verdict = verified(cfg.run_dir)  # cpr verify --replay
     # Every trainer at once: one kill per trainer. Counted from the injector's own log.
     kinds = verdict.facts["kills_by_kind"]
     assert (kinds.get("supervisor"), kinds.get("shard"), kinds.get("trainer")) == (3, 4, 4), (kinds, summary)

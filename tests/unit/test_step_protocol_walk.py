@@ -650,12 +650,15 @@ def check_invariants(walk: Walk) -> None:
     assert mirror.shard.applied_step == STEPS - 1
 
     # Audit logs: per shard process and timeline, each step applied once, in order, naming a try
-    # the ledger committed (a promoted mirror's steps came to it without their try).
+    # the ledger committed (a promoted mirror's steps came to it without their try); a mirror's
+    # own log from its base (the steps in its primary's rows when it started).
     for path in sorted(glob.glob(os.path.join(walk.audit, "*.jsonl"))):
         expected, promoted = 0, False
         with open(path) as f:
             for record in map(json.loads, f):
-                if record["event"] == "load":
+                if record["event"] == "base":
+                    expected = record["step"]
+                elif record["event"] == "load":
                     promoted = promoted or record.get("why") == "replica"
                     expected = record["step"] if "step" in record else (record["chain"] or [0])[-1]
                 elif record["event"] == "apply":

@@ -1,0 +1,283 @@
+"""The replay: the run's model recomputed in one process, step by committed step, and compared
+with every checkpoint the run left.
+
+Events come in the order they happened (``history``). A commit of step ``s`` is computed as
+the run computes it: each microbatch through the dense model on its own, the M gradients
+summed in position order (whoever computed which: ``actors/trainer/grads.py``), Adagrad; the
+embedding gradients of all M microbatches update the tables in one kernel call, in
+microbatch-id order. A load sets a state to a checkpoint's:
+a trainer's load the dense model (0: the initial one), a shard's load that shard's rows
+(its chain merged, oldest first; [] the initial rows). A shard's load takes effect at the
+first step its new generation served, so a commit logged a moment after a shard died (a
+slow trainer's line) still updates the rows the dead generation held, as it did.
+
+At every step boundary the run saved, the replay's state is kept against that checkpoint's
+files (the last time the boundary was reached before the checkpoint committed: a step
+fenced by a rollback is saved again under the same number)."""
+
+from __future__ import annotations
+
+import copy
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from verify.files import RunFiles, load_run
+from verify.replay.compare import Tolerance, dense_problems, rows_problems
+from verify.replay.data import DataCache, train_store
+from verify.replay.dense import DenseDLRM, adagrad
+from verify.replay.history import Commit, DenseLoad, History, ShardLoad, read_history
+from verify.replay.saved import saved_dense, saved_rows
+from verify.replay.schedule import Schedule
+from verify.replay.tables import Tables, dense_digest
+from verify.store import Store
+
+__all__ = ["ReplayResult", "replay_run", "replay_dir"]
+
+NUM_DENSE, NUM_SPARSE = 13, 26
+
+
+@dataclass
+class ReplayResult:
+    steps: int = 0  # commits computed (a step redone after a rollback counts again)
+    checkpoints: list[int] = field(default_factory=list)  # compared and matching
+    findings: list[str] = field(default_factory=list)  # where the run's model parts from the replay
+    gaps: list[str] = field(default_factory=list)  # what the replay could not check, and why
+    exact: bool = True  # every comparison matched bit for bit
+    seconds: float = 0.0
+
+    @property
+    def sound(self) -> bool:
+        return not self.findings
+
+    def summary(self) -> str:
+        how = "bit for bit" if self.exact else "within tolerance"
+        head = f"replay: {self.steps} steps, {len(self.checkpoints)} checkpoints match {how}"
+        return head if self.sound else f"replay: {len(self.findings)} finding(s); first: {self.findings[0]}"
+
+
+class Replay:
+    def __init__(self, run: RunFiles, store: Store, cache: DataCache, schedule: Schedule,
+                 tolerance: Tolerance | None = None):
+        cfg = run.config
+        self.run, self.store, self.cache, self.schedule = run, store, cache, schedule
+        self.m = schedule.microbatches_per_step
+        self.rows_per_microbatch = int(cfg["training"]["microbatch_rows"])
+        self.seed = int(cfg.get("seed", 0))
+        self.tolerance = tolerance or Tolerance()
+        self.history: History = read_history(run, self.m)
+        model, emb = cfg["model"], cfg["embeddings"]
+        self.tables = Tables(list(cache.table_rows), int(model["embedding_dim"]), float(emb["learning_rate"]),
+                             float(emb["eps"]))
+        self._initialize_all()
+        torch.manual_seed(self.seed)  # the run's dense init: the same seed, the same layers in order
+        self.model = DenseDLRM(NUM_DENSE, NUM_SPARSE, list(model["dense_arch"]), list(model["over_arch"]))
+        self.optimizer = adagrad(self.model, float(cfg["training"]["dense_learning_rate"]))
+        self.initial_dense = copy.deepcopy((self.model.state_dict(), self.optimizer.state_dict()))
+        self.saved = {s: self.store.commit_time(s) for s in self.store.committed()}
+        # The replay's own state at each step a load names: what it loads where retention
+        # removed the checkpoint since (a chain of one full checkpoint; an incremental's rows
+        # are known only from its file).
+        self._needed = {c for load in self.history.shard_loads for c in load.chain[:1]} | {
+            d.step for d in self.history.dense_loads if d.step > 0}
+        self._snapshots: dict[int, tuple] = {}
+        self.result = ReplayResult()
+        self._at_boundary: dict[int, tuple[float, list[str]]] = {}  # step -> (when reached, problems then)
+        self._parted: set[tuple[str, str]] = set()  # the processes whose logged state parted already
+        self._loaded_now: list[str] = []  # the shard loads that took effect before the step in hand
+
+    def _initialize_all(self) -> None:
+        for slices in self.history.slices.values():
+            for table, start, end in slices:
+                self.tables.initialize(self.seed, table, start, end)
+
+    def run_all(self) -> ReplayResult:
+        t0 = time.perf_counter()
+        pending: list[ShardLoad] = []
+        for event in self.history.events():
+            if isinstance(event, DenseLoad):
+                self._load_dense(event.step)
+            elif isinstance(event, ShardLoad):
+                pending.append(event)
+            else:
+                self._loaded_now = []
+                pending = self._apply_loads(pending, event.step)
+                self._commit(event)
+                self._reached(event.step + 1, event.t)
+        self._apply_loads(pending, None)
+        self._conclude()
+        self.result.seconds = time.perf_counter() - t0
+        return self.result
+
+    def _apply_loads(self, pending: list[ShardLoad], step: int | None) -> list[ShardLoad]:
+        """The loads that took effect before ``step`` (all with None); the rest stay pending."""
+        keep = []
+        for load in pending:
+            if step is not None and load.first_step is not None and load.first_step > step:
+                keep.append(load)
+            else:
+                self._load_shard(load)
+                self._loaded_now.append(f"shard {load.shard} generation {load.generation} loaded {load.chain}")
+        return keep
+
+    def _dense_state(self) -> tuple[dict, dict]:
+        return self.model.state_dict(), self.optimizer.state_dict()
+
+    def _load_dense(self, step: int) -> None:
+        if step == 0 or (step not in self.saved and step in self._snapshots):
+            model_sd, optim_sd = copy.deepcopy(self.initial_dense if step == 0 else self._snapshots[step][1])
+            self.model.load_state_dict(model_sd)
+            self.optimizer.load_state_dict(optim_sd)
+            return
+        if step not in self.saved:
+            self.result.gaps.append(f"the dense model was loaded from checkpoint {step}, which no longer exists "
+                                    "and the replay never reached")
+            return
+        params, sums, steps = saved_dense(self.store, step)
+        with torch.no_grad():
+            for p, q in zip(self.model.parameters(), params):
+                p.copy_(q)
+        for p, s, n in zip(self.model.parameters(), sums, steps):
+            st = self.optimizer.state[p]
+            st["sum"] = (s if s is not None else torch.zeros_like(p)).detach().clone()
+            st["step"] = torch.tensor(float(n))
+
+    def _load_shard(self, load: ShardLoad) -> None:
+        slices = self.history.slices.get(load.shard, [])
+        if len(load.chain) == 1 and load.chain[0] not in self.saved and load.chain[0] in self._snapshots:
+            tables = self._snapshots[load.chain[0]][0]
+            for table, start, end in slices:
+                w, m = tables[table]
+                self.tables.put(table, np.arange(start, end), w[start:end].numpy(), m[start:end].numpy())
+            return
+        for table, start, end in slices:
+            self.tables.initialize(self.seed, table, start, end)
+        for step in load.chain:
+            if step not in self.saved:
+                self.result.gaps.append(f"shard {load.shard} generation {load.generation} loaded checkpoint {step}, "
+                                        "which no longer exists: its rows are not replayed from there")
+                return
+            rows = saved_rows(self.store, step, load.shard)
+            for table in np.unique(rows.tables):
+                at = rows.tables == table
+                self.tables.put(int(table), rows.rows[at], rows.weights[at], rows.momentum[at])
+
+    def _commit(self, c: Commit) -> None:
+        """Step ``c.step`` as the run computes it: each microbatch through the dense model on its
+        own (with the threads of the trainer that computed it), the M gradients summed in
+        position order, Adagrad; the pooled gradients of all M, in microbatch-id order, through
+        the tables' kernel."""
+        m, step = self.m, c.step
+        slots: dict[int, list[torch.Tensor]] = {}
+        ids, pooled_grads = {}, {}
+        for _rank, share, threads in c.shares:
+            if threads:
+                torch.set_num_threads(int(threads))
+            for i in share:
+                labels, dense, rows = self.cache.microbatch(self.schedule.microbatch(step, i - step * m))
+                pooled = self.tables.lookup(rows).requires_grad_(True)
+                self.optimizer.zero_grad(set_to_none=True)
+                loss = torch.nn.functional.binary_cross_entropy_with_logits(
+                    self.model(torch.from_numpy(dense.copy()), pooled), torch.from_numpy(labels.copy()), reduction="sum")
+                (loss / (m * self.rows_per_microbatch)).backward()
+                slots[i - step * m] = [p.grad for p in self.model.parameters()]
+                ids[i], pooled_grads[i] = rows, pooled.grad.numpy()
+        if sorted(slots) != list(range(m)):
+            self.result.findings.append(f"step {step}: committed with microbatch positions {sorted(slots)}, not 0..{m - 1}")
+            return
+        with torch.no_grad():
+            for j, p in enumerate(self.model.parameters()):
+                total = slots[0][j].clone()
+                for position in range(1, m):
+                    total += slots[position][j]
+                p.grad = total
+        self.optimizer.step()
+        order = sorted(ids)
+        merged = np.concatenate([ids[i] for i in order])
+        self.tables.step(merged, np.concatenate([pooled_grads[i] for i in order]))
+        self.result.steps += 1
+        self._check_digests(c, merged)
+
+    def _check_digests(self, c: Commit, merged: np.ndarray) -> None:
+        """The state each process logged it left after this step, against the replay's: the
+        first step and process where they part (a checkpoint only says they parted since the
+        one before)."""
+        params = list(self.model.parameters())
+        mine = dense_digest(params, [self.optimizer.state[p]["sum"] for p in params])
+        for rank, digest in c.dense:
+            if digest != mine:
+                self._first_part(f"step {c.step}: trainer {rank}'s dense model after the commit differs from the "
+                                 "replay")
+        if c.try_ is None:
+            return
+        for shard, name, digest in self.history.applies.get((c.step, (c.try_[0], c.try_[2])), []):
+            if digest != self.tables.digest(self.history.slices.get(shard, []), merged):
+                self._first_part(f"step {c.step}: shard {shard}'s rows after the apply ({name}) differ from the "
+                                 "replay")
+
+    def _first_part(self, finding: str) -> None:
+        """Digest findings: each process's first only (everything after it differs too)."""
+        who = finding.split(": ", 1)[1].split(" ", 2)[:2]
+        if tuple(who) not in self._parted:
+            self._parted.add(tuple(who))
+            loads = "; ".join(self._loaded_now)
+            self.result.findings.append(finding + (f" (before this step {loads})" if loads else ""))
+
+    def _reached(self, boundary: int, t: float) -> None:
+        """The state holds ``boundary`` committed steps: kept against checkpoint ``boundary``
+        if the run saved one after this moment."""
+        if boundary in self._needed:
+            self._snapshots[boundary] = (self.tables.snapshot(), copy.deepcopy(self._dense_state()))
+        when = self.saved.get(boundary)
+        if when is None or when < t:
+            return
+        self._at_boundary[boundary] = (t, self._compare(boundary))
+
+    def _compare(self, step: int) -> list[str]:
+        problems = []
+        for k in sorted(self.history.slices):
+            try:
+                rows = saved_rows(self.store, step, k)
+            except (OSError, KeyError) as err:
+                problems.append(f"checkpoint {step} shard {k}: unreadable ({err})")
+                continue
+            problems += rows_problems(step, k, rows, self.tables, self.tolerance, self.result)
+        try:
+            params, sums, steps = saved_dense(self.store, step)
+        except (OSError, KeyError, RuntimeError) as err:
+            return problems + [f"checkpoint {step} dense: unreadable ({err})"]
+        return problems + dense_problems(step, self.model, self.optimizer, params, sums, steps, self.tolerance,
+                                         self.result)
+
+    def _conclude(self) -> None:
+        for step in sorted(self.saved):
+            if step not in self._at_boundary:
+                self.result.gaps.append(f"checkpoint {step}: the replay never reached it before it was saved")
+                continue
+            problems = self._at_boundary[step][1]
+            if problems:
+                self.result.findings += problems
+            else:
+                self.result.checkpoints.append(step)
+
+
+def replay_run(run: RunFiles, store: Store, cache: DataCache, tolerance: Tolerance | None = None) -> ReplayResult:
+    schedule = Schedule.for_run(run.config, len(cache))
+    threads = torch.get_num_threads()
+    try:
+        return Replay(run, store, cache, schedule, tolerance).run_all()
+    finally:
+        torch.set_num_threads(threads)
+
+
+def replay_dir(run_dir, tolerance: Tolerance | None = None) -> ReplayResult:
+    """``replay_run`` on a run directory: its checkpoints where its config says, its training
+    store where run.json names it."""
+    run = load_run(run_dir)
+    storage = run.config["checkpoint"].get("storage") or str(run.run_dir.resolve() / "checkpoints")
+    uri = train_store(run)
+    if uri is None:
+        raise FileNotFoundError(f"{run_dir}: the run's training store is not found; the replay needs it")
+    return replay_run(run, Store(storage), DataCache(uri), tolerance)

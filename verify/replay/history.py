@@ -1,0 +1,113 @@
+"""What happened to the model, read from the audit logs: which tries of which steps the
+trainers committed and who computed which microbatches, and every load that changed a
+state (a trainer's dense model set to a checkpoint's, a shard's rows set to a checkpoint
+chain's). The replay trusts these lines for *which* events happened and recomputes their
+consequences; a replica promotion, a heal and a trainer's death change nothing."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from verify.files import RunFiles
+
+__all__ = ["Commit", "DenseLoad", "ShardLoad", "History", "read_history"]
+
+
+@dataclass
+class Commit:
+    """One committed try of ``step``: ``shares`` (rank, microbatch ids in the order that
+    trainer fed them, threads it computed with), rank order; a share nobody logged (its
+    trainer was killed as it committed) has rank None."""
+
+    step: int
+    try_: tuple[int, ...] | None
+    t: float
+    shares: list[tuple[int | None, list[int], int | None]] = field(default_factory=list)
+    dense: list[tuple[int, str]] = field(default_factory=list)  # (rank, digest of its dense state after)
+
+
+@dataclass
+class DenseLoad:
+    step: int  # the dense model is now checkpoint ``step``'s (0: the initial one)
+    t: float
+    why: str
+
+
+@dataclass
+class ShardLoad:
+    shard: int
+    generation: int
+    chain: list[int]  # the checkpoints it merged, oldest first ([]: the initial rows)
+    why: str
+    t: float
+    first_step: int | None  # the first step this generation served after the load
+
+
+@dataclass
+class History:
+    commits: list[Commit]
+    dense_loads: list[DenseLoad]
+    shard_loads: list[ShardLoad]
+    slices: dict[int, list[tuple[int, int, int]]]  # shard -> [table, row_start, row_end]
+    # (step, (generation, attempt)) -> (shard, audit file name, digest of the rows after the apply)
+    applies: dict[tuple, list[tuple[int, str, str]]] = field(default_factory=dict)
+
+    def events(self) -> list:
+        """Every event in time order."""
+        return sorted([*self.commits, *self.dense_loads, *self.shard_loads], key=lambda e: e.t)
+
+
+def read_history(run: RunFiles, m: int) -> History:
+    groups: dict[tuple, list[dict]] = {}
+    dense_loads: list[DenseLoad] = []
+    for f in run.trainers:
+        lighthouse, threads = None, None
+        for r in f.records:
+            kind = r.get("event")
+            if kind == "open":
+                lighthouse, threads = r.get("lighthouse"), r.get("threads")
+            elif kind == "commit":
+                key = ("try", *r["try"]) if r.get("try") is not None else ("quorum", r["step"], r["quorum"], lighthouse)
+                groups.setdefault(key, []).append({**r, "_threads": threads})
+            elif kind == "load":
+                dense_loads.append(DenseLoad(int(r["step"]), float(r["t"]), str(r.get("why"))))
+    commits = [_commit(records, m) for records in groups.values()]
+    shard_loads: list[ShardLoad] = []
+    slices: dict[int, list[tuple[int, int, int]]] = {}
+    applies: dict[tuple, list[tuple[int, str, str]]] = {}
+    for k, files in run.shards.items():
+        for f in files:
+            for r in f.records:  # a mirror's applies too: its rows must be the shard's at every step
+                if r.get("event") == "apply" and r.get("rows") and r.get("try") is not None:
+                    applies.setdefault((int(r["step"]), tuple(r["try"])), []).append((k, f.path.name, r["rows"]))
+            if f.kind != "shard":  # a mirror's own log: its rows are the shard's until it takes its place
+                continue
+            records = sorted(f.records, key=lambda r: (r.get("t", 0.0), r["_line"]))
+            for i, r in enumerate(records):
+                kind = r.get("event")
+                if kind == "open" and "slices" in r and k not in slices:
+                    slices[k] = [tuple(int(x) for x in s) for s in r["slices"]]
+                if kind != "load" or r.get("why") == "replica":
+                    continue
+                served = next((int(n["step"]) for n in records[i + 1:] if n.get("event") in ("complete", "apply")), None)
+                shard_loads.append(ShardLoad(k, int(f.gen or 0), [int(c) for c in r.get("chain") or []],
+                                             str(r.get("why")), float(r["t"]), served))
+    return History(sorted(commits, key=lambda c: c.t), sorted(dense_loads, key=lambda d: d.t),
+                   sorted(shard_loads, key=lambda s: s.t), slices, applies)
+
+
+def _commit(records: list[dict], m: int) -> Commit:
+    step = int(records[0]["step"])
+    by_rank: dict[int, dict] = {}
+    for r in records:
+        by_rank.setdefault(int(r["rank"]), r)
+    shares: list[tuple[int | None, list[int], int | None]] = [
+        (rank, [int(i) for i in r["microbatches"]], r["_threads"]) for rank, r in sorted(by_rank.items())]
+    logged = {i for _, ids, _ in shares for i in ids}
+    missing = [i for i in range(step * m, step * m + m) if i not in logged]
+    if missing:
+        shares.append((None, missing, None))
+    t = min(float(r["t"]) for r in records)
+    try_ = tuple(records[0]["try"]) if records[0].get("try") is not None else None
+    dense = [(rank, r["dense"]) for rank, r in sorted(by_rank.items()) if r.get("dense")]
+    return Commit(step, try_, t, shares, dense)
