@@ -221,7 +221,7 @@ def _wait_for(path: Path, after: float, stop: threading.Event) -> None:
 @click.option("--kills", type=click.IntRange(1), default=20, show_default=True, help="Random kills per run.")
 @click.option("--mtbf", type=float, default=6.0, show_default=True, help="Mean seconds between kills.")
 def soak(config_path: str, seeds: tuple[int, ...], kills: int, mtbf: float) -> None:
-    """Trains under random SIGKILLs of every kind, then checks the run's invariants from its files."""
+    """Trains under random SIGKILLs of every kind, then checks the run's invariants from its files and replays it."""
     from app.soak import run_soak  # import cost: 0.13 s, then Ray and torch; see the note at the top
 
     bad = 0
@@ -231,6 +231,11 @@ def soak(config_path: str, seeds: tuple[int, ...], kills: int, mtbf: float) -> N
         click.echo(f"seed {seed}: {r['kills']} kills, {r['shard_recoveries']} shard recoveries, "
                    f"{r['supervisor_restarts']} supervisor restarts, finished={r['finished']}, "
                    f"{len(r['violations'])} violations")
+        if (e := r.get("replay")) and "error" not in e:
+            click.echo(f"  replay: {e['checkpoints']} checkpoints match" + (" bit for bit" if e["exact"] else "")
+                       + f", {e['findings']} findings, {e['wall_s']:.0f} s (training {e['train_seconds']} s)"
+                       + ("" if r.get("failure_free_equal") is None else
+                          f"; final model equals the failure-free run's: {r['failure_free_equal']}"))
         for line in r["violations"]:
             click.echo(f"  violation: {line}")
     sys.exit(1 if bad else 0)

@@ -1,13 +1,17 @@
 """``cpr soak``: train under random SIGKILLs of every kind, then check the run with ``cpr
 verify`` (``verify.verify_run``): from the fault injector's own log, the audit logs written by
 the shards and trainers, the data cache and the checkpoint files, never from the supervisor's
-own bookkeeping.
+own bookkeeping; then ``cpr verify --replay`` (``verify.replay``): the model recomputed in one
+process and compared with every checkpoint the run left. A finding of either keeps the run whole.
 """
 
 from __future__ import annotations
 
 import logging
 import shutil
+import time
+from collections import Counter
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import ray
@@ -19,8 +23,11 @@ from app.soak_check import keep_or_clean, must_keep, promoted_then_killed, sched
 from app.soak_plan import scheduled_faults, soak_config, soak_faults
 from core.config import load_config
 from verify import verify_run
+from verify.files import load_run as load_run_files
+from verify.replay.history import read_history
 
-__all__ = ["run_soak", "soak_config", "soak_faults", "written_report", "soak_result"]
+__all__ = ["run_soak", "soak_config", "soak_faults", "written_report", "soak_result", "Replayed", "replay_soak_run",
+           "replay_violations", "replay_entry"]
 
 logger = logging.getLogger(__name__)
 
@@ -69,17 +76,81 @@ def run_soak(config_path: str, run_dir: str, seed: int, kills: int, mtbf_s: floa
     # The run's own store keeps every incremental for the recount (keep_last, about 10 GB an
     # hour of soak); a sound run loses it once checked. Elsewhere (checkpoint.storage) it stays.
     checkpoints = cfg.checkpoint_uri if cfg.checkpoint.storage is None else None
+    replayed = replay_soak_run(run_dir)  # before soak_result: a sound run then loses its checkpoints
     return soak_result(seed, run_dir, verdict, report or {}, violations, wedged, scheduled_faults(cfg.faults),
-                       kept_root or str(Path(run_dir).parent / "kept"), keep_all, checkpoints)
+                       kept_root or str(Path(run_dir).parent / "kept"), keep_all, checkpoints, replay=replayed)
+
+
+@dataclass
+class Replayed:
+    """A soak run's replay (``verify.replay``): its ``ReplayResult`` and the loads of the run's
+    history (a shard's rows or the dense model set to a checkpoint's), or the exception that
+    stopped it; ``wall_s`` counts reading the run's files too, not only the recomputation."""
+
+    result: object | None = None  # verify.replay.engine.ReplayResult
+    shard_loads: int | None = None
+    dense_loads: int | None = None
+    error: str | None = None
+    wall_s: float = 0.0
+    loads_by_why: dict[str, int] = field(default_factory=dict)  # "shard recovery", "dense resume", ...
+
+
+def replay_soak_run(run_dir: str | Path) -> Replayed:
+    """``cpr verify --replay`` on the run: never raises (an exception is the soak's violation)."""
+    t0 = time.perf_counter()
+    try:
+        from verify.replay.engine import replay_dir  # import cost: torch and fbgemm, 3-5 s; only the replay needs them
+
+        result = replay_dir(run_dir)
+        run = load_run_files(run_dir)
+        history = read_history(run, run.m)
+    except Exception as err:  # noqa: BLE001 - reported as a violation, the soak goes on with the next seed
+        logger.exception("the replay of %s raised", run_dir)
+        return Replayed(error=repr(err), wall_s=time.perf_counter() - t0)
+    whys = Counter([f"shard {s.why}" for s in history.shard_loads] + [f"dense {d.why}" for d in history.dense_loads])
+    return Replayed(result, len(history.shard_loads), len(history.dense_loads), wall_s=time.perf_counter() - t0,
+                    loads_by_why=dict(sorted(whys.items())))
+
+
+def replay_violations(replayed: Replayed | None) -> list[str]:
+    """The replay's findings and what it could not replay, as the soak's violations."""
+    if replayed is None:
+        return []
+    if replayed.error is not None:
+        return [f"replay raised {replayed.error}"]
+    return [f"replay: {f}" for f in replayed.result.findings] + [f"not replayed: {g}" for g in replayed.result.gaps]
+
+
+def replay_entry(replayed: Replayed, report: dict, steps: int | None, finished: bool) -> tuple[dict, bool | None]:
+    """The result line's ``replay`` (what was replayed, how long it took beside the training)
+    and ``failure_free_equal``: with no load in the run's history (every recovery a promotion,
+    every trainer replacement healed from a peer) the replay is the failure-free run, so a sound,
+    exact replay that matched the final checkpoint says the run's final model is that run's
+    bit for bit; None where the run loaded a checkpoint (not a failure-free model by design) or
+    the replay raised."""
+    train_s = (report.get("wall_time_s") or {}).get("training_s")
+    entry: dict = {"train_seconds": None if train_s is None else round(float(train_s), 1),
+                   "wall_s": round(replayed.wall_s, 1)}
+    r = replayed.result
+    if r is None:
+        return {**entry, "error": replayed.error}, None
+    entry |= {"steps": r.steps, "checkpoints": len(r.checkpoints), "exact": r.exact, "seconds": round(r.seconds, 1),
+              "findings": len(r.findings), "gaps": len(r.gaps), "shard_loads": replayed.shard_loads,
+              "dense_loads": replayed.dense_loads, "loads_by_why": replayed.loads_by_why}
+    if replayed.shard_loads or replayed.dense_loads:
+        return entry, None
+    return entry, bool(finished and r.sound and r.exact and steps is not None and steps in r.checkpoints)
 
 
 def soak_result(seed: int, run_dir: str, verdict, report: dict, violations: list[str], wedged: bool,
                 scheduled: list[dict], kept_root: str, keep_all: bool, checkpoints: str | None,
-                extra: tuple = ()) -> dict:
+                extra: tuple = (), replay: Replayed | None = None) -> dict:
     """A soak run's line of the results: the faults it met (the injector's log, as ``cpr verify``
-    counted them), each scheduled fault and what happened, the violations, and where the run
-    is kept when it is (``app.soak_check.must_keep``)."""
-    violations = violations + verdict.violations
+    counted them), each scheduled fault and what happened, the violations (the replay's
+    findings and gaps among them), the replay beside the training time, and where the run is
+    kept when it is (``app.soak_check.must_keep``). ``replay`` None: the run was not replayed
+    (no ``replay`` entry)."""
+    violations = violations + verdict.violations + replay_violations(replay)
     kinds, others = verdict.facts.get("kills_by_kind", {}), verdict.facts.get("other_faults", {})
     outcomes = scheduled_outcomes(run_dir, scheduled)  # before the run directory may move
     finished = report.get("auc") is not None
@@ -97,6 +168,9 @@ def soak_result(seed: int, run_dir: str, verdict, report: dict, violations: list
         "checkpoints_verified": verdict.facts.get("checkpoints_verified"),
         "scheduled": outcomes, "kept": kept,
     }
+    if replay is not None:
+        out["replay"], out["failure_free_equal"] = replay_entry(replay, report, out["steps"] or report.get("steps"),
+                                                                finished)
     scenario = promoted_then_killed(outcomes)
     if scenario is not None:
         out["promoted_shard_killed_before_new_mirror"] = scenario

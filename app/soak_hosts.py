@@ -2,7 +2,8 @@
 a head and worker hosts, each with its own network and PID namespaces), a run on it under
 SIGKILLs and stalls (the run's own ``faults:``) and host kills and partitions (``faults.hosts``,
 carried out from outside the hosts), then the check: what is left on each host, from inside it,
-and the whole run by ``cpr verify`` once the cluster is gone.
+and the whole run by ``cpr verify`` and its replay (``cpr verify --replay``) once the cluster is
+gone.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import numpy as np
 import yaml
 
 from app.host_chaos import Cluster, run_host_faults
-from app.soak import soak_result, written_report
+from app.soak import replay_soak_run, soak_result, written_report
 from app.soak_plan import scheduled_faults, soak_config
 from core.config import load_config
 from verify import verify_run
@@ -142,11 +143,14 @@ def run_soak_on_hosts(config_path: str, run_dir: str, seed: int, kills: int, mtb
             driver.wait(timeout=30)
         cluster("down", timeout_s=300, check=False)
     verdict = verify_run(run_path, wait_s=10.0)
+    # The model recomputed from the run's files: its checkpoints where its config says (the run
+    # directory, seen from here as from every host), before a sound run loses them.
+    replayed = replay_soak_run(run_path)
     report = written_report(run_path) or {}
     # The run keeps every incremental for the recount (keep_last): about 20-30 GB a run. A sound
     # run loses them once checked; one with a finding is kept whole.
     result = soak_result(seed, str(run_path), verdict, report, violations, wedged,
                          scheduled_faults(load_config(str(cfg_path)).faults),
                          kept_root or str(run_path.parent / "kept"), keep_all, str(run_path / "checkpoints"),
-                         extra=(cfg_path, log))
+                         extra=(cfg_path, log), replay=replayed)
     return {"hosts": hosts, "hosts_lost": len(report.get("hosts_lost") or []), **result}

@@ -2,12 +2,14 @@
 kills aimed at a save, a recovery and a rollback, stalls (SIGSTOP/SIGCONT) of a shard and a
 trainer, and damaged checkpoint files met by a recovery and a rollback; then check each run
 with ``cpr verify`` (the fault injector's own log, the audit logs, the data cache and the
-checkpoint files, never the supervisor's books). Writes OUT/soak.json (the commit, the machine,
-the date, the command; each run's faults met, each scheduled fault and what happened) and
-soak.md, the table rendered from the JSON (``--render`` renders it again). A run with a
-violation, or unfinished, is moved whole to KEPT (default RUNS/kept) for ``cpr verify`` again;
-a sound one keeps its logs and audit in RUNS and loses its checkpoints. The soak stops before a run
-when less than --min-free-gib is free under RUNS.
+checkpoint files, never the supervisor's books) and replay it (``cpr verify --replay``: the
+model recomputed in one process and compared with every checkpoint, bit for bit). Writes
+OUT/soak.json (the commit, the machine, the date, the command; each run's faults met, each
+scheduled fault and what happened, its replay beside its training time) and soak.md, the table
+rendered from the JSON (``--render`` renders it again). A run with a violation (a replay's
+finding among them), or unfinished, is moved whole to KEPT (default RUNS/kept) for ``cpr
+verify`` again; a sound one keeps its logs and audit in RUNS and loses its checkpoints. The soak
+stops before a run when less than --min-free-gib is free under RUNS.
 
     .venv/bin/python benchmarks/soak.py                      # 10 seeds, 20 random kills each
     .venv/bin/python benchmarks/soak.py --recovery replica   # soak-replica.json
@@ -80,6 +82,7 @@ def render(doc: dict) -> str:
             f"| {r['fallbacks']} | {r['finished']} | {r['wedged']} | {len(r['violations'])} | {lost} | {auc} "
             f"| {r['wall_s']} |"
         )
+    lines += _replays(rows)
     lines += _scheduled(rows)
     bad = [(r["seed"], v) for r in rows for v in r["violations"]]
     if bad:
@@ -91,6 +94,62 @@ def render(doc: dict) -> str:
         lines += ["", "Kept whole, checkpoints included, for `cpr verify DIR` again:", ""]
         lines += [f"- seed {s}: `{path}`" for s, path in kept]
     return "\n".join(lines) + "\n"
+
+
+def _replays(rows: list[dict]) -> list[str]:
+    """Each run's replay (``cpr verify --replay``, ``app.soak.replay_entry``) beside its
+    training time. Nothing when no run was replayed (results from before the soak replayed);
+    a run without a replay has blank cells."""
+    if not any(r.get("replay") for r in rows):
+        return []
+    return ["", _replay_words(rows), "",
+            "| seed | steps replayed | checkpoints matched | bit for bit | findings | not replayed "
+            "| loads: shard / dense | replay s (recompute) | training s | final model = failure-free run's |",
+            "|---|---|---|---|---|---|---|---|---|---|",
+            *("| " + " | ".join([str(r["seed"]), *_replay_cells(r)]) + " |" for r in rows)]
+
+
+def _replay_words(rows: list[dict]) -> str:
+    """The replays in a sentence: how many were sound, their time beside the training's, and
+    how many final models equal the failure-free run's."""
+    replays = [r["replay"] for r in rows if r.get("replay")]
+    done = [e for e in replays if "error" not in e]
+    raised = len(replays) - len(done)
+    words = [f"{sum(1 for e in done if not e['findings'] and not e['gaps'])} of {len(replays)} sound and complete, "
+             f"{sum(1 for e in done if e['exact'])} bit for bit" + (f", **{raised} raised**" if raised else "")]
+    timed = [(r["seed"], e["wall_s"] / e["train_seconds"]) for r in rows
+             if (e := r.get("replay")) and "error" not in e and e.get("train_seconds") and e.get("wall_s") is not None]
+    if timed:
+        slower = [str(seed) for seed, ratio in timed if ratio > 1]
+        words.append(f"replay time {min(x for _, x in timed):.0%}-{max(x for _, x in timed):.0%} of the training time"
+                     + (f", **longer than training for seed{'s' if len(slower) > 1 else ''} {', '.join(slower)}**"
+                        if slower else ""))
+    equal = [r["failure_free_equal"] for r in rows if r.get("failure_free_equal") is not None]
+    if equal:
+        words.append(f"the final model equals the failure-free run's bit for bit in {sum(equal)} of the "
+                     f"{len(equal)} runs that loaded no checkpoint")
+    return ("Each run replayed (`cpr verify --replay`: the model recomputed in one process, step by committed step, "
+            "and compared with every checkpoint the run left; a finding, a checkpoint it could not replay and a "
+            "replay that raised are violations): " + "; ".join(words) + ".")
+
+
+def _replay_cells(r: dict) -> list[str]:
+    """A run's cells of the replay table; blank where the run has no replay."""
+    e = r.get("replay")
+    if not e:
+        return [""] * 9
+
+    def num(x, fmt: str = "") -> str:
+        return "" if x is None else format(x, fmt)
+
+    times = [num(e.get("wall_s"), ".0f") + (f" ({e['seconds']:.0f})" if e.get("seconds") is not None else ""),
+             num(e.get("train_seconds"), ".0f")]
+    if "error" in e:
+        return [f"raised {e['error']}", "", "", "", "", "", *times, ""]
+    equal = r.get("failure_free_equal")
+    return [num(e["steps"], ","), str(e["checkpoints"]), "yes" if e["exact"] else "**no**", str(e["findings"]),
+            num(e.get("gaps")), f"{num(e.get('shard_loads'))} / {num(e.get('dense_loads'))}", *times,
+            "- (loaded a checkpoint)" if equal is None else "yes" if equal else "**no**"]
 
 
 def _scheduled(rows: list[dict]) -> list[str]:

@@ -73,8 +73,8 @@ def _same_rows(a, b) -> bool:
 
 def test_killed_shards_are_served_by_their_mirrors_and_the_run_equals_one_without_failures(
         ray_local, small_data, tmp_path, clean_run):
-    """A mirror killed (and rebuilt), then both shards at once, once the new mirror is in sync,
-    then a trainer: each mirror takes its shard's place (one of them the rebuilt one), nothing
+    """A trainer killed, a mirror killed (and rebuilt), then both shards at once, once the new
+    mirror is in sync: each mirror takes its shard's place (one of them the rebuilt one), nothing
     read, nothing lost, every row, Adagrad state and the AUC as in the run without failures,
     bit for bit, though one trainer computed every microbatch while the other came back (the
     step's gradient is summed in microbatch order, whoever computed what); and the replay
@@ -82,7 +82,7 @@ def test_killed_shards_are_served_by_their_mirrors_and_the_run_equals_one_withou
     clean_cfg, (clean, clean_rows, *_) = clean_run
     cfg = _replica_config(tmp_path, small_data, "replica")
     report, rows, events, (before, after) = _run(
-        ray_local, cfg, [("mirror:1", 20), ("shard:0", 40), ("shard:1", None), ("trainer:1", 80)])
+        ray_local, cfg, [("trainer:1", 10), ("mirror:1", 20), ("shard:0", 40), ("shard:1", None)])
     failures = {f["actor"]: f for f in report["failures"]}
     assert sorted(failures) == ["shard:0", "shard:1"]
     for f in failures.values():

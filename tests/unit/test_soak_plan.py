@@ -255,3 +255,102 @@ def test_the_soak_stops_before_a_run_when_the_disk_is_short(tmp_path):
     assert _short_of_disk(tmp_path / "runs", 0.0, 3) is None
     said = _short_of_disk(tmp_path / "runs", 1e9, 3)
     assert said.startswith("stopped before seed 3: ") and "--min-free-gib" in said
+
+
+# ------------------------------------------------------------------ the replay of each seed
+
+
+def _replay(findings=(), gaps=(), checkpoints=(20, 100), exact=True, shard_loads=0, dense_loads=0):
+    """What ``app.soak.replay_soak_run`` returns: a ``verify.replay`` result (as far as the soak
+    reads it) and the loads of the run's history."""
+    from app.soak import Replayed
+
+    result = SimpleNamespace(steps=104, checkpoints=list(checkpoints), findings=list(findings), gaps=list(gaps),
+                             exact=exact, seconds=41.26, sound=not findings)
+    return Replayed(result, shard_loads, dense_loads, wall_s=47.04)
+
+
+REPORT = {"auc": 0.66, "steps": 100, "wall_time_s": {"training_s": 180.44}}
+
+
+def test_a_replay_finding_or_gap_is_a_violation_and_keeps_the_run_whole(tmp_path):
+    run = _finished_run(tmp_path)
+    replayed = _replay(findings=["checkpoint 100 shard 1 table 3: 2 of 50 saved rows differ from the replay"],
+                       gaps=["checkpoint 60: the replay never reached it before it was saved"], checkpoints=(20,))
+    result = soak_result(4, str(run), _verdict([]), REPORT, [], False, [], str(tmp_path / "kept"), False,
+                         str(run / "checkpoints"), replay=replayed)
+    assert result["violations"] == ["replay: checkpoint 100 shard 1 table 3: 2 of 50 saved rows differ from the replay",
+                                    "not replayed: checkpoint 60: the replay never reached it before it was saved"]
+    kept = Path(result["kept"])
+    assert (kept / "checkpoints" / "ckpt-00000020" / "shard-0.arrow").read_bytes() == b"rows" and not run.exists()
+    assert result["replay"] == {"train_seconds": 180.4, "wall_s": 47.0, "steps": 104, "checkpoints": 1, "exact": True,
+                                "seconds": 41.3, "findings": 1, "gaps": 1, "shard_loads": 0, "dense_loads": 0,
+                                "loads_by_why": {}}
+    assert result["failure_free_equal"] is False
+
+
+def test_a_sound_replay_of_a_run_that_loaded_nothing_is_the_failure_free_model(tmp_path):
+    run = _finished_run(tmp_path)
+    result = soak_result(4, str(run), _verdict([]), REPORT, [], False, [], str(tmp_path / "kept"), False,
+                         str(run / "checkpoints"), replay=_replay())
+    assert result["violations"] == [] and result["kept"] is None and not (run / "checkpoints").exists()
+    assert result["replay"]["checkpoints"] == 2 and result["failure_free_equal"] is True
+    # The final checkpoint (the run's steps, 100) not among those matched: not shown equal.
+    run = _finished_run(tmp_path / "final")
+    result = soak_result(4, str(run), _verdict([]), REPORT, [], False, [], str(tmp_path / "kept"), False,
+                         str(run / "checkpoints"), replay=_replay(checkpoints=(20, 40)))
+    assert result["failure_free_equal"] is False
+    # A run that loaded a checkpoint is not the failure-free run by design, whatever its replay.
+    for loads in ({"shard_loads": 1}, {"dense_loads": 2}):
+        run = _finished_run(tmp_path / next(iter(loads)))
+        result = soak_result(4, str(run), _verdict([]), REPORT, [], False, [], str(tmp_path / "kept"), False,
+                             str(run / "checkpoints"), replay=_replay(**loads))
+        assert result["failure_free_equal"] is None and result["violations"] == [], loads
+
+
+def test_a_replay_that_raised_is_a_violation_not_a_crash(tmp_path, monkeypatch):
+    import verify.replay.engine as engine
+    from app.soak import replay_soak_run
+
+    def broken(run_dir):
+        raise FileNotFoundError(f"{run_dir}: the run's training store is not found; the replay needs it")
+
+    monkeypatch.setattr(engine, "replay_dir", broken)
+    run = _finished_run(tmp_path)
+    replayed = replay_soak_run(run)
+    assert replayed.result is None and replayed.error.startswith("FileNotFoundError(")
+    result = soak_result(4, str(run), _verdict([]), REPORT, [], False, [], str(tmp_path / "kept"), False,
+                         str(run / "checkpoints"), replay=replayed)
+    assert result["violations"] == [f"replay raised {replayed.error}"] and result["kept"]
+    assert result["replay"]["error"] == replayed.error and result["replay"]["train_seconds"] == 180.4
+    assert result["failure_free_equal"] is None
+
+
+def test_a_run_not_replayed_has_no_replay_entry(tmp_path):
+    run = _finished_run(tmp_path)
+    result = soak_result(4, str(run), _verdict([]), {"auc": 0.66}, [], False, [], str(tmp_path / "kept"), False,
+                         str(run / "checkpoints"))
+    assert "replay" not in result and "failure_free_equal" not in result
+
+
+def test_the_table_shows_each_replay_beside_the_training_and_blanks_for_a_run_without_one():
+    from benchmarks.soak import render
+
+    meta = {"commit": "abc1234", "date": "2027-01-01", "command": "python benchmarks/soak.py --recovery replica",
+            "machine": {"cpu": "x", "cores": 2, "memory_gib": 8, "python": "3.11"}}
+    base = {"faults": 20, "kills_by_kind": {"shard": 9}, "other_faults": {}, "shard_recoveries": 9,
+            "supervisor_restarts": 0, "fallbacks": 0, "finished": True, "wedged": False, "violations": [],
+            "auc": 0.66, "lost_samples": 0.0, "wall_s": 300.0, "commit": "abc1234"}
+    old = {**base, "seed": 0}
+    replayed = {**base, "seed": 1, "failure_free_equal": True,
+                "replay": {"train_seconds": 180.4, "wall_s": 47.0, "steps": 2404, "checkpoints": 118, "exact": True,
+                           "seconds": 41.3, "findings": 0, "gaps": 0, "shard_loads": 0, "dense_loads": 0}}
+    raised = {**base, "seed": 2, "violations": ["replay raised OSError('x')"], "failure_free_equal": None,
+              "replay": {"train_seconds": 200.0, "wall_s": 1.0, "error": "OSError('x')"}}
+    assert "replayed" not in render({"meta": meta, "runs": [old], "min_faults": 0})  # older results: as before
+    text = render({"meta": meta, "runs": [old, replayed, raised], "min_faults": 0})
+    assert "| 0 |  |  |  |  |  |  |  |  |  |" in text
+    assert "| 1 | 2,404 | 118 | yes | 0 | 0 | 0 / 0 | 47 (41) | 180 | yes |" in text
+    assert "| 2 | raised OSError('x') |  |  |  |  |  | 1 | 200 |  |" in text
+    assert "1 of 2 sound and complete, 1 bit for bit, **1 raised**; replay time 26%-26% of the training time" in text
+    assert "equals the failure-free run's bit for bit in 1 of the 1 runs that loaded no checkpoint" in text

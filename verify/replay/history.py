@@ -62,14 +62,14 @@ def read_history(run: RunFiles, m: int) -> History:
     dense_loads: list[DenseLoad] = []
     for f in run.trainers:
         lighthouse, threads = None, None
-        for r in f.records:
+        for i, r in enumerate(f.records):
             kind = r.get("event")
             if kind == "open":
                 lighthouse, threads = r.get("lighthouse"), r.get("threads")
             elif kind == "commit":
                 key = ("try", *r["try"]) if r.get("try") is not None else ("quorum", r["step"], r["quorum"], lighthouse)
                 groups.setdefault(key, []).append({**r, "_threads": threads})
-            elif kind == "load":
+            elif kind == "load" and _trained_from(f.records[i + 1:], int(r["step"])):
                 dense_loads.append(DenseLoad(int(r["step"]), float(r["t"]), str(r.get("why"))))
     commits = [_commit(records, m) for records in groups.values()]
     shard_loads: list[ShardLoad] = []
@@ -94,6 +94,18 @@ def read_history(run: RunFiles, m: int) -> History:
                                              str(r.get("why")), float(r["t"]), served))
     return History(sorted(commits, key=lambda c: c.t), sorted(dense_loads, key=lambda d: d.t),
                    sorted(shard_loads, key=lambda s: s.t), slices, applies)
+
+
+def _trained_from(after: list[dict], step: int) -> bool:
+    """A trainer's load set the run's dense model only if that trainer went on from it: its
+    next commit is of the loaded step. A replacement starts from the newest checkpoint and
+    then heals from a live peer ahead of it: that load was superseded."""
+    for r in after:
+        if r.get("event") in ("heal", "load", "open"):
+            return False
+        if r.get("event") == "commit":
+            return int(r["step"]) == step
+    return False
 
 
 def _commit(records: list[dict], m: int) -> Commit:
