@@ -99,8 +99,11 @@ def read_history(run: RunFiles, m: int) -> History:
 def _trained_from(after: list[dict], step: int) -> bool:
     """A trainer's load set the run's dense model only if that trainer went on from it: its
     next commit is of the loaded step. A replacement starts from the newest checkpoint and
-    then heals from a live peer ahead of it: that load was superseded."""
+    then heals from a live peer ahead of it: that load was superseded (a heal to the loaded
+    step itself changes nothing: every trainer there loaded the same checkpoint)."""
     for r in after:
+        if r.get("event") == "heal" and int(r["step"]) == step:
+            continue  # a quorum of trainers that all loaded it: the same state
         if r.get("event") in ("heal", "load", "open"):
             return False
         if r.get("event") == "commit":
