@@ -14,6 +14,7 @@ import pyarrow.fs as pafs
 __all__ = ["Store", "DENSE_FILE", "files_missing", "shard_file"]
 
 _STEP_DIR = re.compile(r"^ckpt-(\d{12})$")
+_FENCED_DIR = re.compile(r"^ckpt-(\d{12})-(\d+)$")
 _CHUNK = 8 << 20
 # "<algo>" hashes the whole file; "<algo>c<MiB>" the digests of its MiB-sized chunks.
 _ALGO = re.compile(r"(sha256|sha512|blake2b)(?:c([1-9][0-9]{0,3}))?")  # fullmatch; chunks up to 1024 MiB
@@ -56,6 +57,26 @@ class Store:
             if m and self.fs.get_file_info(self._path(int(m.group(1)), "manifest.json")).type == pafs.FileType.File:
                 steps.append(int(m.group(1)))
         return sorted(steps)
+
+    def fenced(self) -> dict[int, list[tuple[float, float, str]]]:
+        """The checkpoints a rollback fenced that an audited run kept aside (``fenced/ckpt-<step>-
+        <ms>``): step -> [(committed at, by its manifest; fenced at; its directory)]."""
+        out: dict[int, list[tuple[float, float, str]]] = {}
+        try:
+            infos = self.fs.get_file_info(pafs.FileSelector(f"{self.root.rstrip('/')}/fenced", allow_not_found=True))
+        except (OSError, pa.ArrowException):
+            return out
+        for info in infos:
+            m = _FENCED_DIR.match(info.base_name)
+            if m is None:
+                continue
+            try:
+                with self.fs.open_input_stream(f"{info.path}/manifest.json") as f:
+                    committed = float(json.loads(f.read())["created_s"])
+            except (OSError, ValueError, KeyError, TypeError, pa.ArrowException):
+                continue
+            out.setdefault(int(m.group(1)), []).append((committed, int(m.group(2)) / 1000, info.path))
+        return out
 
     def commit_time(self, step: int) -> float | None:
         """When the manifest of ``step`` was written, by the filesystem's clock (None: no such

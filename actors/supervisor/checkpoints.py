@@ -67,10 +67,11 @@ class CheckpointCoordinator(SaveSchedule):
         ck = cfg.checkpoint
         # Restores chosen and not yet done (and lost samples still to count): kept from retention.
         self.targets = RestoreTargets(lambda: self.store)
-        # With an audit log, what retention removes is hashed and recorded first, for cpr verify.
+        # With an audit log, what retention removes is hashed and recorded first, and what a rollback
+        # fences is kept aside, for cpr verify (--replay).
         self.store = CheckpointStore(
             cfg.checkpoint_uri, keep_last=ck.keep_last, keep=lambda: set(keep()) | self.targets.protected(),
-            audit_removal=RemovalLog(audit_dir) if audit_dir is not None else None,
+            audit_removal=RemovalLog(audit_dir) if audit_dir is not None else None, keep_fenced=audit_dir is not None,
         ) if ck.stored else None
         self.costs = costs
         self.controller = IntervalController(cfg.recovery, costs, num_shards, ck.pls_target)

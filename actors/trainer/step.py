@@ -26,6 +26,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from actors.client import SupervisorClient
@@ -229,18 +230,22 @@ class Trainer(DenseTimeline):
         try:
             looked_up = self.shards.lookup(rows, step, attempt.chunk, routed, attempt=attempt.id,
                                            commit=self.committed_try)
-            pooled = torch.from_numpy(looked_up).requires_grad_(True)
             self.phases.lap("lookup")
-            # One microbatch at a time, each gradient in its position's slot (``grads``), scaled
-            # so that the slots' sum is the gradient of the step's mean loss over all M.
-            rows, loss_total = self.cfg.training.microbatch_rows, 0.0
+            # One microbatch at a time, each its own leaf (a slice of one shared leaf would add a
+            # gradient of the whole share into it at every backward), each dense gradient in its
+            # position's slot (``grads``), scaled so that the slots' sum is the gradient of the
+            # step's mean loss over all M.
+            n, loss_total = self.cfg.training.microbatch_rows, 0.0
+            pooled_grad = np.empty_like(looked_up)
             dense_t, labels_t = torch.from_numpy(dense), torch.from_numpy(labels)
             for j, position in enumerate(attempt.mine):
-                a, b = j * rows, (j + 1) * rows
+                a, b = j * n, (j + 1) * n
+                pooled = torch.from_numpy(looked_up[a:b]).requires_grad_(True)
                 loss = torch.nn.functional.binary_cross_entropy_with_logits(
-                    self.model(dense_t[a:b], pooled[a:b]), labels_t[a:b], reduction="sum")
-                (loss / (m * rows)).backward()
+                    self.model(dense_t[a:b], pooled), labels_t[a:b], reduction="sum")
+                (loss / (m * n)).backward()
                 self.grads.keep(position, self.params)
+                pooled_grad[a:b] = pooled.grad.numpy()
                 loss_total += loss.item()
             self.phases.lap("dense")
             if step + 1 < self.schedule.total_steps:
@@ -248,7 +253,7 @@ class Trainer(DenseTimeline):
                 # (the same quorum expected): there this process mostly waits. Beside the dense
                 # compute it slowed every step down by the data loading's share of the GIL.
                 self.prefetch.ahead(step + 1, self.schedule.assignment(step + 1, attempt.participant, participants))
-            self.shards.push_grads(step, attempt.chunk, pooled.grad.numpy(), attempt=attempt.id)
+            self.shards.push_grads(step, attempt.chunk, pooled_grad, attempt=attempt.id)
             self.phases.lap("push")
             self.loss_sum += loss_total
             self.loss_rows += len(labels)

@@ -37,6 +37,10 @@ class DenseTimeline:
             return True
         logger.warning("trainer %d committed %s, which another trainer's vote had decided aborted", self.rank,
                        decision.step)
+        if self.audit is not None:  # its commit line names a try the run did not commit: cpr verify drops it
+            step = decision.step
+            self.audit.write(json.dumps({"t": round(time.time(), 6), "event": "aborted", "step": step.step,
+                                         "rank": self.rank, "try": [step.generation, step.step, step.attempt]}) + "\n")
         self.next_try = None
         return self.rejoin(decision.step.step)
 

@@ -59,6 +59,10 @@ class CheckpointStore(CheckpointReader):
         audit_removal: called with each checkpoint retention is about to remove and what
             ``rehash`` found of it, before its manifest goes (``audit_log``:
             ``core.checkpoint.removal_log``); a failure keeps the checkpoint, for a later gc.
+        keep_fenced: with ``audit_log``, a checkpoint a rollback fences is moved to
+            ``fenced/ckpt-<step>-<ms since the epoch>`` under the store instead of deleted:
+            ``cpr verify --replay`` reads what a load of the abandoned timeline read from it
+            (no reader of the store lists that folder).
 
     Corrupt checkpoints skipped by ``latest_valid``, ``chain_steps``, ``verified_chain`` and
     ``shard_chain`` are logged and appended to ``fallbacks`` as ``(step, reason)``, each
@@ -67,13 +71,14 @@ class CheckpointStore(CheckpointReader):
     """
 
     def __init__(self, uri: str, keep_last: int = 3, keep: Callable[[], set[int]] | None = None,
-                 audit_removal: Callable[[int, dict], None] | None = None) -> None:
+                 audit_removal: Callable[[int, dict], None] | None = None, keep_fenced: bool = False) -> None:
         if keep_last < 1:
             raise ConfigError(f"keep_last must be >= 1, got {keep_last}")
         super().__init__(uri)
         self.keep_last = keep_last
         self.keep = keep or set
         self.audit_removal = audit_removal
+        self.keep_fenced = keep_fenced
         # A gc deletes manifests only if ``keep`` did not change since it read it, so a step
         # protected once ``keep_changing`` returns is never deleted by a gc under way. ``keep``
         # may take its owner's lock: it is read without holding this one.
@@ -170,16 +175,37 @@ class CheckpointStore(CheckpointReader):
         checkpoint. Idempotent; returns the steps removed."""
         committed, uncommitted = self._scan()
         doomed = sorted(s for s in committed + uncommitted if s > step)
+        manifests = {}
         for s in doomed:
             manifest_path = self._path(s, MANIFEST_FILE)
             if exists(self._fs, manifest_path):
+                if self.keep_fenced:
+                    with self._fs.open_input_stream(manifest_path) as f:
+                        manifests[s] = f.read()
                 self._fs.delete_file(manifest_path)
         for s in doomed:
-            self._fs.delete_dir(join(self._root, step_dir_name(s)))
+            self._remove_fenced(s, manifests.get(s))
             self._forget(s)
         if doomed:
             logger.warning("checkpoints %s under %s fenced: newer than the rollback to step %d", doomed, self.uri, step)
         return doomed
+
+    def _remove_fenced(self, step: int, manifest: bytes | None) -> None:
+        """Deletes a fenced checkpoint's directory, or with ``keep_fenced`` moves it aside with
+        its manifest (gone from the store already) written back beside its files, so the copy
+        reads as the checkpoint it was."""
+        path = join(self._root, step_dir_name(step))
+        if self.keep_fenced and manifest is not None:
+            target = join(self._root, "fenced", f"{step_dir_name(step)}-{int(time.time() * 1000)}")
+            try:
+                self._fs.create_dir(join(self._root, "fenced"), recursive=True)
+                self._fs.move(path, target)
+                with self._fs.open_output_stream(join(target, MANIFEST_FILE)) as f:
+                    f.write(manifest)
+                return
+            except (OSError, NotImplementedError, pa.ArrowException) as err:  # an object store that cannot move it
+                logger.warning("could not keep fenced checkpoint %d (%r); deleting it", step, err)
+        self._fs.delete_dir(path)
 
     def committed_after(self, step: int) -> list[CheckpointInfo]:
         """The manifests of the checkpoints committed after ``step``, ascending (an unreadable

@@ -489,3 +489,25 @@ def test_shard_chain_falls_back_past_its_own_corrupt_files(tmp_path: Path, caplo
     assert fresh.shard_chain(1, upto_step=30)[0] == [30]
     flip_byte(file_path(tmp_path, 10, shard_file_name(0)))
     assert CheckpointStore(str(tmp_path)).shard_chain(0) == ([], [])
+
+
+def test_an_audited_store_keeps_what_a_rollback_fences_aside_for_the_replay(tmp_path: Path) -> None:
+    """With ``keep_fenced`` (``audit_log``) a fenced checkpoint moves to ``fenced/`` with its
+    manifest: no reader of the store sees it, and ``cpr verify --replay`` finds it (a load of
+    the abandoned timeline read it); without, it is deleted."""
+    from verify.store import Store
+
+    for keep in (True, False):
+        root = tmp_path / str(keep)
+        store = CheckpointStore(str(root), keep_last=10, keep_fenced=keep)
+        save_and_commit(store, 10)
+        save_and_commit(store, 20)
+        assert store.fence_after(10) == [20]
+        assert store.list_committed() == [10] and Store(str(root)).committed() == [10]
+        fenced = Store(str(root)).fenced()
+        if not keep:
+            assert fenced == {} and not (root / "fenced").exists()
+            continue
+        [(committed, fenced_at, directory)] = fenced[20]
+        assert committed <= fenced_at and Path(directory, "shard-0.arrow").exists()
+        assert json.loads(Path(directory, MANIFEST_FILE).read_text())["step"] == 20

@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from verify.files import RunFiles, load_run
+from verify.kills import planted_damage
 from verify.replay.compare import Tolerance, dense_problems, rows_problems
 from verify.replay.data import DataCache, train_store
 from verify.replay.dense import DenseDLRM, adagrad
@@ -37,6 +38,9 @@ from verify.store import Store
 __all__ = ["ReplayResult", "replay_run", "replay_dir"]
 
 NUM_DENSE, NUM_SPARSE = 13, 26
+# A manifest's time is its storage's clock (object stores keep whole seconds); a commit's, the
+# trainer's: within this much they may be either way round.
+CLOCK_SLACK_S = 1.0
 
 
 @dataclass
@@ -77,12 +81,20 @@ class Replay:
         self.optimizer = adagrad(self.model, float(cfg["training"]["dense_learning_rate"]))
         self.initial_dense = copy.deepcopy((self.model.state_dict(), self.optimizer.state_dict()))
         self.saved = {s: self.store.commit_time(s) for s in self.store.committed()}
-        # The replay's own state at each step a load names: what it loads where retention
-        # removed the checkpoint since (a chain of one full checkpoint; an incremental's rows
-        # are known only from its file).
-        self._needed = {c for load in self.history.shard_loads for c in load.chain[:1]} | {
-            d.step for d in self.history.dense_loads if d.step > 0}
-        self._snapshots: dict[int, tuple] = {}
+        self.damage = planted_damage(run)  # files the fault injector damaged on purpose
+        # A load reads a checkpoint's file where it still holds what the load read; else (removed,
+        # damaged since, saved again after a rollback) the replay's own state at that boundary,
+        # kept for the purpose: the base of a chain only (an increment's rows are known only
+        # from its file).
+        self.fenced = self.store.fenced()
+        self._snap_shard = {(load.chain[0], load.shard) for load in self.history.shard_loads
+                            if load.chain and self._source(load.chain[0], f"shard-{load.shard}.arrow", load.t) is None}
+        self._snap_dense = {d.step for d in self.history.dense_loads
+                            if d.step > 0 and self._source(d.step, "dense.pt", d.t) is None}
+        self._snapshots: dict[tuple, object] = {}
+        # After a load it could not replay, nothing is compared until every shard and the dense
+        # model were loaded again (a rollback): every later state depends on the unknown one.
+        self.unknown, self._reloaded = False, set()
         self.result = ReplayResult()
         self._at_boundary: dict[int, tuple[float, list[str]]] = {}  # step -> (when reached, problems then)
         self._parted: set[tuple[str, str]] = set()  # the processes whose logged state parted already
@@ -98,7 +110,7 @@ class Replay:
         pending: list[ShardLoad] = []
         for event in self.history.events():
             if isinstance(event, DenseLoad):
-                self._load_dense(event.step)
+                self._load_dense(event.step, event.t)
             elif isinstance(event, ShardLoad):
                 pending.append(event)
             else:
@@ -122,47 +134,75 @@ class Replay:
                 self._loaded_now.append(f"shard {load.shard} generation {load.generation} loaded {load.chain}")
         return keep
 
-    def _dense_state(self) -> tuple[dict, dict]:
-        return self.model.state_dict(), self.optimizer.state_dict()
+    def _file_ok(self, step: int, name: str, loaded_at: float | None = None) -> bool:
+        """Checkpoint ``step``'s file ``name`` holds what it held when committed (not damaged on
+        purpose since) and, with ``loaded_at``, was committed before then (not saved again
+        after a rollback fenced it)."""
+        when = self.saved.get(step)
+        if when is None or any(d.step == step and d.file == name and d.time > when for d in self.damage):
+            return False
+        return loaded_at is None or when <= loaded_at + CLOCK_SLACK_S
 
-    def _load_dense(self, step: int) -> None:
-        if step == 0 or (step not in self.saved and step in self._snapshots):
-            model_sd, optim_sd = copy.deepcopy(self.initial_dense if step == 0 else self._snapshots[step][1])
+    def _source(self, step: int, name: str, loaded_at: float) -> str | None:
+        """Where the file ``name`` of checkpoint ``step`` is as a load at ``loaded_at`` read it:
+        the checkpoint's directory, a fenced copy committed before the load and fenced after
+        it (an audited run keeps them), or None (removed, or damaged since)."""
+        if self._file_ok(step, name, loaded_at):
+            return self.store._path(step)
+        for committed, fenced_at, directory in self.fenced.get(step, []):
+            damaged = any(d.step == step and d.file == name and committed < d.time < fenced_at for d in self.damage)
+            if committed <= loaded_at + CLOCK_SLACK_S and loaded_at <= fenced_at + CLOCK_SLACK_S and not damaged:
+                return directory
+        return None
+
+    def _gap(self, text: str) -> None:
+        self.result.gaps.append(text)
+        self.unknown, self._reloaded = True, set()
+
+    def _reloaded_one(self, what) -> None:
+        self._reloaded.add(what)
+        if self.unknown and self._reloaded >= {"dense", *self.history.slices}:
+            self.unknown = False
+
+    def _load_dense(self, step: int, t: float) -> None:
+        source = self._source(step, "dense.pt", t) if step > 0 else None
+        if step == 0 or source is None and step in self._snapshots.get("dense", {}):
+            model_sd, optim_sd = copy.deepcopy(self.initial_dense if step == 0 else self._snapshots["dense"][step])
             self.model.load_state_dict(model_sd)
             self.optimizer.load_state_dict(optim_sd)
-            return
-        if step not in self.saved:
-            self.result.gaps.append(f"the dense model was loaded from checkpoint {step}, which no longer exists "
-                                    "and the replay never reached")
-            return
-        params, sums, steps = saved_dense(self.store, step)
-        with torch.no_grad():
-            for p, q in zip(self.model.parameters(), params):
-                p.copy_(q)
-        for p, s, n in zip(self.model.parameters(), sums, steps):
-            st = self.optimizer.state[p]
-            st["sum"] = (s if s is not None else torch.zeros_like(p)).detach().clone()
-            st["step"] = torch.tensor(float(n))
+        elif source is not None:
+            params, sums, steps = saved_dense(self.store, step, source)
+            with torch.no_grad():
+                for p, q in zip(self.model.parameters(), params):
+                    p.copy_(q)
+            for p, s, n in zip(self.model.parameters(), sums, steps):
+                st = self.optimizer.state[p]
+                st["sum"] = (s if s is not None else torch.zeros_like(p)).detach().clone()
+                st["step"] = torch.tensor(float(n))
+        else:
+            return self._gap(f"the dense model was loaded from checkpoint {step}, whose file no longer holds "
+                             "what was loaded, at a step the replay never reached")
+        self._reloaded_one("dense")
 
     def _load_shard(self, load: ShardLoad) -> None:
-        slices = self.history.slices.get(load.shard, [])
-        if len(load.chain) == 1 and load.chain[0] not in self.saved and load.chain[0] in self._snapshots:
-            tables = self._snapshots[load.chain[0]][0]
-            for table, start, end in slices:
-                w, m = tables[table]
-                self.tables.put(table, np.arange(start, end), w[start:end].numpy(), m[start:end].numpy())
-            return
+        k, name = load.shard, f"shard-{load.shard}.arrow"
+        slices = self.history.slices.get(k, [])
         for table, start, end in slices:
             self.tables.initialize(self.seed, table, start, end)
-        for step in load.chain:
-            if step not in self.saved:
-                self.result.gaps.append(f"shard {load.shard} generation {load.generation} loaded checkpoint {step}, "
-                                        "which no longer exists: its rows are not replayed from there")
-                return
-            rows = saved_rows(self.store, step, load.shard)
-            for table in np.unique(rows.tables):
-                at = rows.tables == table
-                self.tables.put(int(table), rows.rows[at], rows.weights[at], rows.momentum[at])
+        for i, step in enumerate(load.chain):
+            source = self._source(step, name, load.t)
+            if source is not None:
+                rows = saved_rows(self.store, step, k, source)
+                for table in np.unique(rows.tables):
+                    at = rows.tables == table
+                    self.tables.put(int(table), rows.rows[at], rows.weights[at], rows.momentum[at])
+            elif i == 0 and (step, k) in self._snapshots:
+                for (table, start, end), (w, m) in zip(slices, self._snapshots[(step, k)]):
+                    self.tables.put(table, np.arange(start, end), w, m)
+            else:
+                return self._gap(f"shard {k} generation {load.generation} loaded checkpoint {step} (chain "
+                                 f"{load.chain}), whose file no longer holds what was loaded")
+        self._reloaded_one(k)
 
     def _commit(self, c: Commit) -> None:
         """Step ``c.step`` as the run computes it: each microbatch through the dense model on its
@@ -172,9 +212,10 @@ class Replay:
         m, step = self.m, c.step
         slots: dict[int, list[torch.Tensor]] = {}
         ids, pooled_grads = {}, {}
+        known = next((t for _, _, t in c.shares if t), None)  # a share nobody logged: its peers' count
         for _rank, share, threads in c.shares:
-            if threads:
-                torch.set_num_threads(int(threads))
+            if threads or known:
+                torch.set_num_threads(int(threads or known))
             for i in share:
                 labels, dense, rows = self.cache.microbatch(self.schedule.microbatch(step, i - step * m))
                 pooled = self.tables.lookup(rows).requires_grad_(True)
@@ -204,6 +245,8 @@ class Replay:
         """The state each process logged it left after this step, against the replay's: the
         first step and process where they part (a checkpoint only says they parted since the
         one before)."""
+        if self.unknown:
+            return
         params = list(self.model.parameters())
         mine = dense_digest(params, [self.optimizer.state[p]["sum"] for p in params])
         for rank, digest in c.dense:
@@ -227,26 +270,38 @@ class Replay:
 
     def _reached(self, boundary: int, t: float) -> None:
         """The state holds ``boundary`` committed steps: kept against checkpoint ``boundary``
-        if the run saved one after this moment."""
-        if boundary in self._needed:
-            self._snapshots[boundary] = (self.tables.snapshot(), copy.deepcopy(self._dense_state()))
+        if the run saved one after this moment, and kept for a later load if one needs it."""
+        if self.unknown:
+            return
+        for k, slices in self.history.slices.items():
+            if (boundary, k) in self._snap_shard:
+                self._snapshots[(boundary, k)] = [self.tables.rows_of(t_, np.arange(a, e)) for t_, a, e in slices]
+        if boundary in self._snap_dense:
+            self._snapshots.setdefault("dense", {})[boundary] = copy.deepcopy(self._dense_state())
         when = self.saved.get(boundary)
-        if when is None or when < t:
+        if when is None or when < t - CLOCK_SLACK_S:
             return
         self._at_boundary[boundary] = (t, self._compare(boundary))
+
+    def _dense_state(self) -> tuple[dict, dict]:
+        return self.model.state_dict(), self.optimizer.state_dict()
 
     def _compare(self, step: int) -> list[str]:
         problems = []
         for k in sorted(self.history.slices):
+            if not self._file_ok(step, f"shard-{k}.arrow"):
+                continue  # damaged on purpose by the fault injector (cpr verify checks nobody loaded it)
             try:
                 rows = saved_rows(self.store, step, k)
-            except (OSError, KeyError) as err:
+            except (OSError, KeyError, ValueError) as err:  # pyarrow's ArrowInvalid is a ValueError
                 problems.append(f"checkpoint {step} shard {k}: unreadable ({err})")
                 continue
             problems += rows_problems(step, k, rows, self.tables, self.tolerance, self.result)
+        if not self._file_ok(step, "dense.pt"):
+            return problems
         try:
             params, sums, steps = saved_dense(self.store, step)
-        except (OSError, KeyError, RuntimeError) as err:
+        except (OSError, KeyError, RuntimeError, ValueError) as err:
             return problems + [f"checkpoint {step} dense: unreadable ({err})"]
         return problems + dense_problems(step, self.model, self.optimizer, params, sums, steps, self.tolerance,
                                          self.result)
@@ -254,7 +309,8 @@ class Replay:
     def _conclude(self) -> None:
         for step in sorted(self.saved):
             if step not in self._at_boundary:
-                self.result.gaps.append(f"checkpoint {step}: the replay never reached it before it was saved")
+                self.result.gaps.append(f"checkpoint {step}: not compared (the replay never reached it before it was "
+                                        "saved, or its state was unknown then)")
                 continue
             problems = self._at_boundary[step][1]
             if problems:

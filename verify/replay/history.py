@@ -59,6 +59,7 @@ class History:
 
 def read_history(run: RunFiles, m: int) -> History:
     groups: dict[tuple, list[dict]] = {}
+    aborted: set[tuple] = set()  # tries a trainer logged committed before it learnt they were aborted
     dense_loads: list[DenseLoad] = []
     for f in run.trainers:
         lighthouse, threads = None, None
@@ -69,9 +70,11 @@ def read_history(run: RunFiles, m: int) -> History:
             elif kind == "commit":
                 key = ("try", *r["try"]) if r.get("try") is not None else ("quorum", r["step"], r["quorum"], lighthouse)
                 groups.setdefault(key, []).append({**r, "_threads": threads})
+            elif kind == "aborted" and r.get("try") is not None:
+                aborted.add(("try", *r["try"]))
             elif kind == "load" and _trained_from(f.records[i + 1:], int(r["step"])):
                 dense_loads.append(DenseLoad(int(r["step"]), float(r["t"]), str(r.get("why"))))
-    commits = [_commit(records, m) for records in groups.values()]
+    commits = [_commit(records, m) for key, records in groups.items() if key not in aborted]
     shard_loads: list[ShardLoad] = []
     slices: dict[int, list[tuple[int, int, int]]] = {}
     applies: dict[tuple, list[tuple[int, str, str]]] = {}

@@ -24,8 +24,10 @@ class SavedRows:
     momentum: np.ndarray  # float32 [n]
 
 
-def saved_rows(store: Store, step: int, shard: int) -> SavedRows:
-    with store.fs.open_input_file(store._path(step, f"shard-{shard}.arrow")) as f:
+def saved_rows(store: Store, step: int, shard: int, directory: str | None = None) -> SavedRows:
+    """Shard ``shard``'s rows in checkpoint ``step`` (read from ``directory`` where given: a
+    fenced copy)."""
+    with store.fs.open_input_file(f"{directory or store._path(step)}/shard-{shard}.arrow") as f:
         reader = pa.ipc.open_file(f)
         batches = [reader.get_batch(i) for i in range(reader.num_record_batches)]
     if not batches:
@@ -41,9 +43,10 @@ def saved_rows(store: Store, step: int, shard: int) -> SavedRows:
                      weights.astype(np.float32, copy=False), column("momentum").astype(np.float32, copy=False))
 
 
-def saved_dense(store: Store, step: int) -> tuple[list[torch.Tensor], list[torch.Tensor], list[float]]:
+def saved_dense(store: Store, step: int, directory: str | None = None
+                ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[float]]:
     """(parameters, Adagrad sums, Adagrad step counts), each in the model's parameter order."""
-    with store.fs.open_input_stream(store._path(step, "dense.pt")) as f:
+    with store.fs.open_input_stream(f"{directory or store._path(step)}/dense.pt") as f:
         blob = torch.load(io.BytesIO(f.read()), weights_only=True)
     params = list(blob["model"].values())
     group = blob["optim"]["param_groups"][0]
