@@ -284,13 +284,15 @@ def verify(run_dir: str, wait_s: float, host_ip: str | None, named_actors: bool,
             replayed = replay_dir(run_dir)
     except FileNotFoundError as err:
         raise CprError(str(err)) from None
-    violations = verdict.violations + ([f"replay: {f}" for f in replayed.findings] if replayed else [])
+    violations = list(verdict.violations)
+    if replayed is not None:  # what it could not replay is not proven either
+        violations += [f"replay: {f}" for f in replayed.findings] + [f"not replayed: {g}" for g in replayed.gaps]
+        if not replayed.steps:
+            violations.append("replay: no committed step in the audit logs (is audit_log on?)")
     if not violations:
         click.echo(verdict.summary())
         if replayed is not None:
             click.echo(replayed.summary() + f" ({replayed.seconds:.1f} s)")
-            for gap in replayed.gaps:
-                click.echo(f"not replayed: {gap}")
         return
     for line in violations:
         click.echo(f"violation: {line}")

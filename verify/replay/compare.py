@@ -16,8 +16,8 @@ __all__ = ["Tolerance", "rows_problems", "dense_problems"]
 @dataclass(frozen=True)
 class Tolerance:
     """|run - replay| <= atol + rtol * |replay|, per value. The default is exact: the run
-    sums every gradient in an order the replay repeats (two trainers' sums commute; three
-    or more are summed by gloo's ring in an order the replay does not know: give one)."""
+    sums every gradient in an order the replay repeats, whatever the number of trainers
+    (docs/CHAOS.md); a tolerance is for comparing a run of another build."""
 
     rtol: float = 0.0
     atol: float = 0.0
