@@ -161,7 +161,7 @@ class EmbeddingShard(ShardSteps, MirrorRole, ShardSaving):
         os.makedirs(self._audit_dir, exist_ok=True)
         self._audit = open(os.path.join(self._audit_dir, name), "a", buffering=1)
         self._log({"event": "open", "pid": os.getpid(), "host": socket.gethostname(),
-                   "ip": ray.util.get_node_ip_address(), **fields,
+                   "ip": ray.util.get_node_ip_address(), "device": str(self.device), **fields,
                    "slices": [[s.table, s.row_start, s.row_end] for s in self.slices]})
         return name
 

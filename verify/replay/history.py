@@ -51,6 +51,7 @@ class History:
     slices: dict[int, list[tuple[int, int, int]]]  # shard -> [table, row_start, row_end]
     # (step, (generation, attempt)) -> (shard, audit file name, digest of the rows after the apply)
     applies: dict[tuple, list[tuple[int, str, str]]] = field(default_factory=dict)
+    accelerated: list[str] = field(default_factory=list)  # shards that ran on a GPU: other kernels, other sums
 
     def events(self) -> list:
         """Every event in time order."""
@@ -78,6 +79,7 @@ def read_history(run: RunFiles, m: int) -> History:
     shard_loads: list[ShardLoad] = []
     slices: dict[int, list[tuple[int, int, int]]] = {}
     applies: dict[tuple, list[tuple[int, str, str]]] = {}
+    devices: set[str] = set()
     for k, files in run.shards.items():
         for f in files:
             for r in f.records:  # a mirror's applies too: its rows must be the shard's at every step
@@ -90,13 +92,15 @@ def read_history(run: RunFiles, m: int) -> History:
                 kind = r.get("event")
                 if kind == "open" and "slices" in r and k not in slices:
                     slices[k] = [tuple(int(x) for x in s) for s in r["slices"]]
+                if kind == "open" and str(r.get("device", "cpu")) != "cpu":
+                    devices.add(f"shard {k} ({f.path.name}) on {r['device']}")
                 if kind != "load" or r.get("why") == "replica":
                     continue
                 served = next((int(n["step"]) for n in records[i + 1:] if n.get("event") in ("complete", "apply")), None)
                 shard_loads.append(ShardLoad(k, int(f.gen or 0), [int(c) for c in r.get("chain") or []],
                                              str(r.get("why")), float(r["t"]), served))
     return History(sorted(commits, key=lambda c: c.t), sorted(dense_loads, key=lambda d: d.t),
-                   sorted(shard_loads, key=lambda s: s.t), slices, applies)
+                   sorted(shard_loads, key=lambda s: s.t), slices, applies, sorted(devices))
 
 
 def _trained_from(after: list[dict], step: int) -> bool:
