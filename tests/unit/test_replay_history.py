@@ -1,0 +1,64 @@
+"""What the replay takes from the audit logs (``verify.replay.history``): a trainer's load
+counts only if that trainer trained on from it, a try a trainer logged committed and then
+learnt was aborted is dropped, a share nobody logged is the step's missing microbatches, and a
+shard's load takes effect at the first step its generation served. No Ray, no files."""
+
+from pathlib import Path
+
+from verify.files import AuditFile, RunFiles
+from verify.replay.history import read_history
+
+M = 4
+
+
+def _trainer(rank: int, pid: int, *records: dict) -> AuditFile:
+    f = AuditFile(Path(f"trainer-{rank}-{pid}.jsonl"), "trainer", rank, None)
+    f.records = [{"event": "open", "pid": pid, "threads": 1, "t": 0.0, "_line": 1}] + [
+        {**r, "rank": rank, "_line": i + 2} for i, r in enumerate(records)]
+    return f
+
+
+def _commit(step: int, t: float, ids, attempt: int = 0) -> dict:
+    return {"event": "commit", "step": step, "t": t, "quorum": 1, "microbatches": list(ids), "total": M,
+            "try": [0, step, attempt], "dense": "d"}
+
+
+def _run(trainers, shards=None) -> RunFiles:
+    return RunFiles(Path("."), {}, None, {}, shards or {}, trainers, [], [])
+
+
+def test_a_replacements_resume_that_a_heal_superseded_is_not_a_load():
+    healed = _trainer(1, 20, {"event": "load", "step": 10, "why": "resume", "t": 5.0},
+                      {"event": "heal", "step": 30, "t": 5.1}, _commit(30, 6.0, [121, 123]))
+    rolled = _trainer(0, 21, {"event": "load", "step": 10, "why": "rollback", "t": 7.0},
+                      {"event": "heal", "step": 10, "t": 7.1}, _commit(10, 8.0, [40, 41, 42, 43]))
+    died = _trainer(0, 22, {"event": "load", "step": 20, "why": "resume", "t": 9.0})
+    h = read_history(_run([healed, rolled, died]), M)
+    assert [(d.step, d.why) for d in h.dense_loads] == [(10, "rollback")]
+
+
+def test_an_aborted_try_is_dropped_and_a_killed_trainers_share_is_filled_in():
+    t0 = _trainer(0, 30, _commit(5, 1.0, [20, 22]), _commit(6, 2.0, [24, 26]),
+                  {"event": "aborted", "step": 6, "try": [0, 6, 0], "t": 2.1}, _commit(6, 3.0, [24, 25, 26, 27], 1))
+    t1 = _trainer(1, 31, _commit(5, 1.0, [21, 23]))  # killed before logging step 6's commit
+    h = read_history(_run([t0, t1]), M)
+    assert [(c.step, c.try_) for c in h.commits] == [(5, (0, 5, 0)), (6, (0, 6, 1))]
+    assert [ids for _, ids, _ in h.commits[0].shares] == [[20, 22], [21, 23]]
+    t1.records = t1.records[:1]
+    h = read_history(_run([t0, t1]), M)
+    assert h.commits[0].shares == [(0, [20, 22], 1), (None, [21, 23], None)]
+
+
+def test_a_shard_load_takes_effect_at_the_first_step_its_generation_served():
+    g1 = AuditFile(Path("shard-1-g1.jsonl"), "shard", 1, 1)
+    g1.records = [{"event": "open", "pid": 5, "device": "cpu", "slices": [[0, 0, 10]], "t": 4.0, "_line": 1},
+                  {"event": "load", "chain": [20], "why": "recovery", "t": 4.1, "_line": 2},
+                  {"event": "complete", "step": 26, "try": [0, 0], "t": 5.0, "_line": 3},
+                  {"event": "apply", "step": 26, "try": [0, 0], "rows": "r", "t": 5.1, "_line": 4}]
+    mirror = AuditFile(Path("mirror-1-m-6.jsonl"), "mirror", 1, None)
+    mirror.records = [{"event": "load", "chain": [], "why": "recovery", "t": 1.0, "_line": 1}]
+    h = read_history(_run([], {1: [g1, mirror]}), M)
+    [load] = h.shard_loads
+    assert (load.shard, load.generation, load.chain, load.first_step) == (1, 1, [20], 26)
+    assert h.slices == {1: [(0, 0, 10)]} and h.applies == {(26, (0, 0)): [(1, "shard-1-g1.jsonl", "r")]}
+    assert not h.accelerated
