@@ -63,6 +63,7 @@ RENDERERS: dict[str, str] = {
     "cuda_shard_check": "benchmarks.cuda_shard_check:render",
     "suite": "benchmarks.suite:render",
     "data": "benchmarks.data_render:render",
+    "replay": "benchmarks.replay:render",
 }
 
 CONFIG_PAGE = ROOT / "docs" / "CONFIG.md"
