@@ -128,11 +128,13 @@ class Replay:
         return self.result
 
     def _apply_loads(self, pending: list[ShardLoad], step: int | None) -> list[ShardLoad]:
-        """The loads that took effect before ``step`` (all with None); the rest stay pending."""
-        keep = []
+        """The loads that took effect before ``step`` (all with None); the rest stay pending, and
+        so does every later load of a shard with one pending (a shard's loads keep their order)."""
+        keep, held = [], set()
         for load in pending:
-            if step is not None and load.first_step is not None and load.first_step > step:
+            if step is not None and (load.shard in held or load.first_step is not None and load.first_step > step):
                 keep.append(load)
+                held.add(load.shard)
             else:
                 self._load_shard(load)
                 self._loaded_now.append(f"shard {load.shard} generation {load.generation} loaded {load.chain}")
