@@ -293,6 +293,8 @@ def verify(run_dir: str, wait_s: float, host_ip: str | None, named_actors: bool,
         click.echo(verdict.summary())
         if replayed is not None:
             click.echo(replayed.summary() + f" ({replayed.seconds:.1f} s)")
+            for line in replayed.excused:
+                click.echo(f"not replayed, damaged on purpose: {line}")
         return
     for line in violations:
         click.echo(f"violation: {line}")

@@ -62,3 +62,19 @@ def test_a_shard_load_takes_effect_at_the_first_step_its_generation_served():
     assert (load.shard, load.generation, load.chain, load.first_step) == (1, 1, [20], 26)
     assert h.slices == {1: [(0, 0, 10)]} and h.applies == {(26, (0, 0)): [(1, "shard-1-g1.jsonl", "r")]}
     assert not h.accelerated
+
+
+def test_a_try_no_shard_applied_and_another_replaced_was_not_committed():
+    """Seen in the soak: trainer 1 logged step 26's first try committed (its vote not waited
+    for) and died with trainer 0; their replacements started from the checkpoint at 26 and
+    committed a later try of step 26, the one the shards applied. The first was never the
+    run's: no shard applied it."""
+    t1 = _trainer(1, 40, _commit(25, 1.0, [100, 102]), _commit(26, 2.0, [104, 106]))
+    t0 = _trainer(0, 41, _commit(25, 1.0, [101, 103]))
+    t0b = _trainer(0, 42, {"event": "load", "step": 26, "why": "resume", "t": 5.0},
+                   _commit(26, 6.0, [104, 105, 106, 107], 2))
+    shard = AuditFile(Path("shard-0-g0.jsonl"), "shard", 0, 0)
+    shard.records = [{"event": "apply", "step": 25, "try": [0, 0], "t": 1.5, "_line": 1},
+                     {"event": "apply", "step": 26, "try": [0, 2], "t": 6.5, "_line": 2}]
+    h = read_history(_run([t1, t0, t0b], {0: [shard]}), M)
+    assert [(c.step, c.try_) for c in h.commits] == [(25, (0, 25, 0)), (26, (0, 26, 2))]

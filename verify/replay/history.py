@@ -99,8 +99,29 @@ def read_history(run: RunFiles, m: int) -> History:
                 served = next((int(n["step"]) for n in records[i + 1:] if n.get("event") in ("complete", "apply")), None)
                 shard_loads.append(ShardLoad(k, int(f.gen or 0), [int(c) for c in r.get("chain") or []],
                                              str(r.get("why")), float(r["t"]), served))
+    commits = [c for c in commits if not _never_applied(c, run)]
     return History(sorted(commits, key=lambda c: c.t), sorted(dense_loads, key=lambda d: d.t),
                    sorted(shard_loads, key=lambda s: s.t), slices, applies, sorted(devices))
+
+
+def _never_applied(c: Commit, run: RunFiles) -> bool:
+    """A try a trainer logged committed (its vote went with the commit report, not waited for)
+    and then died before it heard the answer: the run did not go on from it if no shard ever
+    applied it and a shard applied another try of that step after it. The trainers that took
+    over started from a checkpoint, and the shards never held it."""
+    if c.try_ is None:
+        return False
+    g, s, a = c.try_
+    later = False
+    for files in run.shards.values():
+        for f in files:
+            for r in f.records:
+                if r.get("event") != "apply" or int(r["step"]) != s or r.get("try") is None:
+                    continue
+                if tuple(r["try"]) == (g, a):
+                    return False
+                later = later or float(r["t"]) > c.t
+    return later
 
 
 def _trained_from(after: list[dict], step: int) -> bool:
