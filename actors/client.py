@@ -30,17 +30,18 @@ class SupervisorClient:
         # A trainer's lease (actors.lease.Lease.hold): it calls only while it holds its place.
         self.guard: Callable[[], object] | None = None
 
-    def _call(self, method: str, *args: object) -> Any:
+    def _start(self, method: str, *args: object):
+        """``method`` started at the supervisor, while this caller holds its place: its ref."""
         if self.guard is not None:
             self.guard()
-        ref = getattr(self.handle, method).remote(*args)
-        return self._get(ref, timeout=self.deadlines.caller_s(method))
+        return getattr(self.handle, method).remote(*args)
+
+    def _call(self, method: str, *args: object) -> Any:
+        return self._get(self._start(method, *args), timeout=self.deadlines.caller_s(method))
 
     def _tell(self, method: str, *args: object) -> None:
         """A report the caller does not wait for."""
-        if self.guard is not None:
-            self.guard()
-        getattr(self.handle, method).remote(*args)
+        self._start(method, *args)
 
     def wait(self, method: str, ref) -> Any:
         """The answer of a call started with ``.remote()`` earlier (the driver's ``start``)."""
@@ -82,9 +83,7 @@ class SupervisorClient:
     def commit_voted(self, vote: Vote, commit: CommitRecord):
         """A vote of a sum that completed with no failure, with this trainer's commit report,
         started: its ``Decision`` waited for later (``wait("commit_voted", ref)``)."""
-        if self.guard is not None:
-            self.guard()
-        return self.handle.commit_voted.remote(vote, commit)
+        return self._start("commit_voted", vote, commit)
 
     def start_step(self, rank: int, generation: int, step: int, healed_from: int | None) -> StepStart:
         return self._call("start_step", rank, generation, step, healed_from)
