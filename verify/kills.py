@@ -31,8 +31,10 @@ def landed_kills(run: RunFiles) -> tuple[list[Kill], list[str]]:
     for r in run.faults:
         if r.get("fault") != "kill":
             continue
+        # The "sending" line's t and the "sent" line's kill_time are the very float the killer
+        # took, as is the report's: matched as they are, rounded once (never twice) to compare.
         t = r.get("kill_time", r["t"])
-        steps.setdefault((r["target"], r["pid"], round(t, 6)), []).append(r)
+        steps.setdefault((r["target"], r["pid"], t), []).append(r)
     kills = []
     for (target, pid, t), records in steps.items():
         events = {r["event"] for r in records}

@@ -144,6 +144,22 @@ def test_every_host_kill_is_a_reported_host_loss_and_every_reported_loss_has_a_c
     assert len(check_hosts(run, host_faults(run))) == 1
 
 
+def test_a_kill_matches_its_report_entry_whatever_its_time_rounds_to(tmp_path):
+    from verify.kills import check_kills, landed_kills
+
+    # Both sides hold the very float the killer took; a time whose 4th to 6th decimals sit
+    # just under a half once matched no report entry (the log's time was rounded twice).
+    t = 1764300000.1234996
+    faults = [{"t": t, "event": "sending", "fault": "kill", "target": "trainer:0", "pid": 7, "sender": 9},
+              {"t": t + 0.01, "event": "sent", "fault": "kill", "target": "trainer:0", "pid": 7, "kill_time": t}]
+    run = _run_files(tmp_path, {"faults_injected": [{"target": "trainer:0", "pid": 7, "time": t}]}, faults)
+    kills, problems = landed_kills(run)
+    assert problems == [] and [k.time for k in kills] == [t]
+    assert check_kills(run, kills) == []
+    run = _run_files(tmp_path, {"faults_injected": [{"target": "trainer:0", "pid": 7, "time": t + 1.0}]}, faults)
+    assert len(check_kills(run, kills)) == 2
+
+
 def test_the_processes_of_a_killed_host_may_leave_a_torn_line(tmp_path):
     from verify.kills import host_faults, host_victims
 
