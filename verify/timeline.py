@@ -177,12 +177,15 @@ def walk_dense(trainers: list[AuditFile], m: int, total: int, killed: set[int]) 
     v: list[str] = []
     groups: dict[tuple[int, int, str | None], list[dict]] = {}
     loads: list[dict] = []
+    # A try a trainer logged committed before it learnt that a peer's vote had aborted it (its
+    # own vote rode on its commit report): that trainer logged "aborted" and rejoined.
+    aborted = {tuple(r["try"]) for f in trainers for r in f.records if r.get("event") == "aborted" and r.get("try")}
     for f in trainers:
         lighthouse = None  # quorum ids count per lighthouse: a new one counts from 1 again
         for r in f.records:
             if r.get("event") == "open":
                 lighthouse = r.get("lighthouse")
-            elif r.get("event") == "commit":
+            elif r.get("event") == "commit" and tuple(r.get("try") or ()) not in aborted:
                 groups.setdefault((r["step"], r["quorum"], lighthouse), []).append({**r, "_file": f})
             elif r.get("event") == "load":
                 loads.append(r)

@@ -106,22 +106,23 @@ class Supervisor:
     # ------------------------------------------------------------------ start and resume
 
     def start(self) -> StartInfo:
-        """Creates every shard (generation 0, reserved in the journal first) and waits until
-        each answers. Idempotent across a supervisor restart."""
+        """Creates every shard (its first generation, reserved in the journal first) and waits
+        until each answers. Idempotent across a supervisor restart."""
         p, t0 = self._p, time.perf_counter()
         if not p.controller.has_started():
             p.checkpoints.start(0)  # before the trainers can see the fleet and ask when to save
             p.controller.reserve_first_fleet()
+            gens = p.controller.first_fleet()
             try:
                 taken: list = []  # spread over the nodes (actors.nodes.placement)
-                handles = [p.fleet.find(k, 0) or p.fleet.spawn(k, 0, taken) for k in range(p.inputs.plan.num_shards)]
+                handles = [p.fleet.find(k, g) or p.fleet.spawn(k, g, taken) for k, g in enumerate(gens)]
                 infos = p.fleet.ready(handles)
             except Exception as err:  # trainers waiting in trainer_setup end; the driver raises it
                 p.controller.start_failed(repr(err)[:500])
                 raise
             p.controller.commit_start(handles, infos)
             for k, h in enumerate(handles):
-                p.fleet.watch(k, 0, h)
+                p.fleet.watch(k, gens[k], h)
             p.hosts.start()
             # Warm spares start now, beside the trainers' start (they warm up at idle priority):
             # started once training ran, one took CPU from the first seconds of steps.

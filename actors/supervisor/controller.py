@@ -289,8 +289,21 @@ class RecoveryController:
         with self._lock:
             return list(getattr(self.state, "spares", {}).values())
 
+    def continue_from(self, doc: dict) -> None:
+        """``--resume``: the fleet's generations and every shard's go on from the last attempt's
+        (``doc``, its journaled section), so that a try (generation, step, attempt) and a shard's
+        generation name one thing in the whole run directory."""
+        with self._lock:
+            self.served.continue_from(doc, self._shard_name)
+            self.generation = int(doc["generation"]) + 1
+
+    def first_fleet(self) -> list[int]:
+        """The generation of each shard's first actor: 0, or after the last attempt's."""
+        with self._lock:
+            return list(self.served.gens)
+
     def commit_start(self, handles: list, infos: list[ShardInfo]) -> None:
-        """The first fleet (generation 0) answers."""
+        """The first fleet answers."""
         with self._lock:
             self.served.handles, self.served.infos, self.started = list(handles), list(infos), True
             self._persist()
@@ -302,9 +315,9 @@ class RecoveryController:
             self.changed.notify_all()
 
     def reserve_first_fleet(self) -> None:
-        """Generation 0 of every shard is reserved in the journal before it is spawned."""
+        """The first generation of every shard is reserved in the journal before it is spawned."""
         with self._lock:
-            self.served.reserve({k: 0 for k in range(self.n)})
+            self.served.reserve(dict(enumerate(self.served.gens)))
             self._persist()
 
     # ------------------------------------------------------------------ journal

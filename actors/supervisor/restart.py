@@ -71,6 +71,7 @@ def continue_history(p: Parts, doc: dict) -> None:
     p.books.header.update(attempt=doc["attempt"] + 1, supervisor_restarts=doc["supervisor_restarts"],
                           attempt_restarts=0)
     _load_history(p, doc)
+    p.controller.continue_from(doc["controller"])
     p.trainers.load(doc["trainers"], AppendLog.iter(p.inputs.run_dir / BOOK_FILE), history_only=True)
     last = p.trainers.last_step_committed()
     p.ledger.begin_attempt(None if last is None else last + 1)

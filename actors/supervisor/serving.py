@@ -83,6 +83,14 @@ class ServingFleet:
     def doc(self) -> dict:
         return {"gens": self.gens, "next_gens": self.next_gens, "live_since": self.first_steps, "names": self.names}
 
+    def continue_from(self, doc: dict, shard_name: Callable[[int, int], str]) -> None:
+        """``--resume``: the first fleet of a new attempt takes the generations after the last
+        attempt's, so that no generation of a shard (its audit log, its actor's name) is used twice
+        in a run directory."""
+        if len(doc["next_gens"]) == self.n:
+            self.gens, self.next_gens = list(doc["next_gens"]), list(doc["next_gens"])
+            self.names = [shard_name(k, g) for k, g in enumerate(self.gens)]
+
     def load(self, doc: dict) -> None:
         self.gens, self.next_gens = list(doc["gens"]), list(doc["next_gens"])
         self.first_steps, self.names = list(doc["live_since"]), list(doc["names"])

@@ -16,6 +16,7 @@ import yaml
 from ray._common.test_utils import wait_for_condition
 
 from core.checkpoint import CheckpointStore
+from verify.replay.engine import replay_dir
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 
@@ -39,6 +40,7 @@ def test_kill_driver_then_resume(ray_local, small_data, tmp_path):
         "checkpoint": {"every_steps": 30, "keep_last": 2},
         # A shard failure in the first attempt: the resumed run's report must still count it.
         "faults": {"max_failures": 0, "at_steps": {"shard:1": [35]}},
+        "audit_log": True,
     }
     cfg_path = tmp_path / "c.yaml"
     cfg_path.write_text(yaml.safe_dump(config))
@@ -118,3 +120,8 @@ def test_kill_driver_then_resume(ray_local, small_data, tmp_path):
     assert report["pls"] == pytest.approx(failure["lost_samples"] / report["samples_trained"])
     kinds = [json.loads(line)["kind"] for line in (run_dir / "events.jsonl").read_text().splitlines()]
     assert kinds.index("shard_recovered") < kinds.index("attempt_started") < kinds.index("resumed")
+    # The model the two attempts made is the one the replay recomputes: the second attempt's
+    # tries of the steps it redid are its own, never merged with the first's of the same number.
+    replayed = replay_dir(run_dir)
+    assert (replayed.findings, replayed.gaps) == ([], []), (replayed.findings, replayed.gaps)
+    assert replayed.steps >= total_steps and len(replayed.checkpoints) >= 2

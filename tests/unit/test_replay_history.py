@@ -78,3 +78,30 @@ def test_a_try_no_shard_applied_and_another_replaced_was_not_committed():
                      {"event": "apply", "step": 26, "try": [0, 2], "t": 6.5, "_line": 2}]
     h = read_history(_run([t1, t0, t0b], {0: [shard]}), M)
     assert [(c.step, c.try_) for c in h.commits] == [(25, (0, 25, 0)), (26, (0, 26, 2))]
+
+
+def test_a_step_every_shard_lost_before_applying_it_still_holds_in_the_dense_model():
+    """Step 26 committed; every shard died before applying it (recovered partially, the step
+    lost on their side) and the trainers went on to 27 with it in their dense model. A later
+    rollback redoes 26 as another try, which the shards apply: the first try still happened."""
+    t0 = _trainer(0, 50, _commit(25, 1.0, [100, 101, 102, 103]), _commit(26, 2.0, [104, 105, 106, 107]),
+                  _commit(27, 4.0, [108, 109, 110, 111]), {"event": "load", "step": 20, "why": "rollback", "t": 9.0},
+                  *[_commit(s, 10.0 + s, range(4 * s, 4 * s + 4), 1) for s in range(20, 28)])
+    shard = AuditFile(Path("shard-0-g1.jsonl"), "shard", 0, 1)
+    shard.records = [{"event": "apply", "step": 25, "try": [0, 0], "t": 1.5, "_line": 1},
+                     {"event": "apply", "step": 26, "try": [0, 1], "t": 36.5, "_line": 2}]
+    h = read_history(_run([t0], {0: [shard]}), M)
+    assert [(c.step, c.try_) for c in h.commits][:3] == [(25, (0, 25, 0)), (26, (0, 26, 0)), (27, (0, 27, 0))]
+
+
+def test_a_shards_load_is_due_no_later_than_its_next_load():
+    """A generation that completed step 20 and never applied it, then a rollback to 15 that
+    reloaded the shard: both take effect before step 15 is redone, in their order."""
+    from verify.replay.engine import _due_steps
+    from verify.replay.history import ShardLoad
+
+    loads = [ShardLoad(1, 2, [15], "recovery", 1.0, 20), ShardLoad(0, 0, [15], "rollback", 2.0, 15),
+             ShardLoad(1, 3, [15], "rollback", 2.0, 15), ShardLoad(1, 4, [15], "recovery", 3.0, None),
+             ShardLoad(0, 1, [15], "recovery", 4.0, 30)]
+    assert _due_steps(loads) == [None, 15, None, None, 30]
+    assert _due_steps(loads[:3]) == [15, 15, 15]

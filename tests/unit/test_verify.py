@@ -109,6 +109,25 @@ def test_a_dense_step_committed_again_without_a_rollback_or_with_a_missing_share
     assert not any("step 7" in x for x in walk_dense([a, b], M, 8, killed={11}))
 
 
+def test_a_commit_of_a_try_its_trainer_then_logged_aborted_is_not_a_commit():
+    # Trainer 0 summed step 5 and logged its commit, its vote riding on the report; trainer 1's
+    # sum broke and its abort came first. Trainer 0 logs "aborted", and both redo step 5.
+    def tried(f: AuditFile, t: float, step: int, attempt: int) -> None:
+        for r in f.records:
+            if r.get("event") == "commit" and r["t"] == t:
+                r["try"] = [1, step, attempt]
+
+    a = trainer_file(0, 10, commits(0, range(0, 5), 1, 0.0) + [("commit", 5, 1, [10], 5.0)]
+                     + [("commit", 5, 2, [10], 7.0)] + commits(0, range(6, 8), 2, 8.0))
+    a.records.insert(7, {"t": 6.0, "event": "aborted", "step": 5, "rank": 0, "try": [1, 5, 0], "_line": 99})
+    b = trainer_file(1, 11, commits(1, range(0, 5), 1, 0.0) + [("commit", 5, 2, [11], 7.0)]
+                     + commits(1, range(6, 8), 2, 8.0))
+    tried(a, 5.0, 5, 0), tried(a, 7.0, 5, 1), tried(b, 7.0, 5, 1)
+    assert walk_dense([a, b], M, 8, killed=set()) == []
+    a.records.pop(7)  # without its "aborted" line, trainer 0's lone commit of step 5 is a finding
+    assert walk_dense([a, b], M, 8, killed=set()) != []
+
+
 def test_a_torn_line_is_accepted_only_last_and_from_a_killed_writer():
     f = shard_file(0, applies(range(0, 3), 0.0), pid=100)
     f.torn, f.lines = [(f.lines + 1, '{"t": 3.0, "gen": 0, "eve')], f.lines + 1

@@ -132,8 +132,9 @@ class Replay:
         """The loads that took effect before ``step`` (all with None); the rest stay pending, and
         so does every later load of a shard with one pending (a shard's loads keep their order)."""
         keep, held = [], set()
-        for load in pending:
-            if step is not None and (load.shard in held or load.first_step is not None and load.first_step > step):
+        due = _due_steps(pending)
+        for load, first in zip(pending, due):
+            if step is not None and (load.shard in held or first is not None and first > step):
                 keep.append(load)
                 held.add(load.shard)
             else:
@@ -283,7 +284,8 @@ class Replay:
     def _reached(self, boundary: int, t: float) -> None:
         """The state holds ``boundary`` committed steps: kept against checkpoint ``boundary``
         if the run saved one after this moment, and kept for a later load if one needs it."""
-        if self.unknown:
+        if self.unknown:  # a comparison from an earlier timeline of this boundary is void now
+            self._at_boundary.pop(boundary, None)
             return
         for k, slices in self.history.slices.items():
             if (boundary, k) in self._snap_shard:
@@ -329,6 +331,20 @@ class Replay:
                 self.result.findings += problems
             else:
                 self.result.checkpoints.append(step)
+
+
+def _due_steps(pending: list[ShardLoad]) -> list[int | None]:
+    """The step before which each pending load takes effect: its generation's first step, or a
+    later load's of the same shard if that comes sooner (a load whose generation completed a step
+    that a rollback then undid, the rollback's load of that shard due at the step redone)."""
+    due: list[int | None] = [None] * len(pending)
+    soonest: dict[int, int | None] = {}
+    for i in reversed(range(len(pending))):
+        load = pending[i]
+        later = soonest.get(load.shard, load.first_step)
+        first = None if load.first_step is None or later is None else min(load.first_step, later)
+        due[i] = soonest[load.shard] = first
+    return due
 
 
 def replay_run(run: RunFiles, store: Store, cache: DataCache, tolerance: Tolerance | None = None) -> ReplayResult:

@@ -99,7 +99,8 @@ def read_history(run: RunFiles, m: int) -> History:
                 served = next((int(n["step"]) for n in records[i + 1:] if n.get("event") in ("complete", "apply")), None)
                 shard_loads.append(ShardLoad(k, int(f.gen or 0), [int(c) for c in r.get("chain") or []],
                                              str(r.get("why")), float(r["t"]), served))
-    commits = [c for c in commits if not _never_applied(c, run)]
+    dense_loads.sort(key=lambda d: d.t)
+    commits = [c for c in commits if not _never_applied(c, run) or _went_on_from(c, commits, dense_loads)]
     return History(sorted(commits, key=lambda c: c.t), sorted(dense_loads, key=lambda d: d.t),
                    sorted(shard_loads, key=lambda s: s.t), slices, applies, sorted(devices))
 
@@ -122,6 +123,13 @@ def _never_applied(c: Commit, run: RunFiles) -> bool:
                     return False
                 later = later or float(r["t"]) > c.t
     return later
+
+
+def _went_on_from(c: Commit, commits: list[Commit], dense_loads: list[DenseLoad]) -> bool:
+    """The trainers went on from ``c`` (a commit of its next step came before any load back to
+    it or earlier): its step holds in the dense model, even though every shard lost it."""
+    after = min((d.t for d in commits if d.step == c.step + 1 and d.t > c.t), default=None)
+    return after is not None and not any(c.t < d.t < after and d.step <= c.step for d in dense_loads)
 
 
 def _trained_from(after: list[dict], step: int) -> bool:
