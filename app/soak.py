@@ -123,11 +123,13 @@ def replay_violations(replayed: Replayed | None) -> list[str]:
 
 def replay_entry(replayed: Replayed, report: dict, steps: int | None, finished: bool) -> tuple[dict, bool | None]:
     """The result line's ``replay`` (what was replayed, how long it took beside the training)
-    and ``failure_free_equal``: with no load in the run's history (every recovery a promotion,
-    every trainer replacement healed from a peer) the replay is the failure-free run, so a sound,
-    exact replay that matched the final checkpoint says the run's final model is that run's
-    bit for bit; None where the run loaded a checkpoint (not a failure-free model by design) or
-    the replay raised."""
+    and ``failure_free_equal``: with no partial recovery in the run's history (every shard
+    recovery a promotion; every load a rollback of every shard and the dense model, or none) the
+    replay computes the failure-free run's model: up to the first rollback it is that run, and a
+    rollback loads a checkpoint the replay matched bit for bit with its own state at that step.
+    So a sound, exact replay that matched the final checkpoint says the run's final model is the
+    failure-free run's bit for bit. None where a shard was recovered alone from a checkpoint
+    (its lost updates make another model, by design) or the replay raised."""
     train_s = (report.get("wall_time_s") or {}).get("training_s")
     entry: dict = {"train_seconds": None if train_s is None else round(float(train_s), 1),
                    "wall_s": round(replayed.wall_s, 1)}
@@ -137,7 +139,7 @@ def replay_entry(replayed: Replayed, report: dict, steps: int | None, finished: 
     entry |= {"steps": r.steps, "checkpoints": len(r.checkpoints), "exact": r.exact, "seconds": round(r.seconds, 1),
               "findings": len(r.findings), "gaps": len(r.gaps), "shard_loads": replayed.shard_loads,
               "dense_loads": replayed.dense_loads, "loads_by_why": replayed.loads_by_why}
-    if replayed.shard_loads or replayed.dense_loads:
+    if any(why.startswith("shard ") and why != "shard rollback" for why in replayed.loads_by_why):
         return entry, None
     return entry, bool(finished and r.sound and r.exact and steps is not None and steps in r.checkpoints)
 

@@ -127,7 +127,7 @@ def _replay_words(rows: list[dict]) -> str:
     equal = [r["failure_free_equal"] for r in rows if r.get("failure_free_equal") is not None]
     if equal:
         words.append(f"the final model equals the failure-free run's bit for bit in {sum(equal)} of the "
-                     f"{len(equal)} runs that loaded no checkpoint")
+                     f"{len(equal)} runs with no partial recovery (promotions and full rollbacks only)")
     return ("Each run replayed (`cpr verify --replay`: the model recomputed in one process, step by committed step, "
             "and compared with every checkpoint the run left; a finding, a checkpoint it could not replay and a "
             "replay that raised are violations): " + "; ".join(words) + ".")
@@ -149,7 +149,7 @@ def _replay_cells(r: dict) -> list[str]:
     equal = r.get("failure_free_equal")
     return [num(e["steps"], ","), str(e["checkpoints"]), "yes" if e["exact"] else "**no**", str(e["findings"]),
             num(e.get("gaps")), f"{num(e.get('shard_loads'))} / {num(e.get('dense_loads'))}", *times,
-            "- (loaded a checkpoint)" if equal is None else "yes" if equal else "**no**"]
+            "- (partial recovery)" if equal is None else "yes" if equal else "**no**"]
 
 
 def _scheduled(rows: list[dict]) -> list[str]:

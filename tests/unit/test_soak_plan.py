@@ -260,14 +260,16 @@ def test_the_soak_stops_before_a_run_when_the_disk_is_short(tmp_path):
 # ------------------------------------------------------------------ the replay of each seed
 
 
-def _replay(findings=(), gaps=(), checkpoints=(20, 100), exact=True, shard_loads=0, dense_loads=0):
+def _replay(findings=(), gaps=(), checkpoints=(20, 100), exact=True, loads_by_why=None):
     """What ``app.soak.replay_soak_run`` returns: a ``verify.replay`` result (as far as the soak
-    reads it) and the loads of the run's history."""
+    reads it) and the loads of the run's history ({"shard recovery": 1, "dense rollback": 2})."""
     from app.soak import Replayed
 
+    whys = loads_by_why or {}
     result = SimpleNamespace(steps=104, checkpoints=list(checkpoints), findings=list(findings), gaps=list(gaps),
                              exact=exact, seconds=41.26, sound=not findings)
-    return Replayed(result, shard_loads, dense_loads, wall_s=47.04)
+    return Replayed(result, sum(n for w, n in whys.items() if w.startswith("shard ")),
+                    sum(n for w, n in whys.items() if w.startswith("dense ")), wall_s=47.04, loads_by_why=dict(whys))
 
 
 REPORT = {"auc": 0.66, "steps": 100, "wall_time_s": {"training_s": 180.44}}
@@ -289,7 +291,7 @@ def test_a_replay_finding_or_gap_is_a_violation_and_keeps_the_run_whole(tmp_path
     assert result["failure_free_equal"] is False
 
 
-def test_a_sound_replay_of_a_run_that_loaded_nothing_is_the_failure_free_model(tmp_path):
+def test_a_sound_replay_of_a_run_with_no_partial_recovery_is_the_failure_free_model(tmp_path):
     run = _finished_run(tmp_path)
     result = soak_result(4, str(run), _verdict([]), REPORT, [], False, [], str(tmp_path / "kept"), False,
                          str(run / "checkpoints"), replay=_replay())
@@ -300,12 +302,16 @@ def test_a_sound_replay_of_a_run_that_loaded_nothing_is_the_failure_free_model(t
     result = soak_result(4, str(run), _verdict([]), REPORT, [], False, [], str(tmp_path / "kept"), False,
                          str(run / "checkpoints"), replay=_replay(checkpoints=(20, 40)))
     assert result["failure_free_equal"] is False
-    # A run that loaded a checkpoint is not the failure-free run by design, whatever its replay.
-    for loads in ({"shard_loads": 1}, {"dense_loads": 2}):
-        run = _finished_run(tmp_path / next(iter(loads)))
+    # Full rollbacks (every shard and the dense model to a checkpoint the replay matched) keep
+    # it the failure-free model; a shard recovered alone from a checkpoint lost updates: another
+    # model by design, whatever its replay.
+    for i, (whys, equal) in enumerate([({"shard rollback": 2, "dense rollback": 2}, True),
+                                       ({"shard recovery": 1}, None),
+                                       ({"shard rollback": 2, "shard recovery": 1, "dense rollback": 2}, None)]):
+        run = _finished_run(tmp_path / f"loads{i}")
         result = soak_result(4, str(run), _verdict([]), REPORT, [], False, [], str(tmp_path / "kept"), False,
-                             str(run / "checkpoints"), replay=_replay(**loads))
-        assert result["failure_free_equal"] is None and result["violations"] == [], loads
+                             str(run / "checkpoints"), replay=_replay(loads_by_why=whys))
+        assert result["failure_free_equal"] is equal and result["violations"] == [], whys
 
 
 def test_a_replay_that_raised_is_a_violation_not_a_crash(tmp_path, monkeypatch):
@@ -353,4 +359,4 @@ def test_the_table_shows_each_replay_beside_the_training_and_blanks_for_a_run_wi
     assert "| 1 | 2,404 | 118 | yes | 0 | 0 | 0 / 0 | 47 (41) | 180 | yes |" in text
     assert "| 2 | raised OSError('x') |  |  |  |  |  | 1 | 200 |  |" in text
     assert "1 of 2 sound and complete, 1 bit for bit, **1 raised**; replay time 26%-26% of the training time" in text
-    assert "equals the failure-free run's bit for bit in 1 of the 1 runs that loaded no checkpoint" in text
+    assert "equals the failure-free run's bit for bit in 1 of the 1 runs with no partial recovery (promotions and full rollbacks only)" in text
