@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 
+import numpy as np
 import torch
 
 __all__ = ["MicrobatchGrads", "dense_digest"]
@@ -42,6 +43,27 @@ class MicrobatchGrads:
             self.flat[at: at + n].copy_(p.grad.reshape(-1))
             p.grad.zero_()
             at += n
+
+    def backward(self, model: torch.nn.Module, params: list[torch.Tensor], positions: list[int], looked_up: np.ndarray,
+                 dense: np.ndarray, labels: np.ndarray, rows: int) -> tuple[np.ndarray, float]:
+        """A trainer's share of the step: each microbatch (``rows`` rows of the arrays, in the
+        order of ``positions``) through ``model`` on its own, its pooled embeddings its own leaf
+        (a slice of one shared leaf would add a gradient of the whole share into it at every
+        backward), its dense gradient into its position's slot, scaled so that the slots' sum is
+        the gradient of the step's mean loss over all M. Returns the pooled embeddings'
+        gradients (for the shards) and the share's summed loss."""
+        loss_total, pooled_grad = 0.0, np.empty_like(looked_up)
+        dense_t, labels_t = torch.from_numpy(dense), torch.from_numpy(labels)
+        for j, position in enumerate(positions):
+            a, b = j * rows, (j + 1) * rows
+            pooled = torch.from_numpy(looked_up[a:b]).requires_grad_(True)
+            loss = torch.nn.functional.binary_cross_entropy_with_logits(model(dense_t[a:b], pooled), labels_t[a:b],
+                                                                        reduction="sum")
+            (loss / (self.m * rows)).backward()
+            self.keep(position, params)
+            pooled_grad[a:b] = pooled.grad.numpy()
+            loss_total += loss.item()
+        return pooled_grad, loss_total
 
     def set_extra(self, failed: bool, microbatches: int) -> torch.Tensor:
         self.flat[-2], self.flat[-1] = float(failed), float(microbatches)

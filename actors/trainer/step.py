@@ -26,7 +26,6 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
 from actors.client import SupervisorClient
@@ -231,22 +230,8 @@ class Trainer(DenseTimeline):
             looked_up = self.shards.lookup(rows, step, attempt.chunk, routed, attempt=attempt.id,
                                            commit=self.committed_try)
             self.phases.lap("lookup")
-            # One microbatch at a time, each its own leaf (a slice of one shared leaf would add a
-            # gradient of the whole share into it at every backward), each dense gradient in its
-            # position's slot (``grads``), scaled so that the slots' sum is the gradient of the
-            # step's mean loss over all M.
-            n, loss_total = self.cfg.training.microbatch_rows, 0.0
-            pooled_grad = np.empty_like(looked_up)
-            dense_t, labels_t = torch.from_numpy(dense), torch.from_numpy(labels)
-            for j, position in enumerate(attempt.mine):
-                a, b = j * n, (j + 1) * n
-                pooled = torch.from_numpy(looked_up[a:b]).requires_grad_(True)
-                loss = torch.nn.functional.binary_cross_entropy_with_logits(
-                    self.model(dense_t[a:b], pooled), labels_t[a:b], reduction="sum")
-                (loss / (m * n)).backward()
-                self.grads.keep(position, self.params)
-                pooled_grad[a:b] = pooled.grad.numpy()
-                loss_total += loss.item()
+            pooled_grad, loss_total = self.grads.backward(self.model, self.params, attempt.mine, looked_up, dense,
+                                                          labels, self.cfg.training.microbatch_rows)
             self.phases.lap("dense")
             if step + 1 < self.schedule.total_steps:
                 # The next step's data while this one's gradients apply and its trainers vote

@@ -38,13 +38,10 @@ def _step_gradient(split, batched=False):
             loss = torch.nn.functional.binary_cross_entropy_with_logits(model(dense, pooled), labels, reduction="sum")
             (loss / (M * ROWS)).backward()
             grads.keep(0, params)
-        else:
-            for i in share:
-                dense, pooled, labels = data[i]
-                loss = torch.nn.functional.binary_cross_entropy_with_logits(model(dense, pooled), labels,
-                                                                            reduction="sum")
-                (loss / (M * ROWS)).backward()
-                grads.keep(i, params)
+        else:  # what a trainer does with its share (``MicrobatchGrads.backward``)
+            dense, pooled, labels = (torch.cat([data[i][j] for i in share]).numpy() for j in range(3))
+            pooled_grad, _ = grads.backward(model, params, list(share), pooled, dense, labels, ROWS)
+            assert pooled_grad.shape == pooled.shape and pooled_grad.any()
         flats.append(grads.set_extra(False, len(share)))
     summed = functools.reduce(torch.add, flats)  # the all-reduce, in whatever order
     grads.flat = summed
