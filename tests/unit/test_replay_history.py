@@ -105,3 +105,33 @@ def test_a_shards_load_is_due_no_later_than_its_next_load():
              ShardLoad(0, 1, [15], "recovery", 4.0, 30)]
     assert _due_steps(loads) == [None, 15, None, None, 30]
     assert _due_steps(loads[:3]) == [15, 15, 15]
+
+
+def test_a_checkpoint_reached_again_after_a_rollback_is_judged_by_its_last_comparison(monkeypatch):
+    """Seen in the soak: the replay reached step 20 in a timeline a rollback then undid (a
+    partial recovery's loss in it), compared it with checkpoint 20 as saved again later, and
+    the redo's comparison matched; the first comparison's "not bit for bit" outlived it."""
+    from types import SimpleNamespace
+
+    import verify.replay.engine as engine
+
+    calls = []
+
+    def dense_problems(step, model, optimizer, params, sums, steps, tol, seen):
+        calls.append(step)
+        if len(calls) == 1:
+            seen.exact = False
+            return [f"checkpoint {step} dense tensor 0 parameter: 1 of 4 values differ from the replay"]
+        return []
+
+    monkeypatch.setattr(engine, "dense_problems", dense_problems)
+    monkeypatch.setattr(engine, "saved_dense", lambda store, step, directory=None: ([], [], []))
+    r = object.__new__(engine.Replay)
+    r.history, r.unknown, r._snap_shard, r._snap_dense, r._snapshots = SimpleNamespace(slices={}), False, set(), set(), {}
+    r.saved, r.damage, r.store, r.model, r.optimizer = {20: 100.0}, [], None, None, None
+    r.tolerance, r.result, r._at_boundary = engine.Tolerance(), engine.ReplayResult(), {}
+    r._reached(20, 50.0)
+    r._reached(20, 90.0)
+    r._conclude()
+    assert calls == [20, 20]
+    assert (r.result.findings, r.result.checkpoints, r.result.exact) == ([], [20], True)

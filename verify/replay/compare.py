@@ -30,7 +30,8 @@ def _off(run: np.ndarray, replay: np.ndarray, tol: Tolerance) -> np.ndarray:
     return bad.reshape(len(bad), -1).any(axis=1) if bad.ndim > 1 else bad
 
 
-def rows_problems(step: int, shard: int, saved, tables, tol: Tolerance, result) -> list[str]:
+def rows_problems(step: int, shard: int, saved, tables, tol: Tolerance, seen) -> list[str]:
+    """``seen.exact`` is set False where a value differs at all, within the tolerance or not."""
     out = []
     for table in np.unique(saved.tables):
         at = saved.tables == table
@@ -46,7 +47,7 @@ def rows_problems(step: int, shard: int, saved, tables, tol: Tolerance, result) 
             continue
         if np.array_equal(w_run, weights) and np.array_equal(m_run, momentum):
             continue
-        result.exact = False
+        seen.exact = False
         bad = _off(w_run, weights, tol) | _off(m_run, momentum, tol)
         if bad.any():
             first = int(np.flatnonzero(bad)[0])
@@ -58,7 +59,7 @@ def rows_problems(step: int, shard: int, saved, tables, tol: Tolerance, result) 
     return out
 
 
-def dense_problems(step: int, model, optimizer, params, sums, steps, tol: Tolerance, result) -> list[str]:
+def dense_problems(step: int, model, optimizer, params, sums, steps, tol: Tolerance, seen) -> list[str]:
     mine = list(model.parameters())
     if len(params) != len(mine) or any(tuple(p.shape) != tuple(q.shape) for p, q in zip(params, mine)):
         return [f"checkpoint {step} dense: {len(params)} tensors of shapes {[tuple(p.shape) for p in params]}, "
@@ -73,7 +74,7 @@ def dense_problems(step: int, model, optimizer, params, sums, steps, tol: Tolera
             a, b = run.detach().float().numpy(), replay.detach().float().numpy()
             if np.array_equal(a, b):
                 continue
-            result.exact = False
+            seen.exact = False
             bad = _off(a.reshape(-1), b.reshape(-1), tol)
             if bad.any():
                 out.append(f"checkpoint {step} dense tensor {i} {what}: {int(bad.sum())} of {bad.size} values differ "

@@ -97,7 +97,9 @@ class Replay:
         # model were loaded again (a rollback): every later state depends on the unknown one.
         self.unknown, self._reloaded = False, set()
         self.result = ReplayResult()
-        self._at_boundary: dict[int, tuple[float, list[str]]] = {}  # step -> (when reached, problems then)
+        # step -> (when reached, problems then, bit for bit then): a later reach (the step redone
+        # after a rollback, before the checkpoint was saved again) replaces it, exactness included.
+        self._at_boundary: dict[int, tuple[float, list[str], bool]] = {}
         self._parted: set[tuple[str, str]] = set()  # the processes whose logged state parted already
         self._loaded_now: list[str] = []  # the shard loads that took effect before the step in hand
 
@@ -295,12 +297,18 @@ class Replay:
         when = self.saved.get(boundary)
         if when is None or when < t - CLOCK_SLACK_S:
             return
-        self._at_boundary[boundary] = (t, self._compare(boundary))
+        self._at_boundary[boundary] = (t, *self._compare(boundary))
 
     def _dense_state(self) -> tuple[dict, dict]:
         return self.model.state_dict(), self.optimizer.state_dict()
 
-    def _compare(self, step: int) -> list[str]:
+    def _compare(self, step: int) -> tuple[list[str], bool]:
+        """The problems of checkpoint ``step`` against the replay's state now, and whether every
+        value matched bit for bit."""
+        seen = _Exactness()
+        return self._problems(step, seen), seen.exact
+
+    def _problems(self, step: int, seen: "_Exactness") -> list[str]:
         problems = []
         for k in sorted(self.history.slices):
             if not self._file_ok(step, f"shard-{k}.arrow"):
@@ -310,7 +318,7 @@ class Replay:
             except (OSError, KeyError, ValueError) as err:  # pyarrow's ArrowInvalid is a ValueError
                 problems.append(f"checkpoint {step} shard {k}: unreadable ({err})")
                 continue
-            problems += rows_problems(step, k, rows, self.tables, self.tolerance, self.result)
+            problems += rows_problems(step, k, rows, self.tables, self.tolerance, seen)
         if not self._file_ok(step, "dense.pt"):
             return problems
         try:
@@ -318,7 +326,7 @@ class Replay:
         except (OSError, KeyError, RuntimeError, ValueError) as err:
             return problems + [f"checkpoint {step} dense: unreadable ({err})"]
         return problems + dense_problems(step, self.model, self.optimizer, params, sums, steps, self.tolerance,
-                                         self.result)
+                                         seen)
 
     def _conclude(self) -> None:
         for step in sorted(self.saved):
@@ -326,11 +334,17 @@ class Replay:
                 self.result.gaps.append(f"checkpoint {step}: not compared (the replay never reached it before it was "
                                         "saved, or its state was unknown then)")
                 continue
-            problems = self._at_boundary[step][1]
+            _, problems, exact = self._at_boundary[step]
+            self.result.exact = self.result.exact and exact
             if problems:
                 self.result.findings += problems
             else:
                 self.result.checkpoints.append(step)
+
+
+@dataclass
+class _Exactness:
+    exact: bool = True  # set False by a comparison that matched only within the tolerance (or not)
 
 
 def _due_steps(pending: list[ShardLoad]) -> list[int | None]:
