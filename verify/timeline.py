@@ -173,7 +173,10 @@ def walk_mirrors(k: int, mirrors: list[AuditFile], files: list[AuditFile], m: in
 def walk_dense(trainers: list[AuditFile], m: int, total: int, killed: set[int]) -> list[str]:
     """The dense optimizer: one commit group per (step, quorum, lighthouse), its trainers' shares exactly
     the step's M microbatch ids; a group of step ``s`` finds ``s`` steps committed, or a
-    rollback or resume to ``s`` since the previous group."""
+    rollback or resume to ``s`` since the previous group, or one of its trainers went on from its
+    own load of ``s`` (a replacement that loaded the checkpoint while a lone trainer of the
+    quorum before, about to die, committed its try of ``s``: every trainer died, that try with
+    them, and the run went on from the checkpoint)."""
     v: list[str] = []
     groups: dict[tuple[int, int, str | None], list[dict]] = {}
     loads: list[dict] = []
@@ -182,13 +185,20 @@ def walk_dense(trainers: list[AuditFile], m: int, total: int, killed: set[int]) 
     aborted = {tuple(r["try"]) for f in trainers for r in f.records if r.get("event") == "aborted" and r.get("try")}
     for f in trainers:
         lighthouse = None  # quorum ids count per lighthouse: a new one counts from 1 again
+        loaded = None  # the step of this trainer's load it has trained from since (a heal to it keeps it)
         for r in f.records:
             if r.get("event") == "open":
-                lighthouse = r.get("lighthouse")
-            elif r.get("event") == "commit" and tuple(r.get("try") or ()) not in aborted:
-                groups.setdefault((r["step"], r["quorum"], lighthouse), []).append({**r, "_file": f})
+                lighthouse, loaded = r.get("lighthouse"), None
+            elif r.get("event") == "commit":
+                if tuple(r.get("try") or ()) not in aborted:
+                    groups.setdefault((r["step"], r["quorum"], lighthouse), []).append({**r, "_file": f,
+                                                                                         "_loaded": loaded})
+                loaded = None
             elif r.get("event") == "load":
                 loads.append(r)
+                loaded = r["step"]
+            elif r.get("event") == "heal" and r.get("step") != loaded:
+                loaded = None
     order = sorted(groups.items(), key=lambda kv: min(c["t"] for c in kv[1]))
     loads.sort(key=lambda r: r["t"])
     done, li, last_t = 0, 0, float("-inf")
@@ -201,7 +211,7 @@ def walk_dense(trainers: list[AuditFile], m: int, total: int, killed: set[int]) 
             li += 1
         v += _check_group(step, quorum, commits, m, trainers, killed)
         if step < done:
-            if step not in since:
+            if step not in since and not any(c["_loaded"] == step for c in commits):
                 v.append(f"dense step {step} committed again (quorum {quorum}) with no rollback or resume to it")
         elif step > done:
             v.append(f"dense steps {done}..{step - 1} never committed before step {step} (quorum {quorum})")

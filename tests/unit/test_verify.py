@@ -128,6 +128,23 @@ def test_a_commit_of_a_try_its_trainer_then_logged_aborted_is_not_a_commit():
     assert walk_dense([a, b], M, 8, killed=set()) != []
 
 
+def test_a_replacement_that_went_on_from_its_own_load_redoes_the_step_a_dying_peer_committed():
+    """Seen in the replica soak at c6e9296: every trainer died at step 5; replacement A loaded
+    checkpoint 5 and, alone in its quorum, committed its try of step 5, then died too; B loaded
+    checkpoint 5 a moment *before* A's commit, healed to 5 and committed step 5 again. B's redo
+    comes from its own load, not from A's commit."""
+    a = trainer_file(0, 10, commits(0, range(0, 5), 1, 0.0))
+    b = trainer_file(1, 11, commits(1, range(0, 5), 1, 0.0))
+    a2 = trainer_file(0, 20, [("load", 5, "resume", 10.0), ("commit", 5, 2, [10, 11], 10.5)])
+    b2 = trainer_file(1, 21, [("load", 5, "resume", 10.4), ("commit", 5, 3, [10, 11], 12.0),
+                              ("commit", 6, 3, [12, 13], 12.5), ("commit", 7, 3, [14, 15], 13.0)])
+    b2.records.insert(2, {"t": 11.0, "event": "heal", "step": 5, "rank": 1, "_line": 98})
+    assert walk_dense([a, b, a2, b2], M, 8, killed={10, 11, 20}) == []
+    # Without its own load (a trainer that just went on), the same commit is a double one.
+    b2.records.pop(1)
+    assert any("dense step 5 committed again" in x for x in walk_dense([a, b, a2, b2], M, 8, killed={10, 11, 20}))
+
+
 def test_a_torn_line_is_accepted_only_last_and_from_a_killed_writer():
     f = shard_file(0, applies(range(0, 3), 0.0), pid=100)
     f.torn, f.lines = [(f.lines + 1, '{"t": 3.0, "gen": 0, "eve')], f.lines + 1
