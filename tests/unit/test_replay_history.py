@@ -135,3 +135,19 @@ def test_a_checkpoint_reached_again_after_a_rollback_is_judged_by_its_last_compa
     r._conclude()
     assert calls == [20, 20]
     assert (r.result.findings, r.result.checkpoints, r.result.exact) == ([], [20], True)
+
+
+def test_a_lone_try_of_a_dying_trainer_is_not_the_runs_though_a_peer_loaded_just_before_it():
+    """Seen in the replica soak at 5b1a8cd: after a rollback to 1380, trainer 1 loaded the
+    checkpoint; a moment later trainer 0, alone in its quorum, logged its try of 1380 committed
+    and died. Trainer 1 then committed another try of 1380 (the one the shards applied) and went
+    on to 1381. The lone try was not the run's: nobody went on from it."""
+    t0 = _trainer(0, 60, {"event": "load", "step": 1380, "why": "resume", "t": 8.9},
+                  {"event": "heal", "step": 1380, "t": 8.95}, _commit(1380, 9.0, range(5520, 5524), 1))
+    t1 = _trainer(1, 61, {"event": "load", "step": 1380, "why": "resume", "t": 8.8},
+                  {"event": "heal", "step": 1380, "t": 13.5}, _commit(1380, 13.6, range(5520, 5524), 2),
+                  _commit(1381, 13.7, range(5524, 5528)))
+    shard = AuditFile(Path("shard-0-g3.jsonl"), "shard", 0, 3)
+    shard.records = [{"event": "apply", "step": 1380, "try": [0, 2], "t": 13.65, "_line": 1}]
+    h = read_history(_run([t0, t1], {0: [shard]}), M)
+    assert [(c.step, c.try_) for c in h.commits] == [(1380, (0, 1380, 2)), (1381, (0, 1381, 0))]

@@ -99,8 +99,7 @@ def read_history(run: RunFiles, m: int) -> History:
                 served = next((int(n["step"]) for n in records[i + 1:] if n.get("event") in ("complete", "apply")), None)
                 shard_loads.append(ShardLoad(k, int(f.gen or 0), [int(c) for c in r.get("chain") or []],
                                              str(r.get("why")), float(r["t"]), served))
-    dense_loads.sort(key=lambda d: d.t)
-    commits = [c for c in commits if not _never_applied(c, run) or _went_on_from(c, commits, dense_loads)]
+    commits = [c for c in commits if not _never_applied(c, run) or _went_on_from(c, run)]
     return History(sorted(commits, key=lambda c: c.t), sorted(dense_loads, key=lambda d: d.t),
                    sorted(shard_loads, key=lambda s: s.t), slices, applies, sorted(devices))
 
@@ -125,11 +124,21 @@ def _never_applied(c: Commit, run: RunFiles) -> bool:
     return later
 
 
-def _went_on_from(c: Commit, commits: list[Commit], dense_loads: list[DenseLoad]) -> bool:
-    """The trainers went on from ``c`` (a commit of its next step came before any load back to
-    it or earlier): its step holds in the dense model, even though every shard lost it."""
-    after = min((d.t for d in commits if d.step == c.step + 1 and d.t > c.t), default=None)
-    return after is not None and not any(c.t < d.t < after and d.step <= c.step for d in dense_loads)
+def _went_on_from(c: Commit, run: RunFiles) -> bool:
+    """The trainers went on from ``c``: a trainer that logged it committed next committed the
+    step after it (no load, heal or abort between), so its step holds in the dense model even
+    though every shard lost it. Judged in each trainer's own log, never by comparing times
+    across processes: a peer may load the checkpoint a moment before a dying trainer logs its
+    lone try."""
+    key = list(c.try_ or ())
+    for f in run.trainers:
+        for i, r in enumerate(f.records):
+            if r.get("event") != "commit" or r.get("try") != key:
+                continue
+            after = next((n for n in f.records[i + 1:] if n.get("event") in ("commit", "load", "heal", "aborted")), None)
+            if after is not None and after["event"] == "commit" and int(after["step"]) == c.step + 1:
+                return True
+    return False
 
 
 def _trained_from(after: list[dict], step: int) -> bool:
