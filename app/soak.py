@@ -10,7 +10,6 @@ from __future__ import annotations
 import logging
 import shutil
 import time
-from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -23,8 +22,6 @@ from app.soak_check import keep_or_clean, must_keep, promoted_then_killed, sched
 from app.soak_plan import scheduled_faults, soak_config, soak_faults
 from core.config import load_config
 from verify import verify_run
-from verify.files import load_run as load_run_files
-from verify.replay.history import read_history
 
 __all__ = ["run_soak", "soak_config", "soak_faults", "written_report", "soak_result", "Replayed", "replay_soak_run",
            "replay_violations", "replay_entry"]
@@ -102,14 +99,14 @@ def replay_soak_run(run_dir: str | Path) -> Replayed:
         from verify.replay.engine import replay_dir  # import cost: torch and fbgemm, 3-5 s; only the replay needs them
 
         result = replay_dir(run_dir)
-        run = load_run_files(run_dir)
-        history = read_history(run, run.m)
     except Exception as err:  # noqa: BLE001 - reported as a violation, the soak goes on with the next seed
         logger.exception("the replay of %s raised", run_dir)
         return Replayed(error=repr(err), wall_s=time.perf_counter() - t0)
-    whys = Counter([f"shard {s.why}" for s in history.shard_loads] + [f"dense {d.why}" for d in history.dense_loads])
-    return Replayed(result, len(history.shard_loads), len(history.dense_loads), wall_s=time.perf_counter() - t0,
-                    loads_by_why=dict(sorted(whys.items())))
+
+    def count(kind: str) -> int:
+        return sum(n for why, n in result.loads.items() if why.startswith(kind))
+
+    return Replayed(result, count("shard "), count("dense "), wall_s=time.perf_counter() - t0, loads_by_why=result.loads)
 
 
 def replay_violations(replayed: Replayed | None) -> list[str]:

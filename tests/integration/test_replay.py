@@ -46,6 +46,11 @@ def test_the_replay_matches_every_checkpoint_bit_for_bit(sound_run):
     assert result.sound and result.exact and not result.gaps, (result.findings, result.gaps)
     assert result.checkpoints == list(range(EVERY, 61, EVERY)), result.checkpoints
     assert result.steps >= 60
+    # The loads it walked, by kind (what the soak's table and failure_free_equal read): shard 1's
+    # partial recovery; trainer 1 healed from its peer, so no dense load.
+    history = read_history(load_run(sound_run), 4)
+    assert result.loads == {"shard recovery": 1} == {f"shard {s.why}": 1 for s in history.shard_loads}, result.loads
+    assert not history.dense_loads
 
 
 @pytest.mark.parametrize("kind,step", [("drop", 33), ("double", 33), ("other_rows", 44), ("initial_rows", None)])

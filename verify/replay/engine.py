@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import copy
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -50,6 +51,7 @@ class ReplayResult:
     findings: list[str] = field(default_factory=list)  # where the run's model parts from the replay
     gaps: list[str] = field(default_factory=list)  # what the replay could not check, and why
     excused: list[str] = field(default_factory=list)  # not checked because the fault injector damaged its file
+    loads: dict[str, int] = field(default_factory=dict)  # the history's loads by kind: "shard recovery", "dense resume"
     exact: bool = True  # every comparison matched bit for bit
     seconds: float = 0.0
 
@@ -96,7 +98,9 @@ class Replay:
         # After a load it could not replay, nothing is compared until every shard and the dense
         # model were loaded again (a rollback): every later state depends on the unknown one.
         self.unknown, self._reloaded = False, set()
-        self.result = ReplayResult()
+        self.result = ReplayResult(loads=dict(sorted(Counter(
+            [f"shard {s.why}" for s in self.history.shard_loads] + [f"dense {d.why}" for d in self.history.dense_loads]
+        ).items())))
         # step -> (when reached, problems then, bit for bit then): a later reach (the step redone
         # after a rollback, before the checkpoint was saved again) replaces it, exactness included.
         self._at_boundary: dict[int, tuple[float, list[str], bool]] = {}
