@@ -84,7 +84,9 @@ class NoSpares:
 
 
 def _controller(journal: MemoryJournal, executor, limits: BudgetLimits = BudgetLimits(),
-                prune_commits=lambda step, generation: None):
+                prune_commits=lambda step, generation: None, previous: dict | None = None):
+    """A started controller of two shards; ``previous``: the last attempt's journaled section
+    (``--resume``)."""
     lock = threading.RLock()
     books = Books(journal, lock, {"run_id": "r1", "attempt": 1, "supervisor_restarts": 0})
     hooks = HookList()
@@ -105,9 +107,12 @@ def _controller(journal: MemoryJournal, executor, limits: BudgetLimits = BudgetL
                                     clock=lambda: 1000.0)
     for name, part in (("controller", controller), ("events", events), ("ledger", ledger)):
         books.add(name, part)
+    if previous is not None:
+        controller.continue_from(previous)
     controller.reserve_first_fleet()
-    controller.commit_start(["handle-0-g0", "handle-1-g0"],
-                            [ShardInfo(k, None, 0, 10 + k, "node-a", "127.0.0.1", 10, "cpu") for k in range(2)])
+    gens = controller.first_fleet()
+    controller.commit_start([f"handle-{k}-g{g}" for k, g in enumerate(gens)],
+                            [ShardInfo(k, None, g, 10 + k, "node-a", "127.0.0.1", 10, "cpu") for k, g in enumerate(gens)])
     return controller, ledger, events
 
 
