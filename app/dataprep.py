@@ -24,13 +24,15 @@ import ray
 
 from app.dataengines import LocalEngine, RayDataEngine
 from core.config import RunConfig, config_from_dict
-from core.data import generate
 from core.data.chunks import Chunk, plan_chunks
 from core.data.criteo import SPARSE_COLUMNS
-from core.data.sources import InputFile, child_uri, is_local, open_filesystem, resolve_inputs, split_uri
+from core.data.sources import InputFile, check_distinct, child_uri, is_local, open_filesystem, resolve_inputs, split_uri
+from core.data.synthetic import SUMMARY_FILE, generate_missing
 from core.errors import ConfigError, InsufficientData
-from core.store import Mapping, StoreManifest, Vocabulary, read_manifest, store_key, write_manifest
+from core.store import Mapping, StoreManifest, Vocabulary, publish_manifest, read_manifest, store_key
 from core.store.build import part_name, remap_part, stitch_tails, write_chunk
+from core.store.builds import StoreSlot
+from core.store.identity import Source, changed_sources, chunk_digest, fingerprint
 from core.store.vocab import VOCAB_FILE
 
 __all__ = ["DataInputs", "StoreInfo", "build_stores", "local_inputs", "one_task_each", "prepare_data",
@@ -49,6 +51,9 @@ class StoreInfo:
     reused: bool
     mapping: dict
     build: dict
+    key: str
+    inputs: list[dict]  # Source.as_dict() of each input file, in order
+    vocab_uri: str | None  # the vocabulary (mapping vocab), else None
 
 
 @dataclass(frozen=True)
@@ -59,29 +64,21 @@ class DataInputs:
 
 
 def resolve_data(cfg: RunConfig) -> DataInputs:
-    """Synthetic data generated if configured and missing (local paths), then every input URI
-    resolved to its files: a URI that does not exist, cannot be read, or a glob that matches
-    nothing, stops the run here, before Ray or any actor starts."""
+    """Synthetic data generated where configured and missing (core.data.synthetic: only into
+    the generator's own directory), then every input URI resolved to its files: a URI that
+    does not exist, cannot be read, a glob that matches nothing, or a file named twice (within
+    or across train and eval), stops the run here, before Ray or any actor starts."""
     d = cfg.data
-    missing = [p for p in d.train + d.eval
-               if is_local(p) and not any(c in p for c in "*?[") and not Path(split_uri(p)[1]).exists()]
-    if missing and d.generate is not None:
-        out_dir = Path(d.train[0]).parent
-        gen = d.generate
-        logger.info("generating %d + %d synthetic rows into %s", gen.train_rows, gen.eval_rows, out_dir)
-        summary = generate(str(out_dir), gen.train_rows, gen.eval_rows, fmt=gen.format, seed=gen.seed,
-                           vocab_rows=gen.vocab_rows)
-        produced = {str(Path(summary.train_path)), str(Path(summary.eval_path))}
-        if not all(str(Path(p)) in produced for p in d.train + d.eval):
-            raise ConfigError(f"data.generate wrote {sorted(produced)} but data.train/data.eval name {d.train + d.eval}")
-    elif missing:
-        raise ConfigError(f"data files not found: {missing} (set data.generate to create synthetic data)")
+    if d.generate is not None:
+        generate_missing(d)
+    train, evaluation = resolve_inputs(d.train, "data.train"), resolve_inputs(d.eval, "data.eval")
+    check_distinct(train, evaluation)
     ceiling = None
     if is_local(d.train[0]):
-        datagen_json = Path(split_uri(d.train[0])[1]).parent / "datagen.json"
+        datagen_json = Path(split_uri(d.train[0])[1]).parent / SUMMARY_FILE
         if datagen_json.exists():
             ceiling = json.loads(datagen_json.read_text()).get("ceiling_auc")
-    return DataInputs(resolve_inputs(d.train, "data.train"), resolve_inputs(d.eval, "data.eval"), ceiling)
+    return DataInputs(train, evaluation, ceiling)
 
 
 def local_inputs(inputs: DataInputs) -> tuple[tuple[str, str, int], ...]:
@@ -105,7 +102,22 @@ def build_stores(cfg: RunConfig, inputs: DataInputs, engine=None) -> dict:
     one chunk, which is one task, and the driver runs it (Ray Data's start, 2-4 s on a fresh
     cluster, would cost more than the task; see ``LocalEngine``)."""
     engine = engine or _AutoEngine()
-    d, rows = cfg.data, cfg.training.microbatch_rows
+    mapping, options = _mapping_and_options(cfg)
+    train_sources = [fingerprint(f) for f in inputs.train]
+    train_key = store_key(train_sources, {**options, "name": "train"})
+    train = _build(engine, cfg, "train", inputs.train, train_sources, train_key, mapping, keep_tail=False,
+                   vocab_uri=None)
+    mapping = Mapping(**{**train.mapping, "table_rows": tuple(train.mapping["table_rows"])})
+    eval_sources = [fingerprint(f) for f in inputs.eval]
+    eval_key = store_key(eval_sources, {**options, "name": "eval", "vocab_of": train_key})
+    evaluation = _build(engine, cfg, "eval", inputs.eval, eval_sources, eval_key, mapping, keep_tail=True,
+                        vocab_uri=train.vocab_uri)
+    return {"train": train, "eval": evaluation, "ceiling_auc": inputs.ceiling_auc, "table_rows": list(mapping.table_rows)}
+
+
+def _mapping_and_options(cfg: RunConfig) -> tuple[Mapping, dict]:
+    """The mapping a training store's ids go through, and the options that shape a store."""
+    d = cfg.data
     if d.mapping == "hash":
         mapping = Mapping("hash", tuple(cfg.model.rows_per_table))
         options = {"mapping": "hash", "table_rows": mapping.table_rows}
@@ -113,14 +125,15 @@ def build_stores(cfg: RunConfig, inputs: DataInputs, engine=None) -> dict:
         mapping = Mapping("vocab", (), d.min_count)
         options = {"mapping": "vocab", "min_count": d.min_count}
     # chunk_mb too: a chunk's leftover rows go to the last part, so the chunks shape the microbatches
-    options.update(rows=rows, skip=d.skip_bad_lines, chunk_mb=d.chunk_mb)
-    train_key = store_key(inputs.train, {**options, "name": "train"})
-    train = _build(engine, cfg, "train", inputs.train, train_key, mapping, keep_tail=False, vocab_uri=None)
-    mapping = Mapping(**{**train.mapping, "table_rows": tuple(train.mapping["table_rows"])})
-    vocab_uri = child_uri(train.uri, VOCAB_FILE) if mapping.kind == "vocab" else None
-    eval_key = store_key(inputs.eval, {**options, "name": "eval", "vocab_of": train_key})
-    evaluation = _build(engine, cfg, "eval", inputs.eval, eval_key, mapping, keep_tail=True, vocab_uri=vocab_uri)
-    return {"train": train, "eval": evaluation, "ceiling_auc": inputs.ceiling_auc, "table_rows": list(mapping.table_rows)}
+    options.update(rows=cfg.training.microbatch_rows, skip=d.skip_bad_lines, chunk_mb=d.chunk_mb)
+    return mapping, options
+
+
+def train_identity(cfg: RunConfig, inputs: DataInputs) -> tuple[str, tuple[dict, ...]]:
+    """(key, inputs) of the training store these inputs make: what a checkpoint's data
+    position records (core.checkpoint.position), known before the store is built."""
+    sources = [fingerprint(f) for f in inputs.train]
+    return store_key(sources, {**_mapping_and_options(cfg)[1], "name": "train"}), tuple(s.as_dict() for s in sources)
 
 
 def prepare_data(cfg: RunConfig, engine=None) -> dict:
@@ -158,20 +171,73 @@ def with_table_rows(cfg: RunConfig, table_rows: list[int]) -> RunConfig:
     return config_from_dict(raw)
 
 
-def _build(engine, cfg: RunConfig, name: str, files: list[InputFile], key: str, mapping: Mapping, keep_tail: bool,
-           vocab_uri: str | None) -> StoreInfo:
-    uri = child_uri(cfg.cache_dir, f"{name}-{key}")
-    found = read_manifest(uri)
-    if found is not None:
-        logger.info("%s data: reusing the store %s (%d microbatches)", name, uri.split("?")[0], found.microbatches)
-        return _info(uri, found, True)
+def _build(engine, cfg: RunConfig, name: str, files: list[InputFile], sources: list[Source], key: str,
+           mapping: Mapping, keep_tail: bool, vocab_uri: str | None) -> StoreInfo:
+    """The store of ``files``: found (checked byte for byte first with ``data.verify_data``),
+    or built into a directory of its own and published (core.store.builds); a build that
+    fails removes what it wrote."""
+    slot = StoreSlot(child_uri(cfg.cache_dir, f"{name}-{key}"))
+    shown = slot.uri.split("?")[0]
+    with slot.held():
+        found, stale = read_manifest(slot.uri), None
+        if found is not None and cfg.data.verify_data:
+            changed = _changed_chunks(found, files)
+            if changed:
+                logger.warning("%s data: the store %s no longer matches its inputs (%s); building it again", name,
+                               shown, "; ".join(changed))
+                found, stale = None, found
+        if found is not None:
+            slot.remove_orphans(keep=found.dir)
+            logger.info("%s data: reusing the store %s (%d microbatches)", name, shown, found.microbatches)
+            return _info(slot.uri, found, True)
+        slot.remove_orphans(keep=stale.dir if stale is not None else None)
+        build, build_uri = slot.new_build()
+        try:
+            manifest = _build_into(engine, cfg, name, files, sources, key, mapping, keep_tail, vocab_uri, build,
+                                   build_uri, shown)
+            published = publish_manifest(slot.uri, manifest, replace=stale is not None)
+        except BaseException:
+            slot.remove(build)
+            raise
+    if not published:  # another run published the same store first (object storage): theirs is used
+        slot.remove(build)
+        theirs = read_manifest(slot.uri)
+        logger.info("%s data: another run built the store %s first; using it", name, shown)
+        return _info(slot.uri, theirs, True)
+    if stale is not None:
+        slot.remove(stale.dir)
+    logger.info("%s data: %d rows in %d microbatches, %.1f s", name, manifest.rows, manifest.microbatches,
+                manifest.build["seconds"])
+    return _info(slot.uri, manifest, False)
+
+
+def _changed_chunks(found: StoreManifest, files: list[InputFile]) -> list[str]:
+    """Every chunk the store was built from, read again and its digest compared with the one
+    the build took: the files whose bytes differ (``data.verify_data``)."""
+    by_name = {f.name: f for f in files}
+    changed: list[str] = []
+    for c in found.chunks:
+        f = by_name.get(c["file"])
+        if f is None or c["file"] in changed:
+            continue
+        if chunk_digest(Chunk(f, c["start"], c["stop"])) != c["digest"]:
+            changed.append(c["file"])
+    recorded = [Source.of(s) for s in found.inputs]
+    return [f"{n}: its bytes changed" for n in changed] + changed_sources(recorded, [fingerprint(f) for f in files])
+
+
+def _build_into(engine, cfg: RunConfig, name: str, files: list[InputFile], sources: list[Source], key: str,
+                mapping: Mapping, keep_tail: bool, vocab_uri: str | None, build: str, uri: str,
+                shown: str) -> StoreManifest:
+    """The store's files written into ``uri``, its build's own directory (``build`` inside the
+    store's); returns the manifest that publishes them."""
     t0 = time.perf_counter()
     chunks = plan_chunks(files, cfg.data.chunk_mb << 20)
     if isinstance(engine, _AutoEngine):
         engine = engine.choose(len(chunks))
     counting = mapping.kind == "vocab" and vocab_uri is None
     logger.info("%s data: preprocessing %d file(s) in %d chunk(s) on %s into %s", name, len(files), len(chunks),
-                engine.name, uri.split("?")[0])
+                engine.name, shown)
     rows = cfg.training.microbatch_rows
     task = functools.partial(_write_chunk_task, store_uri=uri, rows=rows, skip=cfg.data.skip_bad_lines,
                              mapping=None if counting else mapping, vocab_uri=vocab_uri)
@@ -182,30 +248,32 @@ def _build(engine, cfg: RunConfig, name: str, files: list[InputFile], key: str, 
     # One small task (fewer than a microbatch of rows per chunk, read one chunk's at a time): the driver's.
     last = _stitch_task({"index": len(chunks), "tails": tails}, store_uri=uri, rows=rows, keep_tail=keep_tail, kind=kind)
     parts = [s for s in done if s["microbatches"]] + ([last] if last["microbatches"] else [])
+    vocab = None
     if counting:
         counts = [child_uri(uri, part_name(s["index"], "counts")) for s in done]
         vocabulary = engine.vocabulary(counts, cfg.data.min_count, name)
         for c in counts:
             _delete(c)
         vocabulary.write(child_uri(uri, VOCAB_FILE))
+        vocab = f"{build}/{VOCAB_FILE}"
         mapping = Mapping("vocab", vocabulary.table_rows, cfg.data.min_count)
         engine.map(functools.partial(_remap_task, store_uri=uri, vocab_uri=child_uri(uri, VOCAB_FILE)),
-             [{"index": p["index"]} for p in parts], name)
+                   [{"index": p["index"]} for p in parts], name)
     if sum(p["microbatches"] for p in parts) == 0:
         raise InsufficientData(f"{name} data: {sum(s['usable'] for s in done)} usable rows, fewer than one "
                                f"microbatch of {rows} rows")
     seconds = time.perf_counter() - t0
     usable = sum(s["usable"] for s in done)
-    manifest = StoreManifest(
+    logger.info("%s data: %d rows read, %.1f s (%.0f rows/s)", name, usable, seconds, usable / max(seconds, 1e-9))
+    return StoreManifest(
         key=key, microbatch_rows=rows, rows=usable - last["dropped_rows"],
-        parts=[{"file": part_name(p["index"]), "microbatches": p["microbatches"]} for p in parts],
+        parts=[{"file": f"{build}/{part_name(p['index'])}", "microbatches": p["microbatches"]} for p in parts],
         bad_lines=sum(s["bad_lines"] for s in done), mapping=_mapping_dict(mapping), sources=[f.name for f in files],
+        dir=build, vocab=vocab,  # an evaluation store reads the training store's vocabulary
+        inputs=[s.as_dict() for s in sources],
+        chunks=[{"file": s["file"], "start": s["start"], "stop": s["stop"], "digest": s["digest"]} for s in done],
         build=_build_stats(done, seconds, usable, engine.name),
     )
-    write_manifest(uri, manifest)
-    logger.info("%s data: %d rows read, %d in %d microbatches, %.1f s (%.0f rows/s)", name, usable, manifest.rows,
-                manifest.microbatches, seconds, usable / max(seconds, 1e-9))
-    return _info(uri, manifest, False)
 
 
 def _mapping_dict(mapping: Mapping) -> dict:
@@ -213,7 +281,9 @@ def _mapping_dict(mapping: Mapping) -> dict:
 
 
 def _info(uri: str, m: StoreManifest, reused: bool) -> StoreInfo:
-    return StoreInfo(uri, m.rows, m.microbatches, m.microbatch_rows, m.bad_lines, reused, m.mapping, m.build)
+    vocab_uri = child_uri(uri, m.vocab) if m.vocab else None
+    return StoreInfo(uri, m.rows, m.microbatches, m.microbatch_rows, m.bad_lines, reused, m.mapping, m.build, m.key,
+                     m.inputs, vocab_uri)
 
 
 def _build_stats(done: list[dict], seconds: float, usable: int, engine: str) -> dict:

@@ -28,18 +28,20 @@ from app.dataprep import build_stores, local_inputs, one_task_each, resolve_data
 from app.emulation import Emulation
 from app.lighthouse import start_lighthouse
 from app.logs import LOG_DIR, configure_driver_logging, link_ray_session_logs, point_latest
+from app.preflight import check_places, probe_writes
 from app.rayenv import check_cluster_fits, choose_recovery, cluster_address, connect_ray, metrics_url
 from app.report import build_report, rebuild_report, write_report
+from app.resume import refuse_other_data
 from app.storage import check_every_node, expected_files
 from core.codec import encode
-from core.config import RunConfig, load_config
+from core.config import RunConfig
 from core.deadlines import Deadlines
 from core.errors import CheckpointNotFound, ConfigError, RunFailed
-from core.journal import refuse_another_run, refuse_old_journal
+from core.journal import refuse_another_run
 from core.books import RunSummary
 from core.schedule import StepSchedule
 
-__all__ = ["TrainingJob", "run_training", "resume_config"]
+__all__ = ["TrainingJob", "run_training"]
 
 logger = logging.getLogger(__name__)
 
@@ -105,18 +107,25 @@ class TrainingJob:
         start, so that ``fit()`` starts Ray Train's worker group meanwhile (trainers wait
         for the shards in ``trainer_setup``); a resumed run always waits (it restores first)."""
         cfg = self.cfg
+        # Bad input writes nothing: the places the run writes, the checkpoints there and the
+        # inputs are checked (synthetic data generated where configured) before run_dir is made.
+        check_places(cfg)
         if not self.resume:
             refuse_another_run(self.run_dir, cfg.checkpoint_uri if cfg.checkpoint.stored else None)
+        inputs = resolve_data(cfg)
+        if self.resume:
+            refuse_other_data(cfg, inputs)  # before a store of other data is built
+        probe_writes(cfg)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         point_latest(self.run_dir)
         configure_driver_logging(self.run_dir, self.verbose)
         (self.run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(), sort_keys=False))
         # Ray Train's modules (and torch: 3.0 s) load for fit() while Ray starts and the data is
-        # preprocessed. Inputs that do not exist or cannot be read fail before Ray starts, and so
-        # does data of one chunk per store (one task: the driver's) where the run starts its Ray.
-        # Not a daemon: a run failing meanwhile must not exit with torch half-imported (tracebacks).
+        # preprocessed: data of one chunk per store (one task: the driver's) before Ray starts
+        # where the run starts its Ray. Not a daemon: a run failing meanwhile must not exit with
+        # torch half-imported (tracebacks); started after the checks above, so that bad input
+        # exits at once.
         threading.Thread(target=_import_ray_train, name="import-ray-train", daemon=False).start()
-        inputs = resolve_data(cfg)
         if early := one_task_each(cfg, inputs) and not cluster_address(cfg):
             self.data, self._t["data"] = build_stores(cfg, inputs), time.perf_counter()
         self._started_ray = connect_ray(cfg, self.verbose)
@@ -331,15 +340,6 @@ def _import_ray_train() -> None:
         import app.raytrain  # noqa: F401 - import cost: 3.0 s of Ray Train and torch, taken off the path to the first step
     except Exception:  # noqa: BLE001 - fit() imports it again and raises there
         pass
-
-
-def resume_config(run_dir: str) -> RunConfig:
-    """The config a run was started with, saved in its run directory."""
-    path = Path(run_dir) / "config.yaml"
-    if not path.exists():
-        raise ConfigError(f"--resume {run_dir}: no config.yaml there; is it a run directory?")
-    refuse_old_journal(Path(run_dir))  # another version's journal: refused before anything starts
-    return load_config(path)
 
 
 def run_training(

@@ -20,7 +20,7 @@ from actors.supervisor.books import JOURNAL_FORMAT
 from actors.supervisor.machine import TERMINAL, ResumeRequested, StopRequested
 from actors.supervisor.restart import continue_history, rebuild
 from actors.supervisor.summary import run_summary
-from core.checkpoint import read_position
+from core.checkpoint import other_data, read_position
 from core.codec import encode
 from core.config import config_from_dict
 from core.errors import ConfigError
@@ -147,6 +147,8 @@ class Supervisor:
         if not chain:
             return None
         position, expected = read_position(p.checkpoints.store, chain[-1]), p.desk.position(chain[-1])
+        if (why := other_data(position, expected, chain[-1])) is not None:
+            raise ConfigError(why)
         for key in ("microbatches_per_step", "microbatch_rows", "num_microbatches", "seed"):
             if getattr(position, key) != getattr(expected, key):
                 raise ConfigError(

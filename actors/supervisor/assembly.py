@@ -47,6 +47,7 @@ from core.faultlog import fault_log_dir
 from core.deadlines import Deadlines
 from core.journal import BOOK_FILE, EVENTS_FILE, AppendLog, Journal, RunLog
 from core.plan import ShardingPlan
+from core.store import read_manifest
 from core.books import FailureRecord, KillRecord
 from core.records import Target, TrainerSetup
 from core.schedule import StepSchedule
@@ -169,8 +170,9 @@ def assemble(inputs: RunInputs, on_crash: Callable[[str, BaseException], None], 
         finished=False, plan=inputs.plan, schedule=inputs.schedule, train_cache=inputs.train_cache,
         eval_cache=inputs.eval_cache, audit_dir=audit,
     )
-    desk = TrainerDesk(lock, controller, checkpoints, trainers, events, policy, deadlines, setup,
-                       lambda step: _position(cfg, inputs.schedule, step), ck.final, run_id, mirrors.wait_first,
+    position = partial(_position, cfg, inputs.schedule, _train_data(inputs.train_cache))
+    desk = TrainerDesk(lock, controller, checkpoints, trainers, events, policy, deadlines, setup, position,
+                       ck.final, run_id, mirrors.wait_first,
                        survey=lambda: surveyor.ask(trainers_only=True))
     killer = Killer(lambda: _targets(controller, trainers, spares) | mirrors.targets(), lambda kill: record_kill(ledger, events, kill),
                     deadlines.shard_call_s, fault_log_dir(inputs.run_dir), cfg.checkpoint_uri,
@@ -260,13 +262,19 @@ def _decide(cfg: RunConfig, costs: SharedCosts, n: int):
     return decide_recovery(RecoveryMode(cfg.recovery), inputs)
 
 
-def _position(cfg: RunConfig, schedule: StepSchedule, step: int) -> DataPosition:
+def _position(cfg: RunConfig, schedule: StepSchedule, data: tuple[str, tuple], step: int) -> DataPosition:
     tr = cfg.training
     return DataPosition(
         next_step=step, microbatches_per_step=tr.microbatches_per_step, microbatch_rows=tr.microbatch_rows,
         num_microbatches=schedule.num_microbatches, seed=schedule.seed,
-        samples_trained=step * tr.microbatches_per_step * tr.microbatch_rows,
+        samples_trained=step * tr.microbatches_per_step * tr.microbatch_rows, store_key=data[0], inputs=data[1],
     )
+
+
+def _train_data(uri: str) -> tuple[str, tuple]:
+    """(key, input files) of the training store at ``uri``, as its manifest says."""
+    manifest = read_manifest(uri)
+    return ("", ()) if manifest is None else (manifest.key, tuple(manifest.inputs))
 
 
 def record_kill(ledger: FailureLedger, events: EventLog, kill: KillRecord) -> None:

@@ -19,7 +19,7 @@ from core.checkpoint.files import (
     write_blob,
     write_shard_file,
 )
-from core.checkpoint.position import DataPosition, read_position
+from core.checkpoint.position import DataPosition, newest_position, other_data, read_position
 from core.checkpoint.rows import ShardRows, merge_shard_rows, warm_up
 from core.checkpoint.shard_restore import NO_CHECKPOINT_YET, ROLLBACK_TO_START, ShardRestore, restore_shard
 from core.checkpoint.store import CheckpointStore
@@ -41,6 +41,8 @@ __all__ = [
     "ShardRows",
     "local_path",
     "merge_shard_rows",
+    "newest_position",
+    "other_data",
     "read_position",
     "restore_shard",
     "shard_file_name",

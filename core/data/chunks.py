@@ -65,23 +65,49 @@ def _line_start_at_or_after(raw: pa.NativeFile, offset: int, size: int) -> int:
     return size
 
 
+class _Hashing:
+    """A read-only stream that feeds every byte read through it to ``digest``: the bytes a
+    parser reads anyway are hashed on their way (pyarrow's CSV reader takes a Python stream)."""
+
+    def __init__(self, stream: pa.NativeFile, digest):
+        self._stream, self._digest = stream, digest
+        self.closed = False
+
+    def read(self, n: int = -1) -> bytes:
+        data = self._stream.read() if n is None or n < 0 else self._stream.read(n)
+        self._digest.update(data)
+        return data
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return False
+
+    def close(self) -> None:
+        self.closed = True
+
+
 @contextlib.contextmanager
-def open_chunk(chunk: Chunk) -> Iterator[pa.NativeFile]:
-    """A stream of the chunk's bytes: its whole lines, decompressed if its name says so."""
+def open_chunk(chunk: Chunk, digest=None) -> Iterator[pa.NativeFile]:
+    """A stream of the chunk's bytes: its whole lines, decompressed if its name says so.
+    ``digest`` (a ``hashlib`` object), if given, is fed every byte read from the stream: the
+    chunk's text (a compressed file's decompressed text)."""
     fs, path = open_filesystem(chunk.file.uri)
     if chunk.whole:
         with fs.open_input_stream(path, compression=None) as raw:
             if chunk.file.compressed:
                 with pa.CompressedInputStream(raw, chunk.file.compression) as stream:
-                    yield stream
+                    yield stream if digest is None else _Hashing(stream, digest)
             else:
-                yield raw
+                yield raw if digest is None else _Hashing(raw, digest)
         return
     with fs.open_input_file(path) as raw:
         size = raw.size()
         begin = _line_start_at_or_after(raw, chunk.start, size)
         end = size if chunk.stop is None else _line_start_at_or_after(raw, chunk.stop, size)
-        yield raw.get_stream(begin, max(0, end - begin))
+        stream = raw.get_stream(begin, max(0, end - begin))
+        yield stream if digest is None else _Hashing(stream, digest)
 
 
 def lines_before(chunk: Chunk) -> int:

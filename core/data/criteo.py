@@ -5,6 +5,7 @@ which exact error messages are built only when a record is malformed.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -124,6 +125,13 @@ def _mask(values: pa.Array, fill: bool) -> np.ndarray:
     return pc.fill_null(values, fill).to_numpy(zero_copy_only=False)
 
 
+def _zeros_and_ones(col: pa.Array, zero: object, one: object) -> tuple[np.ndarray, np.ndarray]:
+    """-> (float32 labels, bad mask): values equal to ``one`` are 1, to ``zero`` 0, any other bad."""
+    ones = _mask(pc.equal(col, one), False)
+    zeros = _mask(pc.equal(col, zero), False)
+    return ones.astype(np.float32), ~(ones | zeros)
+
+
 def _parse_labels(col: pa.Array) -> tuple[np.ndarray, np.ndarray]:
     """-> (float32 labels, bad mask). Only 0 and 1 are labels; missing is bad."""
     strings = _as_strings(col)
@@ -132,13 +140,15 @@ def _parse_labels(col: pa.Array) -> tuple[np.ndarray, np.ndarray]:
         if chars is not None:  # every label one character: compared as bytes, without Arrow kernels
             ones, zeros = chars[:, 0] == ord("1"), chars[:, 0] == ord("0")
             return ones.astype(np.float32), ~(ones | zeros)
-        ones = _mask(pc.equal(strings, "1"), False)
-        zeros = _mask(pc.equal(strings, "0"), False)
-        return ones.astype(np.float32), ~(ones | zeros)
-    if not (pa.types.is_integer(col.type) or pa.types.is_floating(col.type) or pa.types.is_boolean(col.type)):
-        raise _UnsupportedType(f"type {col.type} is not supported, expected integer or string")
-    values = pc.fill_null(pc.cast(col, pa.float64()), -1.0).to_numpy(zero_copy_only=False)
-    return (values == 1.0).astype(np.float32), (values != 0.0) & (values != 1.0)
+        return _zeros_and_ones(strings, "0", "1")
+    if pa.types.is_boolean(col.type):
+        return _zeros_and_ones(col, False, True)
+    if pa.types.is_integer(col.type):
+        # compared in the column's own type: a cast to float64 fails on a uint64 above 2**53
+        return _zeros_and_ones(col, pa.scalar(0, col.type), pa.scalar(1, col.type))
+    if pa.types.is_floating(col.type):
+        return _zeros_and_ones(col, 0.0, 1.0)  # NaN and infinities equal neither: bad
+    raise _UnsupportedType(f"type {col.type} is not supported, expected integer or string")
 
 
 def _bad_integer_mask(strings: pa.Array) -> np.ndarray:
@@ -153,10 +163,22 @@ def _bad_integer_mask(strings: pa.Array) -> np.ndarray:
     return bad
 
 
+def _from_integer_type(col: pa.Array) -> tuple[np.ndarray, np.ndarray | None]:
+    """A Parquet integer column as int64 (missing as 0): only uint64 can hold values that do
+    not fit, and those are bad rows, as an overflowing count in a TSV line is."""
+    bad = None
+    if pa.types.is_uint64(col.type):
+        too_big = _mask(pc.greater(col, pa.scalar(_INT64_MAX, col.type)), False)
+        if too_big.any():
+            col = pc.if_else(pa.array(too_big), pa.scalar(None, col.type), col)
+            bad = too_big
+    return pc.fill_null(pc.cast(col, pa.int64()), 0).to_numpy(zero_copy_only=False), bad
+
+
 def _parse_integers(col: pa.Array) -> tuple[np.ndarray, np.ndarray | None]:
     """-> (int64 values with missing as 0, bad mask or None if every value is fine)."""
     if pa.types.is_integer(col.type):
-        return pc.fill_null(pc.cast(col, pa.int64()), 0).to_numpy(zero_copy_only=False), None
+        return _from_integer_type(col)
     strings = _as_strings(col)
     if strings is None:
         raise _UnsupportedType(f"type {col.type} is not supported, expected integer or string")
@@ -223,29 +245,25 @@ def _hex_of_full_width(strings: pa.Array) -> tuple[np.ndarray, np.ndarray | None
 
 
 def _parse_hex(col: pa.Array) -> tuple[np.ndarray, np.ndarray | None]:
-    """-> (uint32 ids with missing as 0, bad mask or None). Values are up to 8 hex digits."""
+    """-> (uint32 ids with missing as 0, bad mask or None). An id is exactly 8 hex digits:
+    a shorter value is no id but, e.g., the last field of a file cut short."""
     strings = _as_strings(col)
     if strings is None:
         raise _UnsupportedType(f"type {col.type} is not supported, expected string")
     fast = _hex_of_full_width(strings)
     if fast is not None:
         return fast
+    # Some value has another width (in bytes: a multi-byte character never makes a hex digit),
+    # or a null slot holds bytes. Such values are bad; as missing, they leave the fast path's layout.
     strings = pc.fill_null(strings, "")
-    bad = pc.greater(pc.binary_length(strings), 8).to_numpy(zero_copy_only=False)
-    if bad.any():
-        strings = pc.if_else(pa.array(bad), "", strings)
-    # Left-padding makes every valid value exactly 8 bytes, so the values lie back to back
-    # in one buffer and decode as an [n, 8] byte matrix; missing ('') becomes '00000000' = 0.
-    chars = _fixed_width_bytes(pc.utf8_lpad(strings, 8, padding="0"), 8)
-    if chars is None:
-        # Some value has a multi-byte character, which pads past 8 bytes; none is hex.
-        not_ascii = ~pc.string_is_ascii(strings).to_numpy(zero_copy_only=False)
-        bad |= not_ascii
-        strings = pc.if_else(pa.array(not_ascii), "", strings)
-        chars = _fixed_width_bytes(pc.utf8_lpad(strings, 8, padding="0"), 8)
-        assert chars is not None
-    ids, not_hex = _decode_hex8(chars)
-    bad |= not_hex
+    lengths = pc.binary_length(strings).to_numpy(zero_copy_only=False)
+    wrong_width = (lengths != 0) & (lengths != 8)
+    if wrong_width.any():
+        strings = pc.if_else(pa.array(wrong_width), "", strings)
+    decoded = _hex_of_full_width(strings)
+    assert decoded is not None
+    ids, not_hex = decoded
+    bad = wrong_width if not_hex is None else wrong_width | not_hex
     return ids, (bad if bad.any() else None)
 
 
@@ -294,6 +312,15 @@ def parse_batch(batch: pa.RecordBatch, path: str, first_line: int) -> ParsedBatc
     return ParsedBatch(labels, preprocess_dense(dense_ints), sparse, bad_by_column)
 
 
+def _beyond_int64(value: object) -> bool:
+    """Whether a dense value is a whole number (a Parquet integer, or decimal digits) out of int64's range."""
+    if isinstance(value, str):
+        if not re.fullmatch(r"-?[0-9]+", value):
+            return False
+        value = int(value)
+    return isinstance(value, int) and not _INT64_MIN <= value <= _INT64_MAX
+
+
 def bad_row_reason(batch: pa.RecordBatch, parsed: ParsedBatch, row: int) -> str:
     """What is wrong with ``row`` of ``batch`` (which ``parsed`` marked bad)."""
     values = [batch.column(i)[row].as_py() for i in range(len(COLUMNS))]
@@ -304,6 +331,8 @@ def bad_row_reason(batch: pa.RecordBatch, parsed: ParsedBatch, row: int) -> str:
     if column == 0:
         return f"label {value} is not 0 or 1"
     if column <= NUM_DENSE:
+        if _beyond_int64(values[column]):
+            return f"column {COLUMNS[column]}: {value} does not fit a 64-bit signed integer"
         return f"column {COLUMNS[column]}: {value} is not an integer"
     return f"column {COLUMNS[column]}: {value} is not 8-digit hex"
 

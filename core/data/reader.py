@@ -38,7 +38,7 @@ class CriteoReader:
     """
 
     def __init__(self, paths: Sequence[str | InputFile | Chunk] | str, batch_rows: int = 65536,
-                 skip_bad_lines: bool = False):
+                 skip_bad_lines: bool = False, digest=None):
         if isinstance(paths, (str, os.PathLike, InputFile, Chunk)):
             paths = [paths]
         if batch_rows < 1:
@@ -46,6 +46,7 @@ class CriteoReader:
         self._chunks = [_as_chunk(p) for p in paths]
         self._batch_rows = batch_rows
         self._skip_bad_lines = skip_bad_lines
+        self._digest = digest  # a hashlib object fed the text of every TSV chunk read (core.store.build)
         # About one batch of text per parser block; never so small that a long but valid
         # line straddles blocks, never so large that a block costs much memory.
         self._block_bytes = int(min(max(batch_rows * 200, 64 << 10), 32 << 20))
@@ -83,15 +84,16 @@ class CriteoReader:
     def _read_parquet(self, file: InputFile) -> Iterator[RawBatch]:
         path = file.name
         fs, fs_path = open_filesystem(file.uri)
+        stream = fs.open_input_file(fs_path)  # a missing or unreadable file is an OSError, not bad data
         try:
-            pf = pq.ParquetFile(fs.open_input_file(fs_path))
-        except pa.ArrowInvalid as exc:  # e.g. a TSV or an empty file named .parquet
-            raise DataFormatError(path, 1, f"not a Parquet file: {exc}") from None
-        with pf:
+            pf = pq.ParquetFile(stream)
             names = pf.schema_arrow.names
-            missing = [c for c in COLUMNS if c not in names]
-            if missing:
-                raise DataFormatError(path, 1, f"missing column(s) {', '.join(missing)}")
+        except _PARQUET_ERRORS as exc:  # e.g. a TSV, an empty or truncated file, a garbage footer
+            stream.close()
+            _raise_unless_os_error(exc)
+            raise DataFormatError(path, 1, f"not a Parquet file: {_one_line(exc)}") from None
+        with pf:
+            _check_columns(path, names)
             rows_before = 0
             batches = pf.iter_batches(batch_size=self._batch_rows, columns=list(COLUMNS))
             while True:
@@ -99,8 +101,11 @@ class CriteoReader:
                     batch = next(batches)
                 except StopIteration:
                     break
-                except (pa.ArrowInvalid, OSError) as exc:  # a corrupt page or column chunk
-                    raise DataFormatError(path, rows_before + 1, f"unreadable at or after this row: {exc}") from None
+                except _PARQUET_ERRORS as exc:  # a corrupt page or column chunk
+                    _raise_unless_os_error(exc)
+                    raise DataFormatError(
+                        path, rows_before + 1, f"unreadable at or after this row: {_one_line(exc)}"
+                    ) from None
                 parsed = parse_batch(batch, path, rows_before + 1)
                 bad = parsed.bad_rows()
                 if bad is not None:
@@ -116,7 +121,7 @@ class CriteoReader:
         tsv = _TsvFile(path, self._skip_bad_lines)
         # serial parsing is what makes InvalidRow.number known
         read_options = pacsv.ReadOptions(column_names=list(COLUMNS), use_threads=False, block_size=self._block_bytes)
-        with open_chunk(chunk) as stream:
+        with open_chunk(chunk, self._digest) as stream:
             try:
                 with _decode_errors_of(tsv.handler, tsv.not_utf8):
                     reader = pacsv.open_csv(
@@ -126,7 +131,7 @@ class CriteoReader:
             except (pa.ArrowInvalid, OSError) as exc:
                 if str(exc).startswith("Empty CSV file"):
                     return  # no records is a valid, if useless, file
-                raise tsv.unreadable(exc, stream) from None
+                raise tsv.unreadable(exc, chunk.file.compressed) from None
             while True:
                 try:
                     with _decode_errors_of(tsv.handler, tsv.not_utf8):
@@ -134,13 +139,43 @@ class CriteoReader:
                 except StopIteration:
                     break
                 except (pa.ArrowInvalid, OSError) as exc:
-                    raise tsv.unreadable(exc, stream) from None
+                    raise tsv.unreadable(exc, chunk.file.compressed) from None
                 if batch.num_rows == 0:
                     continue
                 good, dropped = tsv.take(batch)
                 self.bad_lines += dropped
                 yield good
             self.bad_lines += tsv.finish()
+
+
+# What pyarrow raises on a Parquet file's corrupt bytes: its own errors (a thrift decoding
+# error is an OSError), and a UnicodeDecodeError on names or metadata that are not UTF-8.
+_PARQUET_ERRORS = (pa.ArrowInvalid, pa.ArrowNotImplementedError, pa.ArrowTypeError, OSError, UnicodeDecodeError)
+
+
+def _raise_unless_os_error(exc: Exception) -> None:
+    """Re-raises an OSError that carries an errno: the operating system's (a disk, a
+    permission), not the file's content; pyarrow's own errors about the bytes carry none."""
+    if isinstance(exc, OSError) and exc.errno is not None:
+        raise exc
+
+
+def _one_line(exc: Exception) -> str:
+    """pyarrow's message on one line and printable: thrift's end in a newline, and some
+    quote the file's bytes, which are escaped."""
+    text = " ".join(str(exc).split())
+    return "".join(c if c.isprintable() else ascii(c)[1:-1] for c in text)
+
+
+def _check_columns(path: str, names: list[str]) -> None:
+    """Every Criteo column, each once: the reader takes columns by name, and a name twice
+    would shift every column after it. Other columns are allowed and not read."""
+    missing = [c for c in COLUMNS if c not in names]
+    if missing:
+        raise DataFormatError(path, 1, f"missing column(s) {', '.join(missing)}")
+    repeated = [f"column {c} appears {names.count(c)} times" for c in COLUMNS if names.count(c) > 1]
+    if repeated:
+        raise DataFormatError(path, 1, "; ".join(repeated))
 
 
 _CONVERT_OPTIONS = pacsv.ConvertOptions(
@@ -194,9 +229,9 @@ class _TsvFile:
         line, fields = self._wrong_width[k]
         return DataFormatError(self.path, line, f"expected {len(COLUMNS)} columns, got {fields}")
 
-    def unreadable(self, exc: Exception, stream: pa.NativeFile) -> Exception:
+    def unreadable(self, exc: Exception, compressed: bool) -> Exception:
         """What to raise when the parser fails: its error, or a wrong-width line before it."""
-        error = _unreadable(self.path, self._line_of(self._parsed_rows), exc, stream, bool(self.not_utf8))
+        error = _unreadable(self.path, self._line_of(self._parsed_rows), exc, compressed, bool(self.not_utf8))
         earlier = not self._skip_bad_lines and self._reported < len(self._wrong_width)
         if earlier and isinstance(error, DataFormatError) and self._wrong_width[self._reported][0] < error.line:
             return self._wrong_width_error(self._reported)  # errors are raised in line order
@@ -264,7 +299,7 @@ def _decode_errors_of(handler: Callable, caught: list[UnicodeDecodeError]) -> It
 _ROW_NUMBER = re.compile(r"\bRow #(\d+)")  # in pyarrow's CSV errors: the physical line, when parsing serially
 
 
-def _unreadable(path: str, line: int, exc: Exception, stream: pa.NativeFile, not_utf8: bool = False) -> Exception:
+def _unreadable(path: str, line: int, exc: Exception, compressed: bool, not_utf8: bool = False) -> Exception:
     """What to raise when text cannot be read: bad data, or on a plain file a real I/O error.
 
     ``line`` is the first line of the block that failed; ``not_utf8`` that the parser met a
@@ -278,7 +313,7 @@ def _unreadable(path: str, line: int, exc: Exception, stream: pa.NativeFile, not
             "not UTF-8 text (binary data or another encoding; is this a Criteo TSV file?); "
             "reading stops here, skip_bad_lines cannot skip it",
         )
-    if isinstance(exc, pa.ArrowInvalid) or isinstance(stream, pa.CompressedInputStream):
+    if isinstance(exc, pa.ArrowInvalid) or compressed:
         # e.g. a line longer than a parser block, a corrupt or truncated .gz
         return DataFormatError(path, line, f"unreadable at or after this line: {message}")
     return exc

@@ -1,19 +1,22 @@
 """The microbatch store: a dataset preprocessed once into fixed-size microbatches with stable
 ids, in Arrow IPC files on any ``pyarrow.fs`` URI, and read back by id from any host.
 
-Layout of a store directory ``<cache_dir>/<name>-<key>/``: ``part-NNNNN.arrow`` files whose
-record batches are whole microbatches (the chunks of the input in order, then the stitched
-tails of the chunks), ``vocab.arrow`` for a frequency-thresholded vocabulary, and
-``store.json``, written last: a store exists once its manifest does.
+Layout of a store directory ``<cache_dir>/<name>-<key>/``: ``store.json``, written last (a
+store exists once its manifest does), and the directory of the build it names,
+``b-<id>/``, holding ``part-NNNNN.arrow`` files whose record batches are whole microbatches
+(the chunks of the input in order, then the stitched tails of the chunks) and ``vocab.arrow``
+for a frequency-thresholded vocabulary. Builds write only into a directory of their own, so
+two runs may build one store at once and readers never see a file rewritten
+(core.store.builds).
 """
 
 from core.store.format import (
     MANIFEST_FILE,
     Mapping,
     StoreManifest,
+    publish_manifest,
     read_manifest,
     store_key,
-    write_manifest,
 )
 from core.store.reader import MicrobatchStore
 from core.store.vocab import Vocabulary
@@ -24,7 +27,7 @@ __all__ = [
     "MicrobatchStore",
     "StoreManifest",
     "Vocabulary",
+    "publish_manifest",
     "read_manifest",
     "store_key",
-    "write_manifest",
 ]

@@ -15,6 +15,7 @@ from core.data.criteo import RawBatch
 from core.data.reader import CriteoReader
 from core.data.sources import open_filesystem
 from core.store.format import Mapping, PartWriter, join, unpack
+from core.store.identity import new_digest, parquet_digest
 from core.store.vocab import IdCounter, Vocabulary
 
 __all__ = ["part_name", "remap_part", "stitch_tails", "write_chunk"]
@@ -42,10 +43,13 @@ def write_chunk(chunk: Chunk, store_uri: str, index: int, microbatch_rows: int, 
     """One preprocessing task: the chunk parsed and validated, its ids mapped by ``mapping``
     (None: raw ids kept, and counted into ``counts-<index>.arrow`` for a vocabulary), written
     as ``part-<index>.arrow``; the rows left over, fewer than a microbatch, go to
-    ``tail-<index>.arrow``. Returns what it did, for the manifest and the report."""
+    ``tail-<index>.arrow``. Returns what it did, for the manifest and the report, with the
+    digest of the chunk's bytes (core.store.identity.chunk_digest, taken while parsing)."""
     t0 = time.perf_counter()
     fs, base = open_filesystem(store_uri, "data.cache_dir")
-    reader = CriteoReader([chunk], batch_rows=max(microbatch_rows, 65536), skip_bad_lines=skip_bad_lines)
+    digest = new_digest()  # of the bytes parsed, taken as they are read (a Parquet file: read for it)
+    reader = CriteoReader([chunk], batch_rows=max(microbatch_rows, 65536), skip_bad_lines=skip_bad_lines,
+                          digest=None if chunk.file.parquet else digest)
     kind = "part" if mapping is not None else "raw"
     part = PartWriter(fs, join(base, part_name(index, kind)), microbatch_rows)
     counter = IdCounter() if mapping is None else None
@@ -65,7 +69,9 @@ def write_chunk(chunk: Chunk, store_uri: str, index: int, microbatch_rows: int, 
     if counter is not None:
         counter.write(fs, join(base, part_name(index, "counts")))
     return {
-        "index": index, "file": chunk.file.name, "kind": kind, "microbatches": part.microbatches, "usable": usable,
+        "index": index, "file": chunk.file.name, "start": chunk.start, "stop": chunk.stop,
+        "digest": parquet_digest(chunk.file) if chunk.file.parquet else digest.hexdigest(),
+        "kind": kind, "microbatches": part.microbatches, "usable": usable,
         "tail_rows": tail_rows, "bad_lines": reader.bad_lines, "seconds": time.perf_counter() - t0,
         "peak_rss_mb": _peak_rss_mb(),
     }

@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import uuid
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
@@ -15,15 +16,16 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 
 from core.data.criteo import NUM_DENSE, NUM_SPARSE, RawBatch
-from core.data.sources import InputFile, open_filesystem
+from core.data.sources import open_filesystem
 from core.errors import ConfigError
+from core.store.identity import Source
 
 __all__ = [
-    "MANIFEST_FILE", "SCHEMA", "Mapping", "PartWriter", "StoreManifest", "join", "read_manifest",
-    "record_batch", "store_key", "unpack", "write_manifest",
+    "MANIFEST_FILE", "SCHEMA", "Mapping", "PartWriter", "StoreManifest", "join", "publish_manifest", "read_manifest",
+    "record_batch", "store_key", "unpack",
 ]
 
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3  # 3: parts under a build's own directory (``dir``), inputs by content
 MANIFEST_FILE = "store.json"
 SCHEMA = pa.schema([
     ("label", pa.float32()), ("dense", pa.list_(pa.float32(), NUM_DENSE)), ("sparse", pa.list_(pa.uint32(), NUM_SPARSE)),
@@ -56,15 +58,20 @@ class Mapping:
 @dataclass(frozen=True)
 class StoreManifest:
     """What ``store.json`` says: the parts in order with their microbatch counts, and how the
-    store was made."""
+    store was made. A build writes its files into a directory of its own (``dir``, inside the
+    store's), named in the parts' paths, so that no file a reader may hold is ever rewritten."""
 
     key: str
     microbatch_rows: int
     rows: int
-    parts: list[dict]  # {"file", "microbatches"}
+    parts: list[dict]  # {"file": "<dir>/part-NNNNN.arrow", "microbatches"}
     bad_lines: int
     mapping: dict
-    sources: list[str]
+    sources: list[str]  # the input files' names, in order
+    dir: str = ""  # the build's directory, relative to the store's
+    vocab: str | None = None  # the vocabulary's file, relative to the store's (mapping vocab)
+    inputs: list[dict] = field(default_factory=list)  # Source.as_dict() of each input, in order
+    chunks: list[dict] = field(default_factory=list)  # {"file", "start", "stop", "digest"} in order
     build: dict = field(default_factory=dict)  # seconds, rows/s, per-host work: for the report
 
     @property
@@ -72,19 +79,49 @@ class StoreManifest:
         return sum(p["microbatches"] for p in self.parts)
 
 
-def store_key(files: list[InputFile], options: dict) -> str:
-    """Names a store by its inputs (URI, size, modification time) and the options that shape
-    its contents: changed data or options make another store."""
+def store_key(sources: list[Source], options: dict) -> str:
+    """Names a store by its inputs (name, size, modification time and the digest of each
+    file's ends, core.store.identity) and the options that shape its contents: changed data or
+    options make another store."""
     h = hashlib.blake2b(digest_size=10)
     h.update(json.dumps([FORMAT_VERSION, options], sort_keys=True).encode())
-    for f in files:
-        h.update(f"{f.name}|{f.size}|{f.mtime_ns}".encode())
+    for s in sources:
+        h.update(f"{s.name}|{s.size}|{s.mtime_ns}|{s.edges}".encode())
     return h.hexdigest()
 
 
-def write_manifest(uri: str, manifest: StoreManifest) -> None:
+def publish_manifest(uri: str, manifest: StoreManifest, replace: bool = False) -> bool:
+    """Publishes the store at ``uri``: its manifest written whole (a store exists once its
+    manifest does). Without ``replace``, only if no build published one first: True if this
+    one is the store now, False if another was (the caller then uses that one). A local file is
+    linked into place, which fails if one exists (atomic); an object store has no such PUT
+    here, so the check before it leaves a window, in which the last writer wins (both stores
+    hold the same rows: the key is the same)."""
     fs, path = open_filesystem(uri, "data.cache_dir")
-    _write_bytes(fs, join(path, MANIFEST_FILE), json.dumps(asdict(manifest), indent=1).encode())
+    target = join(path, MANIFEST_FILE)
+    payload = json.dumps({"version": FORMAT_VERSION, **asdict(manifest)}, indent=1).encode()
+    if not isinstance(fs, pafs.LocalFileSystem):
+        if not replace and fs.get_file_info(target).type == pafs.FileType.File:
+            return False
+        with fs.open_output_stream(target, compression=None) as f:
+            f.write(payload)
+        return True
+    os.makedirs(path, exist_ok=True)
+    tmp = f"{target}.tmp{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    with open(tmp, "wb") as f:
+        f.write(payload)
+    try:
+        if replace:
+            os.replace(tmp, target)
+            return True
+        try:
+            os.link(tmp, target)
+        except FileExistsError:
+            return False
+        return True
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
 
 
 def read_manifest(uri: str) -> StoreManifest | None:
@@ -96,24 +133,15 @@ def read_manifest(uri: str) -> StoreManifest | None:
     except FileNotFoundError:
         return None
     except (OSError, ValueError) as exc:
-        raise ConfigError(f"data.cache_dir: the store manifest {join(uri, MANIFEST_FILE)} is unreadable: {exc}") from None
-    if raw.get("version", FORMAT_VERSION) != FORMAT_VERSION:
+        where = join(uri.split("?", 1)[0], MANIFEST_FILE)
+        raise ConfigError(f"data.cache_dir: the store manifest {where} is unreadable: {exc}") from None
+    if not isinstance(raw, dict) or raw.get("version") != FORMAT_VERSION:
         return None
     raw.pop("version", None)
-    return StoreManifest(**raw)
-
-
-def _write_bytes(fs: pafs.FileSystem, path: str, payload: bytes) -> None:
-    """Whole or not at all: a local file through a rename, an object in one PUT."""
-    if isinstance(fs, pafs.LocalFileSystem):
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        tmp = f"{path}.tmp{os.getpid()}"
-        with open(tmp, "wb") as f:
-            f.write(payload)
-        os.replace(tmp, path)
-        return
-    with fs.open_output_stream(path, compression=None) as f:
-        f.write(payload)
+    try:
+        return StoreManifest(**raw)
+    except TypeError:  # fields of another build of this version: rebuilt
+        return None
 
 
 def unpack(rb: pa.RecordBatch) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -20,6 +20,7 @@ from core.store.format import StoreManifest, join, read_manifest, unpack
 __all__ = ["MicrobatchStore"]
 
 Microbatch = tuple[np.ndarray, np.ndarray, np.ndarray]
+OPEN_PARTS = 16  # parts a store keeps open at once (one descriptor each)
 
 
 class MicrobatchStore:
@@ -39,7 +40,9 @@ class MicrobatchStore:
         self._fs, self._base = open_filesystem(uri, "data.cache_dir")
         self._local = is_local(uri)
         self._ends = list(itertools.accumulate(p["microbatches"] for p in manifest.parts))
-        self._files: dict[int, pa.ipc.RecordBatchFileReader] = {}
+        # The parts open now, least recently read first: a store may have more parts than a process
+        # may have files open. A part closed here stays mapped while arrays read from it live.
+        self._files: OrderedDict[int, pa.ipc.RecordBatchFileReader] = OrderedDict()
         self._open_lock = threading.Lock()
         self._cache: OrderedDict[int, Microbatch] = OrderedDict()
         self._cache_bytes, self._cached = cache_bytes, 0
@@ -49,15 +52,17 @@ class MicrobatchStore:
         return self._ends[-1] if self._ends else 0
 
     def _file(self, part: int) -> pa.ipc.RecordBatchFileReader:
-        reader = self._files.get(part)
-        if reader is None:
-            with self._open_lock:
-                reader = self._files.get(part)
-                if reader is None:
-                    path = join(self._base, self.manifest.parts[part]["file"])
-                    source = pa.memory_map(path, "r") if self._local else self._fs.open_input_file(path)
-                    reader = self._files[part] = pa.ipc.open_file(source)
-        return reader
+        with self._open_lock:
+            reader = self._files.get(part)
+            if reader is not None:
+                self._files.move_to_end(part)
+                return reader
+            path = join(self._base, self.manifest.parts[part]["file"])
+            source = pa.memory_map(path, "r") if self._local else self._fs.open_input_file(path)
+            reader = self._files[part] = pa.ipc.open_file(source)
+            while len(self._files) > OPEN_PARTS:
+                self._files.popitem(last=False)
+            return reader
 
     def get(self, i: int) -> Microbatch:
         if not 0 <= i < len(self):

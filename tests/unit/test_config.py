@@ -2,7 +2,7 @@
 
 import pytest
 
-from core.config import config_from_dict, load_config
+from core.config import MOVED_FIELDS, RunConfig, config_from_dict, load_config
 from core.errors import ConfigError
 
 pytestmark = pytest.mark.timeout(60)
@@ -86,3 +86,55 @@ def test_yaml_file_and_overrides(tmp_path):
 def test_shipped_configs_validate():
     for name in ["configs/local.yaml", "configs/criteo_kaggle.yaml", "configs/object_storage.yaml"]:
         load_config(name)
+
+
+def _has_field(dotted: str) -> bool:
+    model = RunConfig
+    for name in dotted.split("."):
+        field = getattr(model, "model_fields", {}).get(name)
+        if field is None:
+            return False
+        model = field.annotation
+    return True
+
+
+def test_every_moved_field_lives_at_its_new_place_only():
+    assert MOVED_FIELDS  # the history has at least training.max_trainer_failures
+    for old, new in MOVED_FIELDS.items():
+        assert _has_field(new) and not _has_field(old), (old, new)
+
+
+def test_a_moved_field_names_its_new_place():
+    with pytest.raises(ConfigError) as refused:
+        config_from_dict(_with("training", "max_trainer_failures", 5))
+    assert str(refused.value) == "invalid config: training.max_trainer_failures: moved to budgets.max_trainer_failures"
+    with pytest.raises(ConfigError, match="training.max_trainer_failures: moved to budgets.max_trainer_failures"):
+        load_config("configs/local.yaml", {"training.max_trainer_failures": 5})
+    cfg = load_config("configs/local.yaml", {"budgets.max_trainer_failures": 5})  # the new place takes it
+    assert cfg.budgets.max_trainer_failures == 5
+
+
+def test_an_override_below_a_value_that_is_no_section_is_refused(tmp_path):
+    with pytest.raises(ConfigError, match=r"--set recovery.mode: recovery is 'partial', not a section with fields"):
+        load_config("configs/local.yaml", {"recovery.mode": "full"})
+    with pytest.raises(ConfigError, match=r"--set data.train.x: data.train is \['data/local/train.tsv'\], not a sect"):
+        load_config("configs/local.yaml", {"data.train.x": 1})
+    p = tmp_path / "c.yaml"
+    p.write_text("data: {train: [a.tsv], eval: [b.tsv]}\nfaults:\n")  # a section left empty
+    assert load_config(p, {"faults.max_failures": 1}).faults.max_failures == 1
+
+
+def test_a_config_that_cannot_be_read_is_refused(tmp_path):
+    with pytest.raises(ConfigError, match="cannot read the config"):
+        load_config(tmp_path)
+    (tmp_path / "bin.yaml").write_bytes(b"\xff\xfe\x00")
+    with pytest.raises(ConfigError, match="cannot read the config"):
+        load_config(tmp_path / "bin.yaml")
+
+
+def test_a_config_that_is_not_yaml_is_refused_in_one_line(tmp_path):
+    p = tmp_path / "bad.yaml"
+    p.write_text("data: {train: [a\nmodel: x: y\n")
+    with pytest.raises(ConfigError) as refused:
+        load_config(p)
+    assert str(refused.value) == f"{p}: not valid YAML at line 2, column 6: expected ',' or ']', but got ':'"

@@ -257,9 +257,14 @@ BAD_LINES = {
     "not_integer": (line(ints=["1", "2", "3", "4", "abc"] + ["0"] * 8), "column I5: 'abc' is not an integer"),
     "hex_integer": (line(ints=["0x1f"] + ["0"] * 12), "column I1: '0x1f' is not an integer"),
     "float_integer": (line(ints=["0"] * 12 + ["1.5"]), "column I13: '1.5' is not an integer"),
+    "int_overflow": (
+        line(ints=["9223372036854775808"] + ["0"] * 12),
+        "column I1: '9223372036854775808' does not fit a 64-bit signed integer",
+    ),
     "not_hex": (line(cats=["00000001", "00000002", "xyz"] + ["00000000"] * 23), "column C3: 'xyz' is not 8-digit hex"),
-    "hex_too_long": (line(cats=["123456789"] + ["0"] * 25), "column C1: '123456789' is not 8-digit hex"),
-    "non_ascii": (line(cats=["0"] * 25 + ["abcdéf"]), "column C26: 'abcdéf' is not 8-digit hex"),
+    "hex_too_long": (line(cats=["123456789"] + ["00000000"] * 25), "column C1: '123456789' is not 8-digit hex"),
+    "hex_too_short": (line(cats=["00000000"] * 25 + ["a0000"]), "column C26: 'a0000' is not 8-digit hex"),
+    "non_ascii": (line(cats=["00000000"] * 25 + ["abcdéf"]), "column C26: 'abcdéf' is not 8-digit hex"),
     "bad_label": (line(label="2"), "label '2' is not 0 or 1"),
     "empty_label": (line(label=""), "label '' is not 0 or 1"),
     "empty_line": ("", "record is empty"),
@@ -388,12 +393,97 @@ def test_parquet_errors_name_the_row(tmp_path):
         list(CriteoReader([str(path)]))
 
 
+def criteo_table(rows: int) -> pa.Table:
+    """A valid Criteo table: label i % 2, I<k> = k - 1, every id 0x0000abcd."""
+    return pa.table(
+        {"label": pa.array([i % 2 for i in range(rows)], pa.int64())}
+        | {c: pa.array([i] * rows, pa.int64()) for i, c in enumerate(COLUMNS[1 : 1 + NUM_DENSE])}
+        | {c: pa.array(["0000abcd"] * rows) for c in COLUMNS[1 + NUM_DENSE :]}
+    )
+
+
+def test_parquet_column_named_twice_is_refused_at_row_1(tmp_path):
+    """Columns are taken by name: a second ``label`` would shift every column after it."""
+    table = criteo_table(100)
+    path = tmp_path / "d.parquet"
+    twice = pa.table([pa.array([7] * 100), *table.columns, table.column("C5")], names=["label", *COLUMNS, "C5"])
+    pq.write_table(twice, path)
+    for skip in (False, True):
+        with pytest.raises(DataFormatError) as info:
+            list(CriteoReader([str(path)], skip_bad_lines=skip))
+        assert (info.value.path, info.value.line) == (str(path), 1)
+        assert info.value.reason == "column label appears 2 times; column C5 appears 2 times"
+    # a column of another name, even twice, is not read and does no harm
+    extra = pa.table([*table.columns, pa.array([1] * 100), pa.array([2] * 100)], names=[*COLUMNS, "day", "day"])
+    pq.write_table(extra, path)
+    batch, _, _ = read_all([path])
+    assert batch.num_rows == 100 and (batch.sparse == 0xABCD).all()
+
+
+def test_parquet_uint64_beyond_int64_is_a_bad_row(tmp_path):
+    table = criteo_table(3000)
+    i3 = [2] * 3000
+    i3[1233], i3[2000], i3[2001] = 2**64 - 1, 2**63, 2**63 - 1  # the last one fits
+    labels = [i % 2 for i in range(3000)]
+    labels[2500] = 2**64 - 1
+    table = table.set_column(3, "I3", pa.array(i3, pa.uint64())).set_column(0, "label", pa.array(labels, pa.uint64()))
+    path = tmp_path / "d.parquet"
+    pq.write_table(table, path, row_group_size=700)
+    with pytest.raises(DataFormatError) as info:
+        list(CriteoReader([str(path)], batch_rows=100))
+    assert (info.value.path, info.value.line) == (str(path), 1234)
+    assert info.value.reason == "column I3: 18446744073709551615 does not fit a 64-bit signed integer"
+    batch, _, reader = read_all([path], batch_rows=100, skip_bad_lines=True)
+    assert reader.bad_lines == 3 and batch.num_rows == 2997
+    assert batch.dense[:, 2].max() == np.float32(math.log1p(2**63 - 1))
+    with pytest.raises(DataFormatError) as info:
+        list(CriteoReader([str(path)], batch_rows=2000, skip_bad_lines=False))
+    assert info.value.line == 1234  # the first of several bad rows in one batch
+
+    table = criteo_table(3000).set_column(0, "label", pa.array(labels, pa.uint64()))
+    pq.write_table(table, path)
+    with pytest.raises(DataFormatError) as info:
+        list(CriteoReader([str(path)]))
+    assert (info.value.line, info.value.reason) == (2501, "label 18446744073709551615 is not 0 or 1")
+
+
+def test_parquet_float_labels_other_than_0_and_1_are_bad_rows(tmp_path):
+    values = [0.0, 1.0, float("nan"), float("inf"), -0.0, 0.5, 1.0, None]
+    table = criteo_table(len(values)).set_column(0, "label", pa.array(values, pa.float32()))
+    path = tmp_path / "d.parquet"
+    pq.write_table(table, path)
+    batch, _, reader = read_all([path], skip_bad_lines=True)
+    assert reader.bad_lines == 4 and batch.labels.tolist() == [0.0, 1.0, 0.0, 1.0]
+    with pytest.raises(DataFormatError) as info:
+        list(CriteoReader([str(path)]))
+    assert (info.value.line, info.value.reason) == (3, "label nan is not 0 or 1")
+
+
+def test_parquet_with_a_broken_footer_or_cut_short_is_one_data_format_error(tmp_path):
+    path = tmp_path / "d.parquet"
+    pq.write_table(criteo_table(1000), path, row_group_size=300)
+    good = path.read_bytes()
+    garbage = good[:-200] + np.random.default_rng(0).bytes(192) + good[-8:]  # footer length and magic kept
+    cuts = [good[:n] for n in (4, 8, 100, len(good) // 2, len(good) - 1)]
+    for data in [garbage, *cuts]:
+        path.write_bytes(data)
+        for skip in (False, True):
+            with pytest.raises(DataFormatError) as info:
+                list(CriteoReader([str(path)], skip_bad_lines=skip))
+            err = info.value
+            assert (err.path, err.line) == (str(path), 1)
+            assert err.reason.startswith("not a Parquet file: ") and str(err).isprintable(), str(err)
+    path.write_bytes(garbage)
+    with pytest.raises(DataFormatError, match="not a Parquet file: Couldn't deserialize thrift"):
+        list(CriteoReader([str(path)]))
+
+
 # --- values ---------------------------------------------------------------------------
 
 
 def test_empty_and_negative_fields(tmp_path):
     ints = ["", "-5", "0", "1", "", "10", "-1", "", "", "", "", "", "7"]
-    cats = ["", "ffffffff", "00000001", "1f", "ABCDEF01"] + [""] * 21
+    cats = ["", "ffffffff", "00000001", "0000001f", "ABCDEF01"] + [""] * 21
     path = write_tsv(tmp_path / "d.tsv", [line("1", ints, cats)])
     batch, sizes, _ = read_all([path])
     assert sizes == [1]
@@ -403,6 +493,39 @@ def test_empty_and_negative_fields(tmp_path):
     )
     assert batch.sparse[0, :5].tolist() == [0, 4294967295, 1, 31, 0xABCDEF01]
     assert (batch.sparse[0, 5:] == 0).all()
+
+
+@pytest.mark.parametrize("width", [1, 2, 3, 4, 5, 6, 7, 9, 12, 16])
+def test_an_id_of_any_width_but_8_is_a_bad_line(tmp_path, width):
+    value = "a" * width
+    lines = numbered_lines(20)
+    lines[9] = line(cats=["00000001"] * 6 + [value] + ["00000001"] * 19)
+    tsv = write_tsv(tmp_path / "d.tsv", lines)
+    rows = criteo_table(20).column("C7").to_pylist()
+    rows[9] = value
+    parquet = tmp_path / "d.parquet"
+    pq.write_table(criteo_table(20).set_column(COLUMNS.index("C7"), "C7", pa.array(rows)), parquet)
+    for path in (tsv, parquet):
+        with pytest.raises(DataFormatError) as info:
+            list(CriteoReader([str(path)]))
+        assert (info.value.line, info.value.reason) == (10, f"column C7: {value!r} is not 8-digit hex")
+        batch, _, reader = read_all([path], skip_bad_lines=True)
+        assert reader.bad_lines == 1 and batch.num_rows == 19
+
+
+@pytest.mark.parametrize("suffix", [".tsv", ".tsv.gz"])
+def test_a_file_cut_inside_its_last_id_is_a_bad_last_line(tmp_path, suffix):
+    """A download cut short ends in part of an id: 'a000' is no id, not 0xa000."""
+    text = "\n".join(numbered_lines(300))
+    assert text.endswith("\ta0000019")
+    data = text[:-4].encode()
+    path = tmp_path / f"cut{suffix}"
+    path.write_bytes(gzip.compress(data, mtime=0) if suffix.endswith(".gz") else data)
+    with pytest.raises(DataFormatError) as info:
+        list(CriteoReader([str(path)], batch_rows=100))
+    assert str(info.value) == f"{path}:300: column C26: 'a000' is not 8-digit hex"
+    batch, _, reader = read_all([path], batch_rows=100, skip_bad_lines=True)
+    assert reader.bad_lines == 1 and line_numbers_read(batch) == list(range(1, 300))
 
 
 def test_preprocess_dense_exact():
@@ -468,7 +591,7 @@ def not_utf8_files(tmp_path: Path) -> dict[str, tuple[Path, int]]:
     wrong_width = list(good)
     wrong_width[1233] = b"ab\xff\xfe\tc"
     full_width = list(good)
-    full_width[1233] = line(cats=["\xe9" * 8] + ["0"] * 25).encode("latin-1")
+    full_width[1233] = line(cats=["\xe9" * 8] + ["00000000"] * 25).encode("latin-1")
     files = {
         "random_bytes": (np.random.default_rng(3).bytes(200_000), 1),
         "wrong_width_line": (b"\n".join(wrong_width) + b"\n", 1234),

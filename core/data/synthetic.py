@@ -1,0 +1,112 @@
+"""``data.generate``: synthetic data written for a run whose (local) input files do not exist
+yet, only ever into the generator's own directory and never over a file.
+
+The generator writes ``<dir>/train<ext>``, ``<dir>/eval<ext>`` and ``<dir>/datagen.json``
+(what it wrote and with which parameters). A run generates only when ``data.train`` and
+``data.eval`` name exactly those two files, and ``<dir>`` does not exist, is empty, or was
+written by the generator (it holds ``datagen.json``); anything else missing is an error naming
+the field and the path. The files are generated in a directory of their own inside ``<dir>``
+and linked into place one by one, each only if it is still missing: a file that exists is
+never written, and two runs generating at once both finish with the same files.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import uuid
+
+from core.config_data import DataConfig
+from core.data.datagen import generate
+from core.data.sources import is_local, split_uri
+from core.errors import ConfigError
+
+__all__ = ["SUMMARY_FILE", "generate_missing"]
+
+SUMMARY_FILE = "datagen.json"
+_SUFFIXES = {"tsv": ".tsv", "tsv.gz": ".tsv.gz", "parquet": ".parquet"}
+
+
+def _is_glob(uri: str) -> bool:
+    return any(c in uri for c in "*?[")
+
+
+def generate_missing(data: DataConfig) -> None:
+    """Writes the generator's files that ``data`` names and are missing (``data.generate``
+    set); raises ConfigError where an input is missing that it must not write."""
+    gen = data.generate
+    named = [(field, uri) for field, uris in (("data.train", data.train), ("data.eval", data.eval)) for uri in uris]
+    missing = [(field, uri) for field, uri in named
+               if is_local(uri) and not _is_glob(uri) and not os.path.exists(split_uri(uri)[1])]
+    directory = os.path.dirname(split_uri(data.train[0])[1]) if is_local(data.train[0]) else ""
+    suffix = _SUFFIXES[gen.format]
+    train_path, eval_path = os.path.join(directory, f"train{suffix}"), os.path.join(directory, f"eval{suffix}")
+    ours = (len(data.train) == 1 and len(data.eval) == 1 and is_local(data.train[0]) and is_local(data.eval[0])
+            and split_uri(data.train[0])[1] == train_path and split_uri(data.eval[0])[1] == eval_path)
+    if ours:
+        _check_parameters(directory, data)
+    if not missing:
+        return
+    field, uri = missing[0]
+    if not ours:
+        raise ConfigError(
+            f"{field}: {split_uri(uri)[1]} does not exist (data.generate writes only <dir>/train{suffix} and "
+            f"<dir>/eval{suffix}, when data.train and data.eval name exactly those two files)")
+    if os.path.isdir(directory) and os.listdir(directory) and not os.path.exists(os.path.join(directory, SUMMARY_FILE)):
+        raise ConfigError(
+            f"{field}: {split_uri(uri)[1]} does not exist; data.generate writes only into a directory of its own, "
+            f"and {directory} holds files it did not write (no {SUMMARY_FILE})")
+    _generate_into(directory, data)
+
+
+def _parameters(data: DataConfig) -> dict:
+    g = data.generate
+    return {"train_rows": g.train_rows, "eval_rows": g.eval_rows, "seed": g.seed, "format": g.format,
+            "vocab_rows": g.vocab_rows}
+
+
+def _check_parameters(directory: str, data: DataConfig) -> None:
+    """The generator's directory holds what ``data.generate`` asks for, or an error says so."""
+    path = os.path.join(directory, SUMMARY_FILE)
+    try:
+        with open(path) as f:
+            summary = json.load(f)
+    except FileNotFoundError:
+        return
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"data.generate: {path} is unreadable ({exc}); remove {directory} to generate it again") from None
+    recorded = summary.get("parameters") or {k: summary.get(k) for k in ("train_rows", "eval_rows")}
+    wanted = {k: v for k, v in _parameters(data).items() if k in recorded}
+    if recorded != wanted:
+        differ = ", ".join(f"{k}={recorded[k]} (config: {wanted[k]})" for k in wanted if recorded[k] != wanted[k])
+        raise ConfigError(f"data.generate: {directory} holds data generated with {differ}; remove {directory} "
+                          "to generate it again, or set data.generate as it was")
+
+
+def _generate_into(directory: str, data: DataConfig) -> None:
+    gen = data.generate
+    os.makedirs(directory, exist_ok=True)
+    scratch = os.path.join(directory, f".generating-{uuid.uuid4().hex[:12]}")
+    try:
+        summary = generate(scratch, gen.train_rows, gen.eval_rows, fmt=gen.format, seed=gen.seed,
+                           vocab_rows=gen.vocab_rows)
+        for made in (summary.train_path, summary.eval_path):
+            _link_if_missing(made, os.path.join(directory, os.path.basename(made)))
+        document = {**summary.__dict__, "train_path": os.path.join(directory, os.path.basename(summary.train_path)),
+                    "eval_path": os.path.join(directory, os.path.basename(summary.eval_path)),
+                    "parameters": _parameters(data)}
+        written = os.path.join(scratch, SUMMARY_FILE)
+        with open(written, "w") as f:
+            json.dump(document, f, indent=2, sort_keys=True)
+            f.write("\n")
+        _link_if_missing(written, os.path.join(directory, SUMMARY_FILE))
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _link_if_missing(source: str, target: str) -> None:
+    try:
+        os.link(source, target)
+    except FileExistsError:
+        pass  # written meanwhile (another run generating at once: the same bytes)
