@@ -92,12 +92,18 @@ def main(verbose: bool) -> None:
 @click.option("--seed", type=click.IntRange(0), default=0)
 @click.option("--vocab-rows", type=click.IntRange(2), default=100_000, help="Distinct values per feature.")
 def datagen(rows: int, eval_rows: int | None, out: str, fmt: str, seed: int, vocab_rows: int) -> None:
-    """Writes deterministic synthetic Criteo-format data (train + eval files)."""
-    from core.data import generate  # import cost: 0.13 s (numpy, pyarrow), see the note at the top
+    """Writes deterministic synthetic Criteo-format data (train + eval files and datagen.json)
+    into OUT; never over a file that exists there."""
+    from core.data.synthetic import targets, write_missing  # import cost: 0.13 s (numpy, pyarrow), see the top
 
-    s = generate(out, rows, eval_rows or max(1, rows // 10), fmt=fmt, seed=seed, vocab_rows=vocab_rows)
-    click.echo(f"wrote {s.train_rows:,} rows to {s.train_path} and {s.eval_rows:,} rows to {s.eval_path}")
-    click.echo(f"positive rate {s.positive_rate:.3f}; ceiling AUC of the hidden model {s.ceiling_auc:.4f}")
+    there = [p for p in targets(out, fmt) if os.path.exists(p)]
+    if there:
+        raise ConfigError(f"--out {out}: {there[0]} exists; cpr datagen writes only new files: choose another "
+                          "--out, or remove the files there")
+    s = write_missing(out, {"train_rows": rows, "eval_rows": eval_rows or max(1, rows // 10), "seed": seed,
+                            "format": fmt, "vocab_rows": vocab_rows})
+    click.echo(f"wrote {s['train_rows']:,} rows to {s['train_path']} and {s['eval_rows']:,} rows to {s['eval_path']}")
+    click.echo(f"positive rate {s['positive_rate']:.3f}; ceiling AUC of the hidden model {s['ceiling_auc']:.4f}")
 
 
 @main.command(short_help="Train: a config, or --resume a run.")
@@ -124,11 +130,11 @@ def train(
     overrides = _parse_set(sets)
     if skip_bad_lines:
         overrides["data.skip_bad_lines"] = True
+    if verify_data and resume_dir is None:  # a resumed run's config gets it below
+        overrides["data.verify_data"] = True
     # What was typed is checked before Ray and torch load: a bad value says so in 0.3 s, not 1.5 s.
     cfg = None if resume_dir is not None else load_config(config_path, overrides)
-    if verify_data and cfg is not None:
-        cfg = cfg.model_copy(update={"data": cfg.data.model_copy(update={"verify_data": True})})
-    from app.job import run_training  # import cost: 0.27 s, then Ray and torch; see the top
+    from app.run import run_training  # import cost: 0.27 s, then Ray and torch; see the top
     from app.report import format_summary  # import cost: 0.18 s, see the note at the top
     from app.resume import resume_config  # import cost: as app.job's
 
@@ -156,7 +162,7 @@ def emulate(config_path: str, sets: tuple[str, ...], no_progress: bool) -> None:
     from core.config import EmulationConfig, load_config  # import cost: 0.15 s, see the note at the top
 
     cfg = load_config(config_path, _parse_set(sets))  # checked before Ray and torch load, as in train
-    from app.job import run_training  # import cost: 0.27 s, then Ray and torch; see the note at the top
+    from app.run import run_training  # import cost: 0.27 s, then Ray and torch; see the note at the top
     from app.report import format_summary  # import cost: 0.18 s, see the note at the top
 
     if cfg.emulation is None:

@@ -13,6 +13,7 @@ one after another in this process (``LocalEngine``).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import logging
@@ -26,7 +27,8 @@ from app.dataengines import LocalEngine, RayDataEngine
 from core.config import RunConfig, config_from_dict
 from core.data.chunks import Chunk, plan_chunks
 from core.data.criteo import SPARSE_COLUMNS
-from core.data.sources import InputFile, check_distinct, child_uri, is_local, open_filesystem, resolve_inputs, split_uri
+from core.data.sources import InputFile, check_distinct, child_uri, is_local, open_filesystem, resolve_inputs
+from core.data.sources import shown as shown_uri, split_uri
 from core.data.synthetic import SUMMARY_FILE, generate_missing
 from core.errors import ConfigError, InsufficientData
 from core.store import Mapping, StoreManifest, Vocabulary, publish_manifest, read_manifest, store_key
@@ -54,6 +56,7 @@ class StoreInfo:
     key: str
     inputs: list[dict]  # Source.as_dict() of each input file, in order
     vocab_uri: str | None  # the vocabulary (mapping vocab), else None
+    content: str  # StoreManifest.content: a digest of the bytes it was built from
 
 
 @dataclass(frozen=True)
@@ -109,7 +112,9 @@ def build_stores(cfg: RunConfig, inputs: DataInputs, engine=None) -> dict:
                    vocab_uri=None)
     mapping = Mapping(**{**train.mapping, "table_rows": tuple(train.mapping["table_rows"])})
     eval_sources = [fingerprint(f) for f in inputs.eval]
-    eval_key = store_key(eval_sources, {**options, "name": "eval", "vocab_of": train_key})
+    # a vocabulary is the training bytes': another build of other bytes under the same key is another
+    eval_key = store_key(eval_sources, {**options, "name": "eval",
+                                        "vocab_of": train.content if mapping.kind == "vocab" else None})
     evaluation = _build(engine, cfg, "eval", inputs.eval, eval_sources, eval_key, mapping, keep_tail=True,
                         vocab_uri=train.vocab_uri)
     return {"train": train, "eval": evaluation, "ceiling_auc": inputs.ceiling_auc, "table_rows": list(mapping.table_rows)}
@@ -175,9 +180,9 @@ def _build(engine, cfg: RunConfig, name: str, files: list[InputFile], sources: l
            mapping: Mapping, keep_tail: bool, vocab_uri: str | None) -> StoreInfo:
     """The store of ``files``: found (checked byte for byte first with ``data.verify_data``),
     or built into a directory of its own and published (core.store.builds); a build that
-    fails removes what it wrote."""
+    fails removes what it wrote. The run reads the build it gets here (``StoreInfo.uri``)."""
     slot = StoreSlot(child_uri(cfg.cache_dir, f"{name}-{key}"))
-    shown = slot.uri.split("?")[0]
+    shown = shown_uri(slot.uri)
     with slot.held():
         found, stale = read_manifest(slot.uri), None
         if found is not None and cfg.data.verify_data:
@@ -187,28 +192,28 @@ def _build(engine, cfg: RunConfig, name: str, files: list[InputFile], sources: l
                                shown, "; ".join(changed))
                 found, stale = None, found
         if found is not None:
-            slot.remove_orphans(keep=found.dir)
+            slot.remove_orphans({found.dir}, found.replaced)
             logger.info("%s data: reusing the store %s (%d microbatches)", name, shown, found.microbatches)
             return _info(slot.uri, found, True)
-        slot.remove_orphans(keep=stale.dir if stale is not None else None)
+        replaced = [] if stale is None else [*stale.replaced, {"dir": stale.dir, "at": time.time()}]
+        slot.remove_orphans({r["dir"] for r in replaced}, replaced)
         build, build_uri = slot.new_build()
         try:
             manifest = _build_into(engine, cfg, name, files, sources, key, mapping, keep_tail, vocab_uri, build,
                                    build_uri, shown)
-            published = publish_manifest(slot.uri, manifest, replace=stale is not None)
+            publish_manifest(build_uri, manifest, replace=True)  # the build's own, which its runs read
+            store = dataclasses.replace(manifest.under(build), replaced=replaced)
+            published = publish_manifest(slot.uri, store, replace=stale is not None)
         except BaseException:
-            slot.remove(build)
+            slot.discard(build)
             raise
     if not published:  # another run published the same store first (object storage): theirs is used
         slot.remove(build)
-        theirs = read_manifest(slot.uri)
         logger.info("%s data: another run built the store %s first; using it", name, shown)
-        return _info(slot.uri, theirs, True)
-    if stale is not None:
-        slot.remove(stale.dir)
+        return _info(slot.uri, read_manifest(slot.uri), True)
     logger.info("%s data: %d rows in %d microbatches, %.1f s", name, manifest.rows, manifest.microbatches,
                 manifest.build["seconds"])
-    return _info(slot.uri, manifest, False)
+    return _info(slot.uri, store, False)
 
 
 def _changed_chunks(found: StoreManifest, files: list[InputFile]) -> list[str]:
@@ -255,7 +260,7 @@ def _build_into(engine, cfg: RunConfig, name: str, files: list[InputFile], sourc
         for c in counts:
             _delete(c)
         vocabulary.write(child_uri(uri, VOCAB_FILE))
-        vocab = f"{build}/{VOCAB_FILE}"
+        vocab = VOCAB_FILE
         mapping = Mapping("vocab", vocabulary.table_rows, cfg.data.min_count)
         engine.map(functools.partial(_remap_task, store_uri=uri, vocab_uri=child_uri(uri, VOCAB_FILE)),
                    [{"index": p["index"]} for p in parts], name)
@@ -267,7 +272,7 @@ def _build_into(engine, cfg: RunConfig, name: str, files: list[InputFile], sourc
     logger.info("%s data: %d rows read, %.1f s (%.0f rows/s)", name, usable, seconds, usable / max(seconds, 1e-9))
     return StoreManifest(
         key=key, microbatch_rows=rows, rows=usable - last["dropped_rows"],
-        parts=[{"file": f"{build}/{part_name(p['index'])}", "microbatches": p["microbatches"]} for p in parts],
+        parts=[{"file": part_name(p["index"]), "microbatches": p["microbatches"]} for p in parts],
         bad_lines=sum(s["bad_lines"] for s in done), mapping=_mapping_dict(mapping), sources=[f.name for f in files],
         dir=build, vocab=vocab,  # an evaluation store reads the training store's vocabulary
         inputs=[s.as_dict() for s in sources],
@@ -280,10 +285,12 @@ def _mapping_dict(mapping: Mapping) -> dict:
     return {"kind": mapping.kind, "table_rows": list(mapping.table_rows), "min_count": mapping.min_count}
 
 
-def _info(uri: str, m: StoreManifest, reused: bool) -> StoreInfo:
-    vocab_uri = child_uri(uri, m.vocab) if m.vocab else None
+def _info(store_uri: str, m: StoreManifest, reused: bool) -> StoreInfo:
+    """What the run uses of the store whose manifest (the store's) is ``m``: its build's URI."""
+    uri = child_uri(store_uri, m.dir)
+    vocab_uri = child_uri(store_uri, m.vocab) if m.vocab else None
     return StoreInfo(uri, m.rows, m.microbatches, m.microbatch_rows, m.bad_lines, reused, m.mapping, m.build, m.key,
-                     m.inputs, vocab_uri)
+                     m.inputs, vocab_uri, m.content)
 
 
 def _build_stats(done: list[dict], seconds: float, usable: int, engine: str) -> dict:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 import signal
 import threading
 import time
@@ -36,12 +37,12 @@ from app.storage import check_every_node, expected_files
 from core.codec import encode
 from core.config import RunConfig
 from core.deadlines import Deadlines
-from core.errors import CheckpointNotFound, ConfigError, RunFailed
+from core.errors import CheckpointNotFound, RunFailed
 from core.journal import refuse_another_run
 from core.books import RunSummary
 from core.schedule import StepSchedule
 
-__all__ = ["TrainingJob", "run_training"]
+__all__ = ["TrainingJob"]
 
 logger = logging.getLogger(__name__)
 
@@ -97,6 +98,8 @@ class TrainingJob:
         self._lighthouse = None  # prestarted by start() (app.lighthouse), used by fit()'s first attempt
         self._lighthouse_name = f"cpr-lighthouse-{self.run_id}"
         self.emulation = None  # app.emulation.Emulation of an emulated run, set by start()
+        self._created_run_dir = False  # by start(): a new run's directory, removed if its input is refused
+        self.refused = False  # start() refused the run's input (a CprError): close() removes what it made
 
     def _lighthouse_kwargs(self) -> dict:
         return {"bind": f"{ray.util.get_node_ip_address()}:0", "min_replicas": 1, "join_timeout_ms": 10_000,
@@ -116,8 +119,8 @@ class TrainingJob:
         if self.resume:
             refuse_other_data(cfg, inputs)  # before a store of other data is built
         probe_writes(cfg)
+        self._created_run_dir = not self.run_dir.exists()
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        point_latest(self.run_dir)
         configure_driver_logging(self.run_dir, self.verbose)
         (self.run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(), sort_keys=False))
         # Ray Train's modules (and torch: 3.0 s) load for fit() while Ray starts and the data is
@@ -144,6 +147,7 @@ class TrainingJob:
         self._lighthouse = start_lighthouse(self._lighthouse_name, cfg.ray.namespace, self._lighthouse_kwargs())
         if self.resume:
             _kill_leftovers(self.run_dir, cfg.ray.namespace)
+        point_latest(self.run_dir)  # once its data was good: a run refused before is removed (close)
         self._create_supervisor()
         self._starting = self.client.start()
         self.metrics_url = metrics_url()
@@ -308,6 +312,8 @@ class TrainingJob:
         if self._started_ray:
             ray.shutdown()
             self._started_ray = False
+        if self.refused and self._created_run_dir:  # bad input writes nothing: the error says it all
+            shutil.rmtree(self.run_dir, ignore_errors=True)
 
 
 def _summary_for_report(summary: RunSummary) -> dict:
@@ -340,61 +346,3 @@ def _import_ray_train() -> None:
         import app.raytrain  # noqa: F401 - import cost: 3.0 s of Ray Train and torch, taken off the path to the first step
     except Exception:  # noqa: BLE001 - fit() imports it again and raises there
         pass
-
-
-def run_training(
-    cfg: RunConfig, show_progress: bool = True, resume: bool = False, stop_grace_s: float = 25.0, verbose: bool = False
-) -> dict:
-    """Runs one training job end to end and returns the report (also written to run_dir).
-
-    SIGINT or SIGTERM stops it cleanly: trainers stop at their next step, the report is
-    written with ``"interrupted": true``, the shards are killed, and ``--resume`` continues
-    from the last valid checkpoint. A second signal stops at once. Training that fails (the
-    trainers past their budget, a supervisor thread crashing) still writes its report.
-    """
-    job = TrainingJob(cfg, show_progress, resume, verbose)
-    interrupted = threading.Event()
-
-    def on_signal(signum, frame):
-        if interrupted.is_set():
-            raise KeyboardInterrupt
-        logger.warning("%s: stopping the run at the next step and writing its report", signal.Signals(signum).name)
-        interrupted.set()
-
-    handlers = {}
-    if threading.current_thread() is threading.main_thread():
-        handlers = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        job.start(wait=False)  # Ray Train's worker group starts while the shards do
-        error = None if interrupted.is_set() else _train(job, interrupted, stop_grace_s)
-        return job.finish(interrupted=interrupted.is_set(), training_error=error)
-    finally:
-        job.close()
-        for sig, handler in handlers.items():
-            signal.signal(sig, handler)
-
-
-def _train(job: TrainingJob, interrupted: threading.Event, stop_grace_s: float) -> BaseException | None:
-    """fit() on a thread: the main thread keeps the signals (Ray Train would otherwise install
-    its own SIGINT handler, which aborts without a report). Returns the error that ended the
-    trainers, if one did (not while stopping: the report then says interrupted)."""
-    training = job.fit_in_background()
-    while training.is_alive() and not interrupted.wait(0.5):
-        pass
-    if interrupted.is_set():
-        job.request_stop()
-        try:
-            training.join(timeout_s=stop_grace_s)
-        except TimeoutError:
-            logger.warning("trainers did not stop within %.0fs; writing the report anyway", stop_grace_s)
-        except Exception as err:  # noqa: BLE001 - the run is being stopped; its report says so
-            logger.warning("training ended with %r while stopping", err)
-        return None
-    try:
-        training.join()
-    except (CheckpointNotFound, ConfigError):
-        raise  # a shard that never started, a resume without a checkpoint: the user's error, no run to report
-    except Exception as err:  # noqa: BLE001 - the report is written with it, and RunFailed says why
-        logger.error("training failed: %r", err)
-        return err
-    return None

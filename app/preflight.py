@@ -19,7 +19,7 @@ import secrets
 import pyarrow.fs as pafs
 
 from core.config import RunConfig
-from core.data.sources import is_local, open_filesystem, split_uri
+from core.data.sources import is_local, open_filesystem, shown as _shown, split_uri
 from core.errors import ConfigError
 
 __all__ = ["check_places", "places", "probe_writes"]
@@ -108,13 +108,6 @@ def _open(uri: str, field: str) -> tuple[pafs.FileSystem, str]:
     else:
         fs = pafs.GcsFileSystem(**{**options, "retry_time_limit": datetime.timedelta(seconds=GCS_RETRY_LIMIT_S)})
     return fs, path
-
-
-def _shown(uri: str) -> str:
-    """``uri`` as messages show it: without its ``?options`` and any credentials before ``@``."""
-    prefix, path, _ = split_uri(uri)
-    authority, sep, rest = path.partition("/")
-    return f"{prefix}{authority.rpartition('@')[2]}{sep}{rest}"
 
 
 def _reason(exc: OSError) -> str:

@@ -13,6 +13,7 @@ from app.rebuild import REPORT_FILE, ReportError, load_run, rebuild_report
 from app.summary import format_summary
 from app.tallies import hosts_lost, mirrors_section, overhead_seconds, save_failures, save_split
 from core.config import RunConfig
+from core.data.sources import shown
 from policies import expected_pls
 
 __all__ = ["build_report", "write_report", "format_summary", "render", "load_run", "rebuild_report", "ReportError"]
@@ -31,7 +32,7 @@ def data_section(data: dict) -> dict:
         "table_rows": list(train.mapping["table_rows"]),
         "embedding_rows": sum(train.mapping["table_rows"]),
         "train_rows": train.rows, "eval_rows": evaluation.rows,
-        "train_store": train.uri.split("?", 1)[0], "eval_store": evaluation.uri.split("?", 1)[0],
+        "train_store": shown(train.uri), "eval_store": shown(evaluation.uri),
         "reused": train.reused and evaluation.reused,
         "preprocessing": {"train": train.build, "eval": evaluation.build},
     }

@@ -262,19 +262,20 @@ def _decide(cfg: RunConfig, costs: SharedCosts, n: int):
     return decide_recovery(RecoveryMode(cfg.recovery), inputs)
 
 
-def _position(cfg: RunConfig, schedule: StepSchedule, data: tuple[str, tuple], step: int) -> DataPosition:
+def _position(cfg: RunConfig, schedule: StepSchedule, data: tuple[str, tuple, str], step: int) -> DataPosition:
     tr = cfg.training
     return DataPosition(
         next_step=step, microbatches_per_step=tr.microbatches_per_step, microbatch_rows=tr.microbatch_rows,
         num_microbatches=schedule.num_microbatches, seed=schedule.seed,
         samples_trained=step * tr.microbatches_per_step * tr.microbatch_rows, store_key=data[0], inputs=data[1],
+        content=data[2],
     )
 
 
-def _train_data(uri: str) -> tuple[str, tuple]:
-    """(key, input files) of the training store at ``uri``, as its manifest says."""
+def _train_data(uri: str) -> tuple[str, tuple, str]:
+    """(key, input files, content) of the training store at ``uri``, as its manifest says."""
     manifest = read_manifest(uri)
-    return ("", ()) if manifest is None else (manifest.key, tuple(manifest.inputs))
+    return ("", (), "") if manifest is None else (manifest.key, tuple(manifest.inputs), manifest.content)
 
 
 def record_kill(ledger: FailureLedger, events: EventLog, kill: KillRecord) -> None:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from core.checkpoint.files import DATA_POSITION_FILE
 from core.checkpoint.reader import CheckpointReader
 from core.errors import CheckpointCorrupt, CprError
-from core.store.identity import Source, changed_sources
+from core.store.identity import TIME_ONLY, Source, changed_sources
 
 __all__ = ["DataPosition", "newest_position", "other_data", "read_position"]
 
@@ -30,12 +30,14 @@ class DataPosition:
     samples_trained: int
     store_key: str = ""  # of the training store (core.store.store_key); "" in checkpoints older than it
     inputs: tuple = ()  # the training store's input files: Source.as_dict() each, in order
+    content: str = ""  # StoreManifest.content: a digest of the bytes the training store was built from
 
     def to_json(self) -> bytes:
         return json.dumps(dataclasses.asdict(self)).encode()
 
 
-_FIELDS = tuple(f.name for f in dataclasses.fields(DataPosition) if f.name not in ("store_key", "inputs"))
+_DATA = ("store_key", "inputs", "content")  # what names the data, since issue 42
+_FIELDS = tuple(f.name for f in dataclasses.fields(DataPosition) if f.name not in _DATA)
 
 
 def read_position(store: CheckpointReader, step: int) -> DataPosition:
@@ -62,20 +64,38 @@ def read_position(store: CheckpointReader, step: int) -> DataPosition:
         value = document[name]
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise CheckpointCorrupt(f"{where} has {name} = {value!r}, expected an integer >= 0")
-    key, inputs = document.get("store_key", ""), document.get("inputs", [])
-    if not isinstance(key, str) or not isinstance(inputs, list) or not all(isinstance(i, dict) for i in inputs):
-        raise CheckpointCorrupt(f"{where} has store_key = {key!r} and inputs of type {type(inputs).__name__}, "
-                                "expected a string and a list of objects")
-    return DataPosition(**{name: document[name] for name in _FIELDS}, store_key=key, inputs=tuple(inputs))
+    key, inputs, content = document.get("store_key", ""), document.get("inputs", []), document.get("content", "")
+    if not (isinstance(key, str) and isinstance(content, str) and isinstance(inputs, list)
+            and all(isinstance(i, dict) for i in inputs)):
+        raise CheckpointCorrupt(f"{where} has store_key = {key!r}, content = {content!r} and inputs of type "
+                                f"{type(inputs).__name__}, expected two strings and a list of objects")
+    return DataPosition(**{name: document[name] for name in _FIELDS}, store_key=key, inputs=tuple(inputs),
+                        content=content)
 
 
 def other_data(saved: DataPosition, now: DataPosition, step: int) -> str | None:
     """Why a run cannot continue from checkpoint ``step`` (its position ``saved``) on the data
-    it has ``now``, or None when the training store is the same one (or the checkpoint is older
-    than the store's key in a position, and cannot tell)."""
-    if not saved.store_key or saved.store_key == now.store_key:
+    it has ``now``, or None when it is the same data, or cannot be told yet.
+
+    With both contents known (the supervisor's restore, once the store was found or built),
+    the bytes decide: the same bytes under another key (files touched, copied with new times)
+    continue; other bytes under the same key (a store built again by data.verify_data) do not.
+    Before the store is built (the driver's check, ``now.content`` unknown), the inputs'
+    sizes and ends decide, and differences of time alone wait for the content. A checkpoint
+    older than the key in its position cannot tell."""
+    if not saved.store_key:
         return None
     changed = changed_sources([Source.of(s) for s in saved.inputs], [Source.of(s) for s in now.inputs])
+    if saved.content and now.content:
+        if saved.content == now.content:
+            return None
+        changed = [c for c in changed if not c.endswith(TIME_ONLY)] or ["their bytes changed"]
+    elif saved.store_key == now.store_key:
+        return None
+    else:
+        changed = [c for c in changed if not c.endswith(TIME_ONLY)]
+        if not changed and [s["name"] for s in saved.inputs] == [s["name"] for s in now.inputs]:
+            return None  # times alone, or options of another version: the content decides, once read
     return (f"--resume: the training data changed since checkpoint step {step} "
             f"({'; '.join(changed) or 'the same files, preprocessed with other options'}); a run continues only on "
             "the data it trained on: restore the files, or start a new run")

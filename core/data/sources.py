@@ -30,7 +30,9 @@ import pyarrow.fs as pafs
 
 from core.errors import ConfigError
 
-__all__ = ["InputFile", "check_distinct", "child_uri", "is_local", "open_filesystem", "resolve_inputs", "split_uri"]
+__all__ = [
+    "InputFile", "check_distinct", "child_uri", "is_local", "open_filesystem", "resolve_inputs", "shown", "split_uri",
+]
 
 _GLOB = ("*", "?", "[")
 _CODECS = {".gz": "gzip", ".bz2": "bz2", ".zst": "zstd", ".lz4": "lz4"}
@@ -99,16 +101,21 @@ def open_filesystem(uri: str, field: str = "data") -> tuple[pafs.FileSystem, str
         fs, fs_path = pafs.FileSystem.from_uri(target)
     except (pa.ArrowInvalid, pa.ArrowNotImplementedError, OSError, ValueError) as exc:
         # pyarrow's message may quote the whole URI: its options (endpoints, keys) stay out of ours
-        said = str(exc).replace(target, _strip(uri))
+        said = str(exc).replace(target, shown(uri))
         said = said.replace(options, "") if options else said
-        raise ConfigError(f"{field}: cannot open {_strip(uri)}: {said}") from None
+        raise ConfigError(f"{field}: cannot open {shown(uri)}: {said}") from None
     return fs, fs_path.rstrip("/")
 
 
-def _strip(uri: str) -> str:
-    """``uri`` without its options (what messages show)."""
+def shown(uri: str) -> str:
+    """``uri`` as messages, names and logs show it: without its ``?options`` and without
+    credentials written into it (``s3://KEY:SECRET@bucket/...``)."""
     prefix, path, _ = split_uri(uri)
-    return f"{prefix}{path}" if prefix else uri
+    if not prefix:
+        return uri
+    authority, sep, rest = path.partition("/")
+    return f"{prefix}{authority.rpartition('@')[2]}{sep}{rest}"
+
 
 
 def resolve_inputs(uris: list[str], field: str) -> list[InputFile]:
@@ -124,7 +131,7 @@ def resolve_inputs(uris: list[str], field: str) -> list[InputFile]:
         infos = _glob(fs, fs_path, uri, field) if any(c in path for c in _GLOB) else [_stat(fs, fs_path, uri, field)]
         for info in infos:
             found = InputFile(f"{prefix}{info.path}{options}", f"{prefix}{info.path}", info.size or 0,
-                              int(info.mtime_ns or 0), _strip(uri))
+                              int(info.mtime_ns or 0), shown(uri))
             _check_readable(fs, info.path, found.name, field)
             out.append(found)
     return out
@@ -134,12 +141,12 @@ def _stat(fs: pafs.FileSystem, path: str, uri: str, field: str) -> pafs.FileInfo
     try:
         info = fs.get_file_info(path)
     except OSError as exc:
-        raise ConfigError(f"{field}: cannot read {_strip(uri)}: {exc}") from None
+        raise ConfigError(f"{field}: cannot read {shown(uri)}: {exc}") from None
     if info.type == pafs.FileType.NotFound:
-        raise ConfigError(f"{field}: {_strip(uri)} does not exist")
+        raise ConfigError(f"{field}: {shown(uri)} does not exist")
     if info.type == pafs.FileType.Directory:
-        raise ConfigError(f"{field}: {_strip(uri)} is a directory; name its files or a glob such as "
-                          f"{_strip(uri).rstrip('/')}/*")
+        raise ConfigError(f"{field}: {shown(uri)} is a directory; name its files or a glob such as "
+                          f"{shown(uri).rstrip('/')}/*")
     return info
 
 
@@ -154,14 +161,14 @@ def _glob(fs: pafs.FileSystem, pattern: str, uri: str, field: str) -> list[pafs.
     try:
         listed = fs.get_file_info(pafs.FileSelector(base, recursive=deep, allow_not_found=True))
     except OSError as exc:
-        raise ConfigError(f"{field}: cannot list {_strip(uri)}: {exc}") from None
+        raise ConfigError(f"{field}: cannot list {shown(uri)}: {exc}") from None
     matches = _glob_regex(pattern).match
     found = [i for i in listed if i.type == pafs.FileType.File and matches(i.path)]
-    if _strip(uri).endswith("/"):
+    if shown(uri).endswith("/"):
         found = []  # a glob ending in '/' names directories only; a local path lost that '/' to abspath
     if not found:
         hint = " (a [...] is a set of characters; a literal [ is written [[])" if "[" in pattern else ""
-        raise ConfigError(f"{field}: {_strip(uri)} matches no file{hint}")
+        raise ConfigError(f"{field}: {shown(uri)} matches no file{hint}")
     return sorted(found, key=lambda i: i.path)
 
 

@@ -22,9 +22,10 @@ from core.data.datagen import generate
 from core.data.sources import is_local, split_uri
 from core.errors import ConfigError
 
-__all__ = ["SUMMARY_FILE", "generate_missing"]
+__all__ = ["SUMMARY_FILE", "generate_missing", "targets", "write_missing"]
 
 SUMMARY_FILE = "datagen.json"
+_SCRATCH = ".generating-"  # a generation's own directory inside the generator's: never the user's
 _SUFFIXES = {"tsv": ".tsv", "tsv.gz": ".tsv.gz", "parquet": ".parquet"}
 
 
@@ -53,11 +54,18 @@ def generate_missing(data: DataConfig) -> None:
         raise ConfigError(
             f"{field}: {split_uri(uri)[1]} does not exist (data.generate writes only <dir>/train{suffix} and "
             f"<dir>/eval{suffix}, when data.train and data.eval name exactly those two files)")
-    if os.path.isdir(directory) and os.listdir(directory) and not os.path.exists(os.path.join(directory, SUMMARY_FILE)):
+    foreign = [n for n in (os.listdir(directory) if os.path.isdir(directory) else []) if not n.startswith(_SCRATCH)]
+    if foreign and not os.path.exists(os.path.join(directory, SUMMARY_FILE)):
         raise ConfigError(
             f"{field}: {split_uri(uri)[1]} does not exist; data.generate writes only into a directory of its own, "
             f"and {directory} holds files it did not write (no {SUMMARY_FILE})")
-    _generate_into(directory, data)
+    present = [p for p in (train_path, eval_path) if os.path.exists(p)]
+    if present and "parameters" not in _summary(directory):
+        raise ConfigError(
+            f"{field}: {split_uri(uri)[1]} does not exist, and {directory}/{SUMMARY_FILE} does not say how "
+            f"{os.path.basename(present[0])} was generated (seed, vocabulary): a file generated now might not match "
+            f"it; remove {directory} to generate both again")
+    write_missing(directory, _parameters(data))
 
 
 def _parameters(data: DataConfig) -> dict:
@@ -66,16 +74,23 @@ def _parameters(data: DataConfig) -> dict:
             "vocab_rows": g.vocab_rows}
 
 
-def _check_parameters(directory: str, data: DataConfig) -> None:
-    """The generator's directory holds what ``data.generate`` asks for, or an error says so."""
+def _summary(directory: str) -> dict:
     path = os.path.join(directory, SUMMARY_FILE)
     try:
         with open(path) as f:
             summary = json.load(f)
     except FileNotFoundError:
-        return
+        return {}
     except (OSError, ValueError) as exc:
         raise ConfigError(f"data.generate: {path} is unreadable ({exc}); remove {directory} to generate it again") from None
+    return summary if isinstance(summary, dict) else {}
+
+
+def _check_parameters(directory: str, data: DataConfig) -> None:
+    """The generator's directory holds what ``data.generate`` asks for, or an error says so."""
+    summary = _summary(directory)
+    if not summary:
+        return
     recorded = summary.get("parameters") or {k: summary.get(k) for k in ("train_rows", "eval_rows")}
     wanted = {k: v for k, v in _parameters(data).items() if k in recorded}
     if recorded != wanted:
@@ -84,23 +99,33 @@ def _check_parameters(directory: str, data: DataConfig) -> None:
                           "to generate it again, or set data.generate as it was")
 
 
-def _generate_into(directory: str, data: DataConfig) -> None:
-    gen = data.generate
+def targets(directory: str, fmt: str) -> list[str]:
+    """The files the generator writes into ``directory`` for format ``fmt``."""
+    suffix = _SUFFIXES[fmt]
+    return [os.path.join(directory, n) for n in (f"train{suffix}", f"eval{suffix}", SUMMARY_FILE)]
+
+
+def write_missing(directory: str, parameters: dict) -> dict:
+    """Generates synthetic data (``parameters``: train_rows, eval_rows, seed, format,
+    vocab_rows) in a directory of its own inside ``directory``, then links each of its files
+    into ``directory`` where that file is still missing; never writes over one. Returns the
+    summary (as ``datagen.json`` holds it)."""
+    p = parameters
     os.makedirs(directory, exist_ok=True)
-    scratch = os.path.join(directory, f".generating-{uuid.uuid4().hex[:12]}")
+    scratch = os.path.join(directory, f"{_SCRATCH}{uuid.uuid4().hex[:12]}")
     try:
-        summary = generate(scratch, gen.train_rows, gen.eval_rows, fmt=gen.format, seed=gen.seed,
-                           vocab_rows=gen.vocab_rows)
+        summary = generate(scratch, p["train_rows"], p["eval_rows"], fmt=p["format"], seed=p["seed"],
+                           vocab_rows=p["vocab_rows"])
         for made in (summary.train_path, summary.eval_path):
             _link_if_missing(made, os.path.join(directory, os.path.basename(made)))
         document = {**summary.__dict__, "train_path": os.path.join(directory, os.path.basename(summary.train_path)),
-                    "eval_path": os.path.join(directory, os.path.basename(summary.eval_path)),
-                    "parameters": _parameters(data)}
+                    "eval_path": os.path.join(directory, os.path.basename(summary.eval_path)), "parameters": p}
         written = os.path.join(scratch, SUMMARY_FILE)
         with open(written, "w") as f:
             json.dump(document, f, indent=2, sort_keys=True)
             f.write("\n")
         _link_if_missing(written, os.path.join(directory, SUMMARY_FILE))
+        return document
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
 

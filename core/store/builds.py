@@ -4,7 +4,8 @@ manifest, so that builds of one store may run at once and readers never see a pa
 On a local (or mounted) filesystem a build holds a lock on the store while it looks for the
 store and builds it: a second run that wants the same store waits, then reuses it; a build
 that died (its lock went with its process) left a directory no manifest names, removed by the
-next build. Object stores have no such lock: two builds of one store both build, the first
+next build. The lock only saves work: the manifest is linked into place, so that of two
+builds that both got past it, the second finds the store published and drops its own. Object stores have no such lock: two builds of one store both build, the first
 manifest written is the store (``publish_manifest``), and the other build removes its files.
 """
 
@@ -15,18 +16,22 @@ import fcntl
 import logging
 import os
 import shutil
+import time
 import uuid
 from collections.abc import Iterator
 
 import pyarrow.fs as pafs
 
 from core.data.sources import child_uri, is_local, open_filesystem, split_uri
+from core.store.format import MANIFEST_FILE
 
-__all__ = ["BUILD_PREFIX", "StoreSlot"]
+__all__ = ["BUILD_PREFIX", "LOCK_FILE", "StoreSlot"]
 
 logger = logging.getLogger(__name__)
 
 BUILD_PREFIX = "b-"
+LOCK_FILE = ".lock"
+REPLACED_KEPT_S = 24 * 3600  # a build of older bytes stays this long for the runs that read it
 
 
 class StoreSlot:
@@ -40,22 +45,50 @@ class StoreSlot:
     @contextlib.contextmanager
     def held(self) -> Iterator[None]:
         """The store's lock (local filesystems; elsewhere nothing), for as long as the caller
-        looks for the store and builds it."""
+        looks for the store and builds it: ``<store>/.lock``, ``flock``ed. A lock file removed
+        while this waited for it (``discard``) is no lock: taken again on the new one."""
         if not self._local:
             yield
             return
-        parent, name = os.path.split(self._path.rstrip("/"))
-        os.makedirs(parent, exist_ok=True)
-        fd = os.open(os.path.join(parent, f".{name}.lock"), os.O_RDWR | os.O_CREAT, 0o644)
-        try:
+        path = os.path.join(self._path, LOCK_FILE)
+        while True:
+            os.makedirs(self._path, exist_ok=True)
+            try:
+                fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+            except FileNotFoundError:  # the directory removed meanwhile by a failed build
+                continue
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
                 logger.warning("%s: another run is building this store; waiting for it", self._path)
                 fcntl.flock(fd, fcntl.LOCK_EX)
+            try:
+                same = os.fstat(fd).st_ino == os.stat(path).st_ino
+            except FileNotFoundError:
+                same = False
+            if same:
+                break
+            os.close(fd)
+        try:
             yield
         finally:
             os.close(fd)  # releases the lock
+
+    def discard(self, build: str) -> None:
+        """A failed build's directory removed; and, holding the lock, where no store was ever
+        published, the store's directory and the cache directory when nothing else is in them
+        (a refused input leaves nothing behind)."""
+        self.remove(build)
+        if not self._local or os.path.exists(os.path.join(self._path, MANIFEST_FILE)):
+            return
+        if set(os.listdir(self._path)) <= {LOCK_FILE}:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join(self._path, LOCK_FILE))
+            for directory in (self._path, os.path.dirname(self._path.rstrip("/"))):
+                try:
+                    os.rmdir(directory)
+                except OSError:  # not empty: another store, another run's build
+                    break
 
     def new_build(self) -> tuple[str, str]:
         """(directory name, URI) of a new build's own directory."""
@@ -73,17 +106,20 @@ class StoreSlot:
         except (OSError, FileNotFoundError) as exc:
             logger.warning("could not remove %s/%s: %s", split_uri(self.uri)[1], build, exc)
 
-    def remove_orphans(self, keep: str | None) -> list[str]:
-        """Build directories no manifest names (a build that died), removed; only under the
-        lock of a local store, where no other build can be running. Returns their names."""
+    def remove_orphans(self, keep: set[str], replaced: list[dict] = ()) -> list[str]:
+        """Build directories no manifest names (a build that died) removed, and those of
+        builds of older bytes (``replaced``: ``{"dir", "at"}``) once ``REPLACED_KEPT_S`` old:
+        runs that started on one read it until then. Only under the lock of a local store,
+        where no other build can be running. Returns the names removed."""
         if not self._local:
             return []
         try:
             listed = self._fs.get_file_info(pafs.FileSelector(self._path, allow_not_found=True))
         except OSError:
             return []
+        young = {r["dir"] for r in replaced if time.time() - r["at"] < REPLACED_KEPT_S}
         gone = [i.base_name for i in listed if i.type == pafs.FileType.Directory
-                and i.base_name.startswith(BUILD_PREFIX) and i.base_name != keep]
+                and i.base_name.startswith(BUILD_PREFIX) and i.base_name not in keep | young]
         for name in gone:
             self.remove(name)
         return gone

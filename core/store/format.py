@@ -9,14 +9,14 @@ import hashlib
 import json
 import os
 import uuid
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.fs as pafs
 
 from core.data.criteo import NUM_DENSE, NUM_SPARSE, RawBatch
-from core.data.sources import open_filesystem
+from core.data.sources import open_filesystem, shown
 from core.errors import ConfigError
 from core.store.identity import Source
 
@@ -59,24 +59,41 @@ class Mapping:
 class StoreManifest:
     """What ``store.json`` says: the parts in order with their microbatch counts, and how the
     store was made. A build writes its files into a directory of its own (``dir``, inside the
-    store's), named in the parts' paths, so that no file a reader may hold is ever rewritten."""
+    store's), with a manifest there that names them from there; the store's manifest, which
+    publishes the build, names them from the store's directory (``under``). A run reads the
+    build it started with (its own manifest): no file a reader may hold is ever rewritten."""
 
     key: str
     microbatch_rows: int
     rows: int
-    parts: list[dict]  # {"file": "<dir>/part-NNNNN.arrow", "microbatches"}
+    parts: list[dict]  # {"file", "microbatches"}: the file relative to the manifest
     bad_lines: int
     mapping: dict
     sources: list[str]  # the input files' names, in order
-    dir: str = ""  # the build's directory, relative to the store's
-    vocab: str | None = None  # the vocabulary's file, relative to the store's (mapping vocab)
+    dir: str = ""  # the build's directory, in the store's
+    vocab: str | None = None  # the vocabulary's file, relative to the manifest (mapping vocab)
     inputs: list[dict] = field(default_factory=list)  # Source.as_dict() of each input, in order
     chunks: list[dict] = field(default_factory=list)  # {"file", "start", "stop", "digest"} in order
     build: dict = field(default_factory=dict)  # seconds, rows/s, per-host work: for the report
+    replaced: list[dict] = field(default_factory=list)  # {"dir", "at"}: builds of older bytes, kept for their readers
 
     @property
     def microbatches(self) -> int:
         return sum(p["microbatches"] for p in self.parts)
+
+    @property
+    def content(self) -> str:
+        """A digest of the bytes the store was built from (its chunks' digests, in order): two
+        builds of the same bytes have the same content, whatever their files' times."""
+        h = hashlib.blake2b(digest_size=10)
+        for c in self.chunks:
+            h.update(f"{c['start']}|{c['stop']}|{c['digest']};".encode())
+        return h.hexdigest()
+
+    def under(self, prefix: str) -> "StoreManifest":
+        """This manifest as a directory ``prefix`` above its own reads it: every path prefixed."""
+        return replace(self, parts=[{**p, "file": f"{prefix}/{p['file']}"} for p in self.parts],
+                       vocab=f"{prefix}/{self.vocab}" if self.vocab else None)
 
 
 def store_key(sources: list[Source], options: dict) -> str:
@@ -133,7 +150,7 @@ def read_manifest(uri: str) -> StoreManifest | None:
     except FileNotFoundError:
         return None
     except (OSError, ValueError) as exc:
-        where = join(uri.split("?", 1)[0], MANIFEST_FILE)
+        where = join(shown(uri), MANIFEST_FILE)
         raise ConfigError(f"data.cache_dir: the store manifest {where} is unreadable: {exc}") from None
     if not isinstance(raw, dict) or raw.get("version") != FORMAT_VERSION:
         return None

@@ -17,8 +17,11 @@ from dataclasses import dataclass
 from core.data.chunks import Chunk, open_chunk
 from core.data.sources import InputFile, open_filesystem
 
-__all__ = ["EDGE_BYTES", "Source", "changed_sources", "chunk_digest", "fingerprint", "new_digest", "parquet_digest"]
+__all__ = [
+    "EDGE_BYTES", "TIME_ONLY", "Source", "changed_sources", "chunk_digest", "fingerprint", "new_digest", "parquet_digest",
+]
 
+TIME_ONLY = "modified since (same size and ends)"
 EDGE_BYTES = 64 << 10  # read at each end of a file for its fingerprint: two ranged reads of an object
 _READ = 8 << 20
 
@@ -97,7 +100,7 @@ def changed_sources(recorded: list[Source], now: list[Source]) -> list[str]:
         elif a.edges != b.edges:
             out.append(f"{name}: its first or last {EDGE_BYTES >> 10} KiB changed")
         elif a.mtime_ns != b.mtime_ns:
-            out.append(f"{name}: modified since (same size and ends)")
+            out.append(f"{name}: {TIME_ONLY}")
     if not out and [s.name for s in recorded] != [s.name for s in now]:
         out.append("the same files in another order: " + ", ".join(s.name for s in now))
     return out

@@ -13,7 +13,7 @@ from collections import OrderedDict
 import numpy as np
 import pyarrow as pa
 
-from core.data.sources import is_local, open_filesystem, split_uri
+from core.data.sources import is_local, open_filesystem, shown, split_uri
 from core.errors import ConfigError
 from core.store.format import StoreManifest, join, read_manifest, unpack
 
@@ -33,7 +33,7 @@ class MicrobatchStore:
         self.uri = uri
         manifest = read_manifest(uri)
         if manifest is None:
-            where = split_uri(uri)[1] if is_local(uri) else uri.split("?", 1)[0]
+            where = split_uri(uri)[1] if is_local(uri) else shown(uri)
             raise ConfigError(f"data.cache_dir: no microbatch store at {where} as seen from this host "
                               "(every host must reach the store: object storage, or a directory every host mounts)")
         self.manifest: StoreManifest = manifest

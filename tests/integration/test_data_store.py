@@ -64,8 +64,10 @@ def _data(tmp_path: Path, rows: int = 40_000) -> None:
 
 
 def _leftovers(cache: Path) -> list[str]:
-    """Build directories no manifest names, and half-written manifests."""
-    named = {json.loads(m.read_text())["dir"] for m in cache.glob("*/store.json")}
+    """Build directories no manifest names (a store's build, or one it replaced and keeps for its
+    readers), and half-written manifests."""
+    manifests = [json.loads(m.read_text()) for m in cache.glob("*/store.json")]
+    named = {m["dir"] for m in manifests} | {r["dir"] for m in manifests for r in m["replaced"]}
     return sorted([p.name for p in cache.glob("*/b-*") if p.name not in named]
                   + [p.name for p in cache.glob("*/store.json.tmp*")])
 
@@ -112,3 +114,4 @@ def test_a_reader_of_a_store_lives_through_its_rebuild(tmp_path):
     assert reader.returncode == 0, f"reader died ({reader.returncode}): {err[-2000:]}"
     assert int(rest.split()[-1]) >= 1
     assert _leftovers(tmp_path / "cache") == []
+    assert json.loads(out.strip().splitlines()[-1])["train"][0] != uri  # the next run reads the new build

@@ -79,7 +79,7 @@ def _held_out_auc(model, doc: dict, eval_paths: list[str]) -> float:
 @pytest.mark.integration
 @pytest.mark.timeout(600)
 def test_exported_model_scores_the_reported_auc(ray_local, small_data, tmp_path):
-    from app.job import run_training
+    from app.run import run_training
 
     cfg = config_from_dict(
         {

@@ -114,3 +114,30 @@ def test_ray_data_builds_the_store_in_s3_as_one_process_does_from_local_files(ra
     assert built["train"].uri.startswith("s3://cpr/stores/")
     again = build_stores(remote, resolve_data(remote))
     assert again["train"].reused and again["eval"].reused
+
+
+def test_builds_of_one_store_in_s3_at_once_publish_one_store(s3, days, tmp_path):
+    """Object storage has no lock and no rename: three builds of one store, at once, each
+    write a directory of their own and the first manifest is the store; a build that finds it
+    published removes its own files, and every build reads the same microbatches. (Two builds
+    whose checks fall between each other's check and write both publish, the last one wins;
+    the other's directory is left, named by no manifest.)"""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import pyarrow.fs as pafs
+
+    cache = s3.uri(f"cpr/stores/race-{tmp_path.name}")
+    cfg = _config(tmp_path, [s3.uri("cpr/criteo/day_0")], [s3.uri("cpr/criteo/eval/*.tsv")], cache)
+    inputs = resolve_data(cfg)
+    with ThreadPoolExecutor(3) as pool:
+        built = list(pool.map(lambda _: build_stores(cfg, inputs, LocalEngine()), range(3)))
+    assert len({b["train"].uri for b in built}) == 1
+    reference = _microbatches(built[0]["train"].uri)
+    assert len(reference) == built[0]["train"].microbatches > 0
+    for b in built[1:]:
+        assert all(np.array_equal(x, y) for g, w in zip(_microbatches(b["train"].uri), reference)
+                   for x, y in zip(g, w))
+    store_path = built[0]["train"].uri.split("://")[1].split("?")[0]
+    builds = [i.base_name for i in s3.filesystem().get_file_info(pafs.FileSelector(store_path))
+              if i.type == pafs.FileType.Directory]
+    assert 1 <= len(builds) <= 3 and MicrobatchStore(built[0]["train"].uri).manifest.dir in builds

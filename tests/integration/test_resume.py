@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -31,10 +32,12 @@ def _driver_env(ray_local) -> dict:
 
 def test_kill_driver_then_resume(ray_local, small_data, tmp_path):
     run_dir = tmp_path / "run"
+    train = tmp_path / "train.tsv"  # a copy of its own: the resume is first tried on changed data
+    shutil.copy2(small_data.train_path, train)
     config = {
         "run_dir": str(run_dir),
         "seed": 3,
-        "data": {"train": [small_data.train_path], "eval": [small_data.eval_path]},
+        "data": {"train": [str(train)], "eval": [small_data.eval_path]},
         "model": {"embedding_dim": 8, "table_rows": 20_000, "dense_arch": [32, 8], "over_arch": [32, 1]},
         "training": {"num_trainers": 2, "microbatch_rows": B, "microbatches_per_step": M, "epochs": 1},
         "checkpoint": {"every_steps": 30, "keep_last": 2},
@@ -84,6 +87,19 @@ def test_kill_driver_then_resume(ray_local, small_data, tmp_path):
     # A fresh run into the same run_dir must not silently overwrite its checkpoints.
     refused = subprocess.run(cmd + ["--config", str(cfg_path)], env=env, capture_output=True, text=True, timeout=120)
     assert refused.returncode == 2 and "--resume" in refused.stderr
+
+    # Other training data under the same name: refused before anything is built, naming the file.
+    stores = sorted(p.name for p in (run_dir / "cache").iterdir())
+    original, st = train.read_bytes(), train.stat()
+    train.write_bytes(original + original.splitlines(keepends=True)[0])
+    changed = subprocess.run(cmd + ["--resume", str(run_dir)], env=env, capture_output=True, text=True, timeout=120)
+    assert changed.returncode == 2, changed.stderr[-3000:]
+    said = [line for line in changed.stderr.splitlines() if line.strip()]
+    assert len(said) == 1 and said[0].startswith("error: --resume: the training data changed since checkpoint step "), said
+    assert f"{train}: size {st.st_size} -> " in said[0]
+    assert sorted(p.name for p in (run_dir / "cache").iterdir()) == stores
+    train.write_bytes(original)
+    os.utime(train, ns=(st.st_atime_ns, st.st_mtime_ns))
 
     resumed = subprocess.run(cmd + ["--resume", str(run_dir)], env=env, capture_output=True, text=True, timeout=400)
     assert resumed.returncode == 0, resumed.stderr[-3000:]

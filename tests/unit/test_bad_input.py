@@ -6,6 +6,7 @@ directory or in HOME), within seconds: every case is refused before Ray starts."
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -68,7 +69,7 @@ def _s3(path: str, port: int) -> str:
     return f"s3://{path}?endpoint_override=127.0.0.1:{port}&scheme=http"
 
 
-def _refused(work: Path, *sets: str) -> str:
+def _refused(work: Path, *sets: str, files: set[str] = FILES) -> str:
     """Runs `cpr train --config c.yaml --set ...` in ``work`` as a user's shell would (only PATH
     and HOME set); checks the refusal and that nothing was written; returns its one line."""
     home = work.parent / "home"
@@ -76,7 +77,15 @@ def _refused(work: Path, *sets: str) -> str:
     env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(home)}
     argv = [CPR, "train", "--no-progress", "--config", "c.yaml"] + [a for s in sets for a in ("--set", s)]
     began = time.monotonic()
-    done = subprocess.run(argv, cwd=work, env=env, capture_output=True, text=True, timeout=60)
+    # A session of its own: should a case get past its check and start a Ray, all of it ends here.
+    proc = subprocess.Popen(argv, cwd=work, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+    done = subprocess.CompletedProcess(argv, proc.returncode, out, err)
     took = time.monotonic() - began
     shown = f"exit {done.returncode} after {took:.1f} s\nstdout:\n{done.stdout}\nstderr:\n{done.stderr}"
     assert done.returncode == 2, shown
@@ -86,7 +95,7 @@ def _refused(work: Path, *sets: str) -> str:
     assert not done.stdout.strip(), shown
     written = {str(p.relative_to(work)) for p in work.rglob("*") if not p.is_dir()}
     dirs = {str(p.relative_to(work)) for p in work.rglob("*") if p.is_dir()}
-    assert written == FILES and dirs == {"data"}, (written, dirs)
+    assert written == files and dirs == {"data"}, (written, dirs)
     assert not list(home.iterdir()), list(home.iterdir())
     assert took < 20, shown  # Ray never started; about 1 s each
     return lines[0]
@@ -218,3 +227,81 @@ def test_an_object_store_nobody_answers_at_fails_in_seconds(tmp_path, dead_port)
     assert time.monotonic() - began < 10
     with pytest.raises(ConfigError, match=r"^checkpoint.storage: cannot open s3://bkt/ckpt: .*'nope'"):
         check_places(_cfg(tmp_path, checkpoint__storage="s3://bkt/ckpt?nope=1"))
+
+
+# --- bad data: refused while it is preprocessed, and what the run made removed again -----------
+
+
+def _refused_data(work: Path, *sets: str, files: set[str] = FILES) -> str:
+    """As ``_refused``, for input that only preprocessing finds: the run's own Ray is not needed
+    for it (data of one chunk is built before Ray starts), so the config joins no cluster here.
+    The process runs in a session of its own, ended whole should it run on."""
+    config = yaml.safe_load((work / "c.yaml").read_text())
+    config.pop("ray")
+    (work / "c.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
+    return _refused(work, *sets, files=files)
+
+
+def _write_parquet(path: Path, columns: dict) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table(columns), path)
+
+
+def _parquet_columns(rows: int) -> dict:
+    import pyarrow as pa
+
+    columns = {"label": pa.array([i % 2 for i in range(rows)], pa.int64())}
+    columns.update({f"I{k}": pa.array([k + i for i in range(rows)], pa.int64()) for k in range(1, 14)})
+    columns.update({f"C{k}": pa.array([f"{k * 1000 + i:08x}" for i in range(rows)]) for k in range(1, 27)})
+    return columns
+
+
+def test_a_file_cut_inside_its_last_id_is_refused_naming_file_and_line(work):
+    text = (work / "data" / "train.tsv").read_text()
+    (work / "data" / "train.tsv").write_text(text[:-5])  # the last id cut to 3 of its 8 digits
+    line = _refused_data(work)
+    assert line.startswith("error: ") and "train.tsv:8: column C26: " in line and "is not 8-digit hex" in line, line
+
+
+@pytest.mark.parametrize("damage,says", [
+    ("duplicate", "column label appears 2 times"),
+    ("uint64", "column I3: 18446744073709551615 does not fit a 64-bit signed integer"),
+    ("footer", "not a Parquet file"),
+])
+def test_bad_parquet_is_refused_in_one_line(work, damage, says):
+    import pyarrow as pa
+
+    path = work / "data" / "train.parquet"
+    columns = _parquet_columns(8)
+    if damage == "uint64":
+        columns["I3"] = pa.array([2**64 - 1] + list(range(7)), pa.uint64())
+    if damage == "duplicate":
+        import pyarrow.parquet as pq
+
+        table = pa.table(columns)
+        pq.write_table(table.append_column("label", columns["label"]), path)
+    else:
+        _write_parquet(path, columns)
+    if damage == "footer":
+        raw = path.read_bytes()
+        path.write_bytes(raw[:-12] + b"\xff" * 8 + raw[-4:])
+    (work / "data" / "train.tsv").unlink()
+    line = _refused_data(work, "data.train=[data/train.parquet]", files={"c.yaml", "data/train.parquet", "data/eval.tsv"})
+    assert line.startswith("error: ") and "train.parquet" in line and says in line, line
+
+
+def test_a_file_in_both_train_and_eval_is_refused(work):
+    line = _refused(work, "data.eval=[data/*.tsv]")
+    assert line.startswith("error: data.eval: ") and "train.tsv (matched by data/*.tsv) is also in data.train" in line, line
+
+
+def test_data_generate_never_writes_over_a_users_file(work):
+    config = yaml.safe_load((work / "c.yaml").read_text())
+    config["data"]["generate"] = {"train_rows": 100, "eval_rows": 10}
+    (work / "c.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
+    before = (work / "data" / "train.tsv").read_bytes()
+    line = _refused(work, "data.eval=[data/evl.tsv]")
+    assert line.startswith("error: data.eval: ") and "evl.tsv does not exist" in line, line
+    assert (work / "data" / "train.tsv").read_bytes() == before

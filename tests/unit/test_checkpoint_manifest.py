@@ -230,10 +230,10 @@ def test_data_position_round_trips(tmp_path: Path) -> None:
     # The layout the supervisor always wrote, and the training store's key and inputs since issue 42.
     assert json.loads(POSITION.to_json()) == {
         "next_step": 3, "microbatches_per_step": 4, "microbatch_rows": 64, "num_microbatches": 100, "seed": 7,
-        "samples_trained": 768, "store_key": "", "inputs": [],
+        "samples_trained": 768, "store_key": "", "inputs": [], "content": "",
     }
     # A position written before them still reads (its run resumes without the data check).
-    legacy = {k: v for k, v in json.loads(POSITION.to_json()).items() if k not in ("store_key", "inputs")}
+    legacy = {k: v for k, v in json.loads(POSITION.to_json()).items() if k not in ("store_key", "inputs", "content")}
     assert DataPosition(**legacy) == POSITION
 
 

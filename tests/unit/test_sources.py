@@ -314,3 +314,14 @@ def test_a_vocabulary_too_small_for_row_wise_shards_says_what_to_change(tmp_path
     rows[8] = 3
     with pytest.raises(ConfigError, match=r"table C9 3 rows .* fewer than embeddings.num_shards=4 .* table_wise"):
         with_table_rows(cfg, rows)
+
+
+def test_credentials_written_into_a_uri_are_never_shown():
+    from core.data.sources import shown
+
+    assert shown("s3://AKIAX:SeCrEt@bkt/a/b.tsv?endpoint_override=h:1&scheme=http") == "s3://bkt/a/b.tsv"
+    assert shown("/local/p?x.tsv") == "/local/p?x.tsv"
+    with pytest.raises(ConfigError) as refused:
+        resolve_inputs(["s3://AKIAX:SeCrEt@bkt/a.tsv?endpoint_override=127.0.0.1:9&scheme=http"
+                        "&connect_timeout=0.2&request_timeout=0.2"], "data.train")
+    assert "SeCrEt" not in str(refused.value) and "AKIAX" not in str(refused.value), str(refused.value)

@@ -67,9 +67,13 @@ def test_a_store_is_built_into_a_directory_of_its_own_and_reused(data):
     first = prepare_data(cfg, LocalEngine())
     again = prepare_data(cfg, LocalEngine())
     assert not first["train"].reused and again["train"].reused and again["eval"].reused
-    manifest = read_manifest(first["train"].uri)
-    assert manifest.dir.startswith("b-") and all(p["file"].startswith(f"{manifest.dir}/") for p in manifest.parts)
-    assert [c["file"] for c in manifest.chunks] == [data["train"]] and len(manifest.chunks[0]["digest"]) == 32
+    # the run reads its build, by the build's own manifest; the store's manifest publishes it
+    build, store = Path(first["train"].uri), Path(first["train"].uri).parent
+    assert build.name.startswith("b-") and again["train"].uri == first["train"].uri
+    own, published = read_manifest(str(build)), read_manifest(str(store))
+    assert own.dir == published.dir == build.name and own.content == published.content == first["train"].content
+    assert [p["file"] for p in published.parts] == [f"{build.name}/{p['file']}" for p in own.parts]
+    assert [c["file"] for c in own.chunks] == [data["train"]] and len(own.chunks[0]["digest"]) == 32
     assert len(_builds(data["base"] / "cache")) == 2  # train and eval, one build each
 
 
@@ -95,8 +99,10 @@ def test_a_change_in_the_middle_is_found_by_verify_data_and_the_store_rebuilt(da
     assert not checked["train"].reused and checked["train"].key == before.key
     assert f"{data['train']}: its bytes changed" in caplog.text
     new_labels = _labels(checked["train"].uri)
-    assert (new_labels != old_labels).sum() == 1
-    assert len(_builds(data["base"] / "cache")) == 2  # the stale build removed
+    assert (new_labels != old_labels).sum() == 1 and checked["train"].content != before.content
+    # the stale build stays for the runs that started on it (a day), each reading its own build
+    assert np.array_equal(_labels(before.uri), old_labels)
+    assert read_manifest(str(Path(before.uri).parent)).replaced[0]["dir"] == Path(before.uri).name
     assert prepare_data(_config(data["base"], [data["train"]], [data["eval"]], verify_data=True),
                         LocalEngine())["train"].reused
 
@@ -108,14 +114,19 @@ def test_a_failed_build_leaves_nothing_behind(data):
     cfg = _config(data["base"], [str(bad)], [data["eval"]])
     with pytest.raises(DataFormatError, match=r"bad.tsv:1501"):
         prepare_data(cfg, LocalEngine())
-    assert _builds(data["base"] / "cache") == []
-    assert not list((data["base"] / "cache").glob("*/store.json"))
+    assert not (data["base"] / "cache").exists()  # the store's and the cache's directories, empty, too
+    # a cache that holds other stores keeps them
+    prepare_data(_config(data["base"], [data["train"]], [data["eval"]]), LocalEngine())
+    kept = sorted(p.name for p in (data["base"] / "cache").iterdir())
+    with pytest.raises(DataFormatError):
+        prepare_data(cfg, LocalEngine())
+    assert sorted(p.name for p in (data["base"] / "cache").iterdir()) == kept
 
 
 def test_a_build_that_died_is_removed_by_the_next(data):
     cfg = _config(data["base"], [data["train"]], [data["eval"]])
     built = prepare_data(cfg, LocalEngine())["train"]
-    dead = Path(built.uri) / "b-deadbeef0000"
+    dead = Path(built.uri).parent / "b-deadbeef0000"
     dead.mkdir()
     (dead / "part-00000.arrow").write_bytes(b"half")
     prepare_data(cfg, LocalEngine())
@@ -161,3 +172,38 @@ def test_resume_refuses_a_checkpoint_of_other_data_naming_the_file(data):
     assert f"{data['train']}: size" in why
     legacy = DataPosition(5, 2, ROWS, 62, 1, 320)  # a checkpoint older than the key in its position
     assert other_data(legacy, position(after), 5) is None
+
+
+def test_resume_goes_on_over_touched_files_and_stops_on_other_bytes_under_the_same_key(data):
+    cfg = _config(data["base"], [data["train"]], [data["eval"]])
+    first = build_stores(cfg, resolve_data(cfg), LocalEngine())["train"]
+
+    def position(info, content: str = "") -> DataPosition:
+        return DataPosition(5, 2, ROWS, 62, 1, 320, store_key=info.key, inputs=tuple(info.inputs), content=content)
+
+    st = os.stat(data["train"])
+    os.utime(data["train"], ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # touched: the same bytes
+    touched = build_stores(cfg, resolve_data(cfg), LocalEngine())["train"]
+    assert touched.key != first.key and touched.content == first.content
+    assert other_data(position(first, first.content), position(touched), 5) is None  # the driver: wait for it
+    assert other_data(position(first, first.content), position(touched, touched.content), 5) is None
+    # other bytes in the middle, size and time kept, found by verify_data: the same key, another content
+    _rewrite_keeping_size_and_time(data["train"], os.path.getsize(data["train"]) // 2)
+    rebuilt = prepare_data(_config(data["base"], [data["train"]], [data["eval"]], verify_data=True),
+                           LocalEngine())["train"]
+    assert rebuilt.key == touched.key and rebuilt.content != touched.content
+    why = other_data(position(touched, touched.content), position(rebuilt, rebuilt.content), 5)
+    assert why.startswith("--resume: the training data changed since checkpoint step 5 (their bytes changed)")
+
+
+def test_a_vocabulary_store_built_again_makes_its_evaluation_store_again(data):
+    """Its ids are rows of the training store's vocabulary: a training store built again from
+    other bytes under the same key (data.verify_data) has another, and so another evaluation store."""
+    cfg = _config(data["base"], [data["train"]], [data["eval"]], mapping="vocab", min_count=2, verify_data=True)
+    before = prepare_data(cfg, LocalEngine())
+    _rewrite_keeping_size_and_time(data["train"], os.path.getsize(data["train"]) // 2)
+    after = prepare_data(cfg, LocalEngine())
+    assert after["train"].key == before["train"].key and after["train"].content != before["train"].content
+    assert not after["eval"].reused and after["eval"].key != before["eval"].key
+    assert after["eval"].vocab_uri is None and Path(after["train"].vocab_uri).parent == Path(after["train"].uri)
+    assert prepare_data(cfg, LocalEngine())["eval"].reused

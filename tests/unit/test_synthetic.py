@@ -4,6 +4,7 @@ user's train.tsv became synthetic rows when the eval path had a typo)."""
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -86,3 +87,43 @@ def test_a_generators_directory_made_with_other_parameters_says_so(tmp_path):
     with pytest.raises(ConfigError, match=r"^data.generate: .*/gen holds data generated with train_rows=300 "
                                           r"\(config: 400\); remove .*/gen to generate it again"):
         resolve_data(_config(tmp_path, [str(gen / "train.tsv")], [str(gen / "eval.tsv")], train_rows=400))
+
+
+def test_another_runs_generation_in_progress_is_not_a_foreign_file(tmp_path):
+    gen = tmp_path / "gen"
+    (gen / ".generating-0123456789ab").mkdir(parents=True)  # another run generating at this moment
+    resolve_data(_config(tmp_path, [str(gen / "train.tsv")], [str(gen / "eval.tsv")]))
+    assert {"datagen.json", "eval.tsv", "train.tsv"} <= set(os.listdir(gen))
+
+
+def test_half_a_directory_of_unknown_parameters_is_not_completed(tmp_path):
+    """A datagen.json that does not record seed and vocabulary (cpr datagen before this, or by
+    hand): a file generated now could come from another hidden model than the one left."""
+    gen = tmp_path / "gen"
+    cfg = _config(tmp_path, [str(gen / "train.tsv")], [str(gen / "eval.tsv")])
+    resolve_data(cfg)
+    summary = json.loads((gen / "datagen.json").read_text())
+    del summary["parameters"]
+    (gen / "datagen.json").write_text(json.dumps(summary))
+    (gen / "eval.tsv").unlink()
+    with pytest.raises(ConfigError, match=r"^data.eval: .*/gen/eval.tsv does not exist, and .*datagen.json does "
+                                          r"not say how train.tsv was generated"):
+        resolve_data(cfg)
+    assert sorted(os.listdir(gen)) == ["datagen.json", "train.tsv"]
+
+
+def test_cpr_datagen_never_writes_over_a_file(tmp_path):
+    from click.testing import CliRunner
+
+    from app.cli import main
+
+    out = tmp_path / "mine"
+    out.mkdir()
+    (out / "train.tsv").write_text(LINE)
+    result = CliRunner().invoke(main, ["datagen", "--rows", "50", "--out", str(out)])
+    assert isinstance(result.exception, ConfigError) and f"{out / 'train.tsv'} exists" in str(result.exception)
+    assert (out / "train.tsv").read_text() == LINE and sorted(os.listdir(out)) == ["train.tsv"]
+    fresh = CliRunner().invoke(main, ["datagen", "--rows", "50", "--out", str(tmp_path / "new")])
+    assert fresh.exit_code == 0, fresh.output
+    assert sorted(os.listdir(tmp_path / "new")) == ["datagen.json", "eval.tsv", "train.tsv"]
+    assert json.loads((tmp_path / "new" / "datagen.json").read_text())["parameters"]["train_rows"] == 50
