@@ -32,6 +32,7 @@ from core.data.sources import shown as shown_uri, split_uri
 from core.data.synthetic import SUMMARY_FILE, generate_missing
 from core.errors import ConfigError, InsufficientData
 from core.store import Mapping, StoreManifest, Vocabulary, publish_manifest, read_manifest, store_key
+from core.store.format import manifest_exists
 from core.store.build import part_name, remap_part, stitch_tails, write_chunk
 from core.store.builds import StoreSlot
 from core.store.identity import Source, changed_sources, chunk_digest, fingerprint
@@ -185,6 +186,8 @@ def _build(engine, cfg: RunConfig, name: str, files: list[InputFile], sources: l
     shown = shown_uri(slot.uri)
     with slot.held():
         found, stale = read_manifest(slot.uri), None
+        # a manifest of another version or shape: replaced, and every build directory kept (its runs read one)
+        foreign = found is None and manifest_exists(slot.uri)
         if found is not None and cfg.data.verify_data:
             changed = _changed_chunks(found, files)
             if changed:
@@ -192,25 +195,32 @@ def _build(engine, cfg: RunConfig, name: str, files: list[InputFile], sources: l
                                shown, "; ".join(changed))
                 found, stale = None, found
         if found is not None:
-            slot.remove_orphans({found.dir}, found.replaced)
+            slot.remove_orphans({found.dir} | {r["dir"] for r in found.replaced})
             logger.info("%s data: reusing the store %s (%d microbatches)", name, shown, found.microbatches)
             return _info(slot.uri, found, True)
-        replaced = [] if stale is None else [*stale.replaced, {"dir": stale.dir, "at": time.time()}]
-        slot.remove_orphans({r["dir"] for r in replaced}, replaced)
+        now = round(time.time())
+        if stale is not None:
+            replaced = [*stale.replaced, {"dir": stale.dir, "at": now}]
+            logger.warning("%s data: the store's build of the older bytes, %s/%s, is kept for runs that started on "
+                           "it; remove it when none runs", name, shown, stale.dir)
+        else:  # nothing, or builds named by a manifest this version cannot read: kept as replaced
+            replaced = [{"dir": d, "at": now} for d in slot.builds()] if foreign else []
+        slot.remove_orphans({r["dir"] for r in replaced})
         build, build_uri = slot.new_build()
         try:
             manifest = _build_into(engine, cfg, name, files, sources, key, mapping, keep_tail, vocab_uri, build,
                                    build_uri, shown)
             publish_manifest(build_uri, manifest, replace=True)  # the build's own, which its runs read
             store = dataclasses.replace(manifest.under(build), replaced=replaced)
-            published = publish_manifest(slot.uri, store, replace=stale is not None)
+            published = publish_manifest(slot.uri, store, replace=stale is not None or foreign)
         except BaseException:
             slot.discard(build)
             raise
-    if not published:  # another run published the same store first (object storage): theirs is used
+    theirs = None if published else read_manifest(slot.uri)
+    if theirs is not None:  # another run published the same store first (object storage): theirs is used
         slot.remove(build)
         logger.info("%s data: another run built the store %s first; using it", name, shown)
-        return _info(slot.uri, read_manifest(slot.uri), True)
+        return _info(slot.uri, theirs, True)
     logger.info("%s data: %d rows in %d microbatches, %.1f s", name, manifest.rows, manifest.microbatches,
                 manifest.build["seconds"])
     return _info(slot.uri, store, False)

@@ -17,7 +17,7 @@ import numpy as np
 from core.checkpoint import DENSE_FILE, FULL, CheckpointInfo, CheckpointStore
 from core.config import RunConfig, load_config
 from core.data import NUM_DENSE, SPARSE_COLUMNS
-from core.data.sources import child_uri
+from core.data.sources import child_uri, shown
 from core.store import Vocabulary
 from core.store.vocab import VOCAB_FILE
 from core.errors import CheckpointCorrupt, CheckpointNotFound, CprError
@@ -102,7 +102,7 @@ def _vocabulary(cfg: RunConfig, run_dir: str) -> Vocabulary:
     try:
         return Vocabulary.read(child_uri(store, VOCAB_FILE))
     except (OSError, ValueError) as exc:
-        raise ExportError(f"cannot read the run's vocabulary {child_uri(store, VOCAB_FILE).split('?')[0]}: {exc}") from None
+        raise ExportError(f"cannot read the run's vocabulary {shown(child_uri(store, VOCAB_FILE))}: {exc}") from None
 
 
 def _write_vocabulary(path: Path, vocabulary: Vocabulary) -> None:

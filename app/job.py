@@ -36,6 +36,7 @@ from app.resume import refuse_other_data
 from app.storage import check_every_node, expected_files
 from core.codec import encode
 from core.config import RunConfig
+from core.data.sources import shown
 from core.deadlines import Deadlines
 from core.errors import CheckpointNotFound, RunFailed
 from core.journal import refuse_another_run
@@ -119,10 +120,14 @@ class TrainingJob:
         if self.resume:
             refuse_other_data(cfg, inputs)  # before a store of other data is built
         probe_writes(cfg)
-        self._created_run_dir = not self.run_dir.exists()
-        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.run_dir.parent.mkdir(parents=True, exist_ok=True)
+        try:  # made here, or already there: only a run that made its directory may remove it (close)
+            self.run_dir.mkdir()
+            self._created_run_dir = True
+        except FileExistsError:
+            pass
         configure_driver_logging(self.run_dir, self.verbose)
-        (self.run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(), sort_keys=False))
+        _write_config(self.run_dir, cfg)
         # Ray Train's modules (and torch: 3.0 s) load for fit() while Ray starts and the data is
         # preprocessed: data of one chunk per store (one task: the driver's) before Ray starts
         # where the run starts its Ray. Not a daemon: a run failing meanwhile must not exit with
@@ -143,7 +148,7 @@ class TrainingJob:
         if cfg.emulation is not None and not self.resume:
             self.emulation = Emulation.of(cfg, self._total_steps())
             self.cfg = cfg = self.emulation.configure(cfg)
-        (self.run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(), sort_keys=False))
+        _write_config(self.run_dir, cfg)
         self._lighthouse = start_lighthouse(self._lighthouse_name, cfg.ray.namespace, self._lighthouse_kwargs())
         if self.resume:
             _kill_leftovers(self.run_dir, cfg.ray.namespace)
@@ -181,8 +186,8 @@ class TrainingJob:
             if self.resume:
                 self.resumed = self.client.restore()
                 if self.resumed is None:
-                    raise CheckpointNotFound(f"--resume: no valid checkpoint under {self.cfg.checkpoint_uri}")
-                logger.warning("resuming at step %d from %s", self.resumed, self.cfg.checkpoint_uri)
+                    raise CheckpointNotFound(f"--resume: no valid checkpoint under {shown(self.cfg.checkpoint_uri)}")
+                logger.warning("resuming at step %d from %s", self.resumed, shown(self.cfg.checkpoint_uri))
         return self.started
 
     def fit(self) -> None:
@@ -314,6 +319,15 @@ class TrainingJob:
             self._started_ray = False
         if self.refused and self._created_run_dir:  # bad input writes nothing: the error says it all
             shutil.rmtree(self.run_dir, ignore_errors=True)
+
+
+def _write_config(run_dir: Path, cfg: RunConfig) -> None:
+    """The run's config.yaml, which --resume and cpr export read. data.verify_data is what one
+    command asked for (--verify-data), not the run's: a resume reads every byte again only
+    when it asks."""
+    raw = cfg.model_dump()
+    raw["data"]["verify_data"] = False
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))
 
 
 def _summary_for_report(summary: RunSummary) -> dict:

@@ -25,6 +25,7 @@ from pathlib import Path
 
 from core.checkpoint import CheckpointStore
 from core.codec import encode
+from core.data.sources import shown
 from core.errors import ConfigError
 
 __all__ = ["Journal", "AppendLog", "RunLog", "flat_view", "refuse_another_run", "refuse_old_journal", "STATE_FILE",
@@ -151,7 +152,7 @@ def refuse_another_run(run_dir: Path, checkpoint_uri: str | None) -> None:
     continues that run): one ConfigError naming what is there, before anything is written."""
     again = f"continue that run with `cpr train --resume {run_dir}`, or leave run_dir out: each run then gets its own"
     if checkpoint_uri is not None and (existing := CheckpointStore(checkpoint_uri).list_committed()):
-        raise ConfigError(f"{checkpoint_uri} already holds checkpoints of steps {existing[:3]}...; {again}")
+        raise ConfigError(f"{shown(checkpoint_uri)} already holds checkpoints of steps {existing[:3]}...; {again}")
     journal = Journal(run_dir)
     if not journal.exists():
         return

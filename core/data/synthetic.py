@@ -45,9 +45,7 @@ def generate_missing(data: DataConfig) -> None:
     train_path, eval_path = os.path.join(directory, f"train{suffix}"), os.path.join(directory, f"eval{suffix}")
     ours = (len(data.train) == 1 and len(data.eval) == 1 and is_local(data.train[0]) and is_local(data.eval[0])
             and split_uri(data.train[0])[1] == train_path and split_uri(data.eval[0])[1] == eval_path)
-    if ours:
-        _check_parameters(directory, data)
-    if not missing:
+    if not missing:  # the files are there: used as they are, whoever wrote them
         return
     field, uri = missing[0]
     if not ours:
@@ -59,6 +57,7 @@ def generate_missing(data: DataConfig) -> None:
         raise ConfigError(
             f"{field}: {split_uri(uri)[1]} does not exist; data.generate writes only into a directory of its own, "
             f"and {directory} holds files it did not write (no {SUMMARY_FILE})")
+    _check_parameters(directory, data)
     present = [p for p in (train_path, eval_path) if os.path.exists(p)]
     if present and "parameters" not in _summary(directory):
         raise ConfigError(
@@ -116,15 +115,17 @@ def write_missing(directory: str, parameters: dict) -> dict:
     try:
         summary = generate(scratch, p["train_rows"], p["eval_rows"], fmt=p["format"], seed=p["seed"],
                            vocab_rows=p["vocab_rows"])
-        for made in (summary.train_path, summary.eval_path):
-            _link_if_missing(made, os.path.join(directory, os.path.basename(made)))
         document = {**summary.__dict__, "train_path": os.path.join(directory, os.path.basename(summary.train_path)),
                     "eval_path": os.path.join(directory, os.path.basename(summary.eval_path)), "parameters": p}
         written = os.path.join(scratch, SUMMARY_FILE)
         with open(written, "w") as f:
             json.dump(document, f, indent=2, sort_keys=True)
             f.write("\n")
+        # The summary first: a directory holding a data file and no summary is never the generator's,
+        # whenever another run looks, or this one dies.
         _link_if_missing(written, os.path.join(directory, SUMMARY_FILE))
+        for made in (summary.train_path, summary.eval_path):
+            _link_if_missing(made, os.path.join(directory, os.path.basename(made)))
         return document
     finally:
         shutil.rmtree(scratch, ignore_errors=True)

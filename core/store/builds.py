@@ -16,13 +16,12 @@ import fcntl
 import logging
 import os
 import shutil
-import time
 import uuid
 from collections.abc import Iterator
 
 import pyarrow.fs as pafs
 
-from core.data.sources import child_uri, is_local, open_filesystem, split_uri
+from core.data.sources import child_uri, is_local, open_filesystem, shown
 from core.store.format import MANIFEST_FILE
 
 __all__ = ["BUILD_PREFIX", "LOCK_FILE", "StoreSlot"]
@@ -31,7 +30,6 @@ logger = logging.getLogger(__name__)
 
 BUILD_PREFIX = "b-"
 LOCK_FILE = ".lock"
-REPLACED_KEPT_S = 24 * 3600  # a build of older bytes stays this long for the runs that read it
 
 
 class StoreSlot:
@@ -41,6 +39,7 @@ class StoreSlot:
         self.uri = uri
         self._fs, self._path = open_filesystem(uri, "data.cache_dir")
         self._local = is_local(uri)
+        self._made_cache = False  # held() made the cache directory: a failed build may remove it again
 
     @contextlib.contextmanager
     def held(self) -> Iterator[None]:
@@ -51,6 +50,8 @@ class StoreSlot:
             yield
             return
         path = os.path.join(self._path, LOCK_FILE)
+        cache = os.path.dirname(self._path.rstrip("/"))
+        self._made_cache = self._made_cache or not os.path.isdir(cache)
         while True:
             os.makedirs(self._path, exist_ok=True)
             try:
@@ -76,15 +77,16 @@ class StoreSlot:
 
     def discard(self, build: str) -> None:
         """A failed build's directory removed; and, holding the lock, where no store was ever
-        published, the store's directory and the cache directory when nothing else is in them
-        (a refused input leaves nothing behind)."""
+        published, the store's directory, and the cache directory if ``held`` made it, when
+        nothing else is in them (a refused input leaves nothing behind)."""
         self.remove(build)
         if not self._local or os.path.exists(os.path.join(self._path, MANIFEST_FILE)):
             return
         if set(os.listdir(self._path)) <= {LOCK_FILE}:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(os.path.join(self._path, LOCK_FILE))
-            for directory in (self._path, os.path.dirname(self._path.rstrip("/"))):
+            made = [self._path] + ([os.path.dirname(self._path.rstrip("/"))] if self._made_cache else [])
+            for directory in made:
                 try:
                     os.rmdir(directory)
                 except OSError:  # not empty: another store, another run's build
@@ -104,22 +106,25 @@ class StoreSlot:
             else:
                 self._fs.delete_dir(path)
         except (OSError, FileNotFoundError) as exc:
-            logger.warning("could not remove %s/%s: %s", split_uri(self.uri)[1], build, exc)
+            logger.warning("could not remove %s/%s: %s", shown(self.uri), build, exc)
 
-    def remove_orphans(self, keep: set[str], replaced: list[dict] = ()) -> list[str]:
-        """Build directories no manifest names (a build that died) removed, and those of
-        builds of older bytes (``replaced``: ``{"dir", "at"}``) once ``REPLACED_KEPT_S`` old:
-        runs that started on one read it until then. Only under the lock of a local store,
-        where no other build can be running. Returns the names removed."""
-        if not self._local:
-            return []
+    def builds(self) -> list[str]:
+        """The build directories in the store's directory, whatever names them."""
         try:
             listed = self._fs.get_file_info(pafs.FileSelector(self._path, allow_not_found=True))
         except OSError:
             return []
-        young = {r["dir"] for r in replaced if time.time() - r["at"] < REPLACED_KEPT_S}
-        gone = [i.base_name for i in listed if i.type == pafs.FileType.Directory
-                and i.base_name.startswith(BUILD_PREFIX) and i.base_name not in keep | young]
+        return sorted(i.base_name for i in listed
+                      if i.type == pafs.FileType.Directory and i.base_name.startswith(BUILD_PREFIX))
+
+    def remove_orphans(self, keep: set[str]) -> list[str]:
+        """Build directories no manifest names (a build that died) removed, all but ``keep``
+        (the store's build, and the builds of older bytes it replaced, which runs that started
+        on them read: never removed here). Only under the lock of a local store, where no
+        other build can be running. Returns the names removed."""
+        if not self._local:
+            return []
+        gone = [name for name in self.builds() if name not in keep]
         for name in gone:
             self.remove(name)
         return gone

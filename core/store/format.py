@@ -21,11 +21,12 @@ from core.errors import ConfigError
 from core.store.identity import Source
 
 __all__ = [
-    "MANIFEST_FILE", "SCHEMA", "Mapping", "PartWriter", "StoreManifest", "join", "publish_manifest", "read_manifest",
+    "MANIFEST_FILE", "SCHEMA", "Mapping", "PartWriter", "StoreManifest", "join", "manifest_exists", "publish_manifest",
+    "read_manifest",
     "record_batch", "store_key", "unpack",
 ]
 
-FORMAT_VERSION = 3  # 3: parts under a build's own directory (``dir``), inputs by content
+FORMAT_VERSION = 4  # 4: each build in a directory of its own with its own manifest, inputs by content
 MANIFEST_FILE = "store.json"
 SCHEMA = pa.schema([
     ("label", pa.float32()), ("dense", pa.list_(pa.float32(), NUM_DENSE)), ("sparse", pa.list_(pa.uint32(), NUM_SPARSE)),
@@ -139,6 +140,12 @@ def publish_manifest(uri: str, manifest: StoreManifest, replace: bool = False) -
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
+
+
+def manifest_exists(uri: str) -> bool:
+    """Whether the store at ``uri`` has a manifest, of any version."""
+    fs, path = open_filesystem(uri, "data.cache_dir")
+    return fs.get_file_info(join(path, MANIFEST_FILE)).type == pafs.FileType.File
 
 
 def read_manifest(uri: str) -> StoreManifest | None:

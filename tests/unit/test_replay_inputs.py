@@ -8,6 +8,7 @@ built by the product's own preprocessing (hash mapping with a row cap, and a voc
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -165,3 +166,16 @@ def test_a_steps_inputs_are_what_each_trainer_feeds(store):
                 assert np.array_equal(_bits(np.concatenate([p[1] for p in parts])), _bits(dense))
                 got = np.concatenate([p[2] for p in parts])
                 assert got.dtype == rows.dtype == np.int64 and np.array_equal(got, rows)
+
+
+def test_the_checker_reads_the_build_the_run_read_or_none(store, tmp_path):
+    """run.json names the build the run read: the checker reads that one, and where it is gone,
+    none (another build of the store holds other bytes)."""
+    from verify.files import RunFiles
+    from verify.replay.data import train_store
+
+    def run(uri: str) -> RunFiles:
+        return RunFiles(tmp_path, store["raw"], None, {"train_cache": uri}, {}, [], [], [])
+
+    assert train_store(run(store["uri"])) == store["uri"]
+    assert train_store(run(str(Path(store["uri"]).parent / "b-gone00000000"))) is None

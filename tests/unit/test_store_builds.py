@@ -7,6 +7,7 @@ their own, at once."""
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -18,7 +19,7 @@ from app.dataprep import build_stores, prepare_data, resolve_data
 from core.checkpoint.position import DataPosition, other_data
 from core.config import config_from_dict
 from core.data import generate
-from core.errors import DataFormatError
+from core.errors import DataFormatError, InsufficientData
 from core.store import MicrobatchStore, read_manifest
 from core.store.identity import EDGE_BYTES
 from core.store import reader as store_reader
@@ -207,3 +208,25 @@ def test_a_vocabulary_store_built_again_makes_its_evaluation_store_again(data):
     assert not after["eval"].reused and after["eval"].key != before["eval"].key
     assert after["eval"].vocab_uri is None and Path(after["train"].vocab_uri).parent == Path(after["train"].uri)
     assert prepare_data(cfg, LocalEngine())["eval"].reused
+
+
+def test_a_failed_build_keeps_a_cache_directory_it_did_not_make(data):
+    bad = data["base"] / "empty.tsv"
+    bad.write_text("")
+    (data["base"] / "cache").mkdir()
+    with pytest.raises(InsufficientData):
+        prepare_data(_config(data["base"], [str(bad)], [data["eval"]]), LocalEngine())
+    assert (data["base"] / "cache").is_dir() and not list((data["base"] / "cache").iterdir())
+
+
+def test_a_manifest_of_another_version_is_replaced_and_its_builds_kept(data):
+    cfg = _config(data["base"], [data["train"]], [data["eval"]])
+    first = prepare_data(cfg, LocalEngine())["train"]
+    store = Path(first.uri).parent
+    raw = json.loads((store / "store.json").read_text())
+    (store / "store.json").write_text(json.dumps({**raw, "version": 99}))
+    again = prepare_data(cfg, LocalEngine())["train"]
+    assert not again.reused and again.uri != first.uri
+    assert Path(first.uri).is_dir() and np.array_equal(_labels(first.uri), _labels(again.uri))
+    assert [r["dir"] for r in read_manifest(str(store)).replaced] == [Path(first.uri).name]
+    assert prepare_data(cfg, LocalEngine())["train"].reused and Path(first.uri).is_dir()

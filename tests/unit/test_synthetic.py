@@ -81,12 +81,18 @@ def test_a_missing_file_of_the_generators_directory_comes_back_without_touching_
     assert sorted(os.listdir(gen)) == ["datagen.json", "eval.tsv", "train.tsv"]
 
 
-def test_a_generators_directory_made_with_other_parameters_says_so(tmp_path):
+def test_a_generators_directory_made_with_other_parameters_is_used_whole_never_completed(tmp_path):
     gen = tmp_path / "gen"
     resolve_data(_config(tmp_path, [str(gen / "train.tsv")], [str(gen / "eval.tsv")]))
+    tree = _tree(gen)
+    # the files are there: used as they are (a config's data.generate left in place over other files)
+    resolve_data(_config(tmp_path, [str(gen / "train.tsv")], [str(gen / "eval.tsv")], train_rows=400))
+    assert _tree(gen) == tree
+    (gen / "eval.tsv").unlink()  # one missing: generated now it would not match the other
     with pytest.raises(ConfigError, match=r"^data.generate: .*/gen holds data generated with train_rows=300 "
                                           r"\(config: 400\); remove .*/gen to generate it again"):
         resolve_data(_config(tmp_path, [str(gen / "train.tsv")], [str(gen / "eval.tsv")], train_rows=400))
+    assert sorted(os.listdir(gen)) == ["datagen.json", "train.tsv"]
 
 
 def test_another_runs_generation_in_progress_is_not_a_foreign_file(tmp_path):

@@ -122,8 +122,8 @@ def train_store(run: RunFiles) -> str | None:
     ``data.cache_dir`` (default ``<run_dir>/cache``) whose manifest lists the run's train files;
     None where neither is found."""
     uri = run.run_info.get("train_cache")
-    if uri and ("://" in uri or (Path(uri) / STORE_MANIFEST).exists()):
-        return uri
+    if uri:  # the build the run read: no other build of the store holds its bytes
+        return uri if "://" in uri or (Path(uri) / STORE_MANIFEST).exists() else None
     cache_dir = run.resolve(run.config["data"].get("cache_dir") or str(Path(run.config["run_dir"]) / "cache"))
     sources = [os.path.abspath(p) for p in run.config["data"]["train"]]
     for meta in sorted(cache_dir.glob(f"train-*/{STORE_MANIFEST}")):
