@@ -115,3 +115,32 @@ def test_a_reader_of_a_store_lives_through_its_rebuild(tmp_path):
     assert int(rest.split()[-1]) >= 1
     assert _leftovers(tmp_path / "cache") == []
     assert json.loads(out.strip().splitlines()[-1])["train"][0] != uri  # the next run reads the new build
+
+
+def test_a_file_copied_over_with_its_size_and_time_kept_makes_another_store(tmp_path):
+    """`cp -p` of other data of the same size over an input (its time restored, as rsync -a and
+    tar leave it): the next run builds a store of the new bytes, it does not reuse the old one."""
+    _data(tmp_path, rows=20_000)
+    first = _python(_BUILD, str(tmp_path), "")
+    out, err = first.communicate(timeout=300)
+    assert first.returncode == 0, err[-3000:]
+    before = json.loads(out.strip().splitlines()[-1])["train"]
+    train = tmp_path / "gen" / "train.tsv"
+    other = tmp_path / "other.tsv"
+    text = train.read_text().splitlines(keepends=True)
+    other.write_text("".join(("1" if line[0] == "0" else "0") + line[1:] for line in text))  # every label flipped
+    st = train.stat()
+    os.utime(other, ns=(st.st_atime_ns, st.st_mtime_ns))
+    subprocess.run(["cp", "-p", str(other), str(train)], check=True)
+    assert train.stat().st_size == st.st_size and train.stat().st_mtime_ns == st.st_mtime_ns
+    second = _python(_BUILD, str(tmp_path), "")
+    out, err = second.communicate(timeout=300)
+    assert second.returncode == 0, err[-3000:]
+    after = json.loads(out.strip().splitlines()[-1])["train"]
+    assert after[2] is False and after[0] != before[0]
+    code = ("import sys, numpy as np\nfrom core.store import MicrobatchStore\n"
+            "a, b = MicrobatchStore(sys.argv[1]), MicrobatchStore(sys.argv[2])\n"
+            "print(all(np.array_equal(a.get(i)[0], 1 - b.get(i)[0]) for i in range(len(a))))")
+    check = _python(code, before[0], after[0])
+    out, err = check.communicate(timeout=120)
+    assert out.strip() == "True", err[-2000:]
