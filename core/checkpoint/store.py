@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import threading
 import time
 import uuid
@@ -196,7 +197,9 @@ class CheckpointStore(CheckpointReader):
         reads as the checkpoint it was."""
         path = join(self._root, step_dir_name(step))
         if self.keep_fenced and manifest is not None:
-            target = join(self._root, "fenced", f"{step_dir_name(step)}-{int(time.time() * 1000)}")
+            # the time in ms rounded up: never before the commit it fences, however close (a
+            # truncated one fell before a commit of the same millisecond)
+            target = join(self._root, "fenced", f"{step_dir_name(step)}-{math.ceil(time.time() * 1000)}")
             try:
                 self._fs.create_dir(join(self._root, "fenced"), recursive=True)
                 self._fs.move(path, target)
