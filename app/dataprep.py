@@ -106,40 +106,45 @@ def build_stores(cfg: RunConfig, inputs: DataInputs, engine=None) -> dict:
     one chunk, which is one task, and the driver runs it (Ray Data's start, 2-4 s on a fresh
     cluster, would cost more than the task; see ``LocalEngine``)."""
     engine = engine or _AutoEngine()
-    mapping, options = _mapping_and_options(cfg)
-    train_sources = [fingerprint(f) for f in inputs.train]
-    train_key = store_key(train_sources, {**options, "name": "train"})
+    mapping = _mapping(cfg)
+    train_sources, train_key = _identity(cfg, inputs.train, "train")
     train = _build(engine, cfg, "train", inputs.train, train_sources, train_key, mapping, keep_tail=False,
                    vocab_uri=None)
     mapping = Mapping(**{**train.mapping, "table_rows": tuple(train.mapping["table_rows"])})
-    eval_sources = [fingerprint(f) for f in inputs.eval]
     # a vocabulary is the training bytes': another build of other bytes under the same key is another
-    eval_key = store_key(eval_sources, {**options, "name": "eval",
-                                        "vocab_of": train.content if mapping.kind == "vocab" else None})
+    eval_sources, eval_key = _identity(cfg, inputs.eval, "eval",
+                                       vocab_of=train.content if mapping.kind == "vocab" else None)
     evaluation = _build(engine, cfg, "eval", inputs.eval, eval_sources, eval_key, mapping, keep_tail=True,
                         vocab_uri=train.vocab_uri)
     return {"train": train, "eval": evaluation, "ceiling_auc": inputs.ceiling_auc, "table_rows": list(mapping.table_rows)}
 
 
-def _mapping_and_options(cfg: RunConfig) -> tuple[Mapping, dict]:
-    """The mapping a training store's ids go through, and the options that shape a store."""
-    d = cfg.data
-    if d.mapping == "hash":
-        mapping = Mapping("hash", tuple(cfg.model.rows_per_table))
+def _mapping(cfg: RunConfig) -> Mapping:
+    """The mapping the training store's ids go through (a vocabulary's sizes known once built)."""
+    if cfg.data.mapping == "hash":
+        return Mapping("hash", tuple(cfg.model.rows_per_table))
+    return Mapping("vocab", (), cfg.data.min_count)
+
+
+def _identity(cfg: RunConfig, files: list[InputFile], name: str, **more) -> tuple[list[Source], str]:
+    """(each file's fingerprint, the store's key) of the store ``name`` of ``files``: the
+    inputs and the options that shape its contents."""
+    d, mapping = cfg.data, _mapping(cfg)
+    if mapping.kind == "hash":
         options = {"mapping": "hash", "table_rows": mapping.table_rows}
     else:
-        mapping = Mapping("vocab", (), d.min_count)
         options = {"mapping": "vocab", "min_count": d.min_count}
     # chunk_mb too: a chunk's leftover rows go to the last part, so the chunks shape the microbatches
-    options.update(rows=cfg.training.microbatch_rows, skip=d.skip_bad_lines, chunk_mb=d.chunk_mb)
-    return mapping, options
+    options.update(rows=cfg.training.microbatch_rows, skip=d.skip_bad_lines, chunk_mb=d.chunk_mb, name=name, **more)
+    sources = [fingerprint(f) for f in files]
+    return sources, store_key(sources, options)
 
 
 def train_identity(cfg: RunConfig, inputs: DataInputs) -> tuple[str, tuple[dict, ...]]:
     """(key, inputs) of the training store these inputs make: what a checkpoint's data
     position records (core.checkpoint.position), known before the store is built."""
-    sources = [fingerprint(f) for f in inputs.train]
-    return store_key(sources, {**_mapping_and_options(cfg)[1], "name": "train"}), tuple(s.as_dict() for s in sources)
+    sources, key = _identity(cfg, inputs.train, "train")
+    return key, tuple(s.as_dict() for s in sources)
 
 
 def prepare_data(cfg: RunConfig, engine=None) -> dict:

@@ -4,10 +4,11 @@ position names the training store's key and inputs, core.checkpoint.position).""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 from app.dataprep import DataInputs, train_identity
-from core.checkpoint import DataPosition, newest_position, other_data
+from core.checkpoint import newest_position, other_data
 from core.checkpoint.reader import CheckpointReader
 from core.config import RunConfig, load_config
 from core.errors import ConfigError
@@ -40,7 +41,6 @@ def refuse_other_data(cfg: RunConfig, inputs: DataInputs) -> None:
         return
     step, saved = found
     key, sources = train_identity(cfg, inputs)
-    now = DataPosition(saved.next_step, saved.microbatches_per_step, saved.microbatch_rows, saved.num_microbatches,
-                       saved.seed, saved.samples_trained, store_key=key, inputs=sources)
+    now = dataclasses.replace(saved, store_key=key, inputs=sources, content="")  # content: known once built
     if (why := other_data(saved, now, step)) is not None:
         raise ConfigError(why)

@@ -57,9 +57,9 @@ def generate_missing(data: DataConfig) -> None:
         raise ConfigError(
             f"{field}: {split_uri(uri)[1]} does not exist; data.generate writes only into a directory of its own, "
             f"and {directory} holds files it did not write (no {SUMMARY_FILE})")
-    _check_parameters(directory, data)
+    summary = _check_parameters(directory, data)
     present = [p for p in (train_path, eval_path) if os.path.exists(p)]
-    if present and "parameters" not in _summary(directory):
+    if present and "parameters" not in summary:
         raise ConfigError(
             f"{field}: {split_uri(uri)[1]} does not exist, and {directory}/{SUMMARY_FILE} does not say how "
             f"{os.path.basename(present[0])} was generated (seed, vocabulary): a file generated now might not match "
@@ -85,17 +85,19 @@ def _summary(directory: str) -> dict:
     return summary if isinstance(summary, dict) else {}
 
 
-def _check_parameters(directory: str, data: DataConfig) -> None:
-    """The generator's directory holds what ``data.generate`` asks for, or an error says so."""
+def _check_parameters(directory: str, data: DataConfig) -> dict:
+    """The generator's directory holds what ``data.generate`` asks for, or an error says so.
+    Returns its summary ({} without one)."""
     summary = _summary(directory)
     if not summary:
-        return
+        return summary
     recorded = summary.get("parameters") or {k: summary.get(k) for k in ("train_rows", "eval_rows")}
     wanted = {k: v for k, v in _parameters(data).items() if k in recorded}
     if recorded != wanted:
         differ = ", ".join(f"{k}={recorded[k]} (config: {wanted[k]})" for k in wanted if recorded[k] != wanted[k])
         raise ConfigError(f"data.generate: {directory} holds data generated with {differ}; remove {directory} "
                           "to generate it again, or set data.generate as it was")
+    return summary
 
 
 def targets(directory: str, fmt: str) -> list[str]:

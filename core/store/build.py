@@ -47,9 +47,9 @@ def write_chunk(chunk: Chunk, store_uri: str, index: int, microbatch_rows: int, 
     digest of the chunk's bytes (core.store.identity.chunk_digest, taken while parsing)."""
     t0 = time.perf_counter()
     fs, base = open_filesystem(store_uri, "data.cache_dir")
-    digest = new_digest()  # of the bytes parsed, taken as they are read (a Parquet file: read for it)
+    digest = None if chunk.file.parquet else new_digest()  # of the text parsed, taken as it is read
     reader = CriteoReader([chunk], batch_rows=max(microbatch_rows, 65536), skip_bad_lines=skip_bad_lines,
-                          digest=None if chunk.file.parquet else digest)
+                          digest=digest)
     kind = "part" if mapping is not None else "raw"
     part = PartWriter(fs, join(base, part_name(index, kind)), microbatch_rows)
     counter = IdCounter() if mapping is None else None
@@ -70,7 +70,7 @@ def write_chunk(chunk: Chunk, store_uri: str, index: int, microbatch_rows: int, 
         counter.write(fs, join(base, part_name(index, "counts")))
     return {
         "index": index, "file": chunk.file.name, "start": chunk.start, "stop": chunk.stop,
-        "digest": parquet_digest(chunk.file) if chunk.file.parquet else digest.hexdigest(),
+        "digest": parquet_digest(chunk.file) if digest is None else digest.hexdigest(),
         "kind": kind, "microbatches": part.microbatches, "usable": usable,
         "tail_rows": tail_rows, "bad_lines": reader.bad_lines, "seconds": time.perf_counter() - t0,
         "peak_rss_mb": _peak_rss_mb(),

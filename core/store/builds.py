@@ -5,8 +5,10 @@ On a local (or mounted) filesystem a build holds a lock on the store while it lo
 store and builds it: a second run that wants the same store waits, then reuses it; a build
 that died (its lock went with its process) left a directory no manifest names, removed by the
 next build. The lock only saves work: the manifest is linked into place, so that of two
-builds that both got past it, the second finds the store published and drops its own. Object stores have no such lock: two builds of one store both build, the first
-manifest written is the store (``publish_manifest``), and the other build removes its files.
+builds that both got past it, the second finds the store published and drops its own.
+Object stores have no such lock: builds of one store at once all build; one that finds a
+manifest before it writes its own drops its files, and two whose checks interleave both
+publish (``publish_manifest``), the last one wins and the other's directory is left.
 """
 
 from __future__ import annotations
@@ -105,7 +107,7 @@ class StoreSlot:
                 shutil.rmtree(path, ignore_errors=True)
             else:
                 self._fs.delete_dir(path)
-        except (OSError, FileNotFoundError) as exc:
+        except OSError as exc:
             logger.warning("could not remove %s/%s: %s", shown(self.uri), build, exc)
 
     def builds(self) -> list[str]:

@@ -22,8 +22,7 @@ from core.store.identity import Source
 
 __all__ = [
     "MANIFEST_FILE", "SCHEMA", "Mapping", "PartWriter", "StoreManifest", "join", "manifest_exists", "publish_manifest",
-    "read_manifest",
-    "record_batch", "store_key", "unpack",
+    "read_manifest", "record_batch", "store_key", "unpack",
 ]
 
 FORMAT_VERSION = 4  # 4: each build in a directory of its own with its own manifest, inputs by content

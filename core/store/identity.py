@@ -64,26 +64,22 @@ def chunk_digest(chunk: Chunk) -> str:
     """The digest of the bytes a build reads for ``chunk``: a text chunk's lines (a compressed
     file's text, decompressed), a Parquet file's bytes. The build takes the same digest while
     it parses (core.store.build.write_chunk); this reads the chunk again to check it."""
-    h = new_digest()
     if chunk.file.parquet:
-        _hash_file(chunk.file, h)
-        return h.hexdigest()
+        return parquet_digest(chunk.file)
+    h = new_digest()
     with open_chunk(chunk, h) as stream:
         while stream.read(_READ):
             pass
     return h.hexdigest()
 
 
-def _hash_file(file: InputFile, h) -> None:
+def parquet_digest(file: InputFile) -> str:
+    """A Parquet file's digest: its bytes, read for it (its reader reads by ranges)."""
+    h = new_digest()
     fs, path = open_filesystem(file.uri)
     with fs.open_input_stream(path, compression=None) as f:
         while block := f.read(_READ):
             h.update(block)
-
-
-def parquet_digest(file: InputFile) -> str:
-    h = new_digest()
-    _hash_file(file, h)
     return h.hexdigest()
 
 

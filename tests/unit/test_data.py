@@ -362,12 +362,30 @@ def test_earliest_of_several_errors_is_raised(tmp_path, first, second):
     assert info.value.line == 1234 and BAD_LINES[first][1] in info.value.reason
 
 
-def test_parquet_errors_name_the_row(tmp_path):
-    table = pa.table(
-        {"label": pa.array([i % 2 for i in range(3000)], pa.int64())}
-        | {c: pa.array([i] * 3000, pa.int64()) for i, c in enumerate(COLUMNS[1 : 1 + NUM_DENSE])}
-        | {c: pa.array(["0000abcd"] * 3000) for c in COLUMNS[1 + NUM_DENSE :]}
+def criteo_table(rows: int) -> pa.Table:
+    """A valid Criteo table: label i % 2, I<k> = k - 1, every id 0x0000abcd."""
+    return pa.table(
+        {"label": pa.array([i % 2 for i in range(rows)], pa.int64())}
+        | {c: pa.array([i] * rows, pa.int64()) for i, c in enumerate(COLUMNS[1 : 1 + NUM_DENSE])}
+        | {c: pa.array(["0000abcd"] * rows) for c in COLUMNS[1 + NUM_DENSE :]}
     )
+
+
+def bad_parquet_rows(table: pa.Table, path, line: int, reason: str, bad_lines: int) -> RawBatch:
+    """``table`` written as Parquet (row groups of 700) at ``path``: read strictly, the first bad
+    row raises at ``line`` with ``reason``; skipping, ``bad_lines`` rows go. Returns the rest."""
+    pq.write_table(table, path, row_group_size=700)
+    with pytest.raises(DataFormatError) as info:
+        list(CriteoReader([str(path)], batch_rows=100))
+    assert (info.value.path, info.value.line) == (str(path), line)
+    assert info.value.reason == reason
+    batch, _, reader = read_all([path], batch_rows=100, skip_bad_lines=True)
+    assert reader.bad_lines == bad_lines and batch.num_rows == table.num_rows - bad_lines
+    return batch
+
+
+def test_parquet_errors_name_the_row(tmp_path):
+    table = criteo_table(3000)
     c3 = table.column("C3").to_pylist()
     c3[1233] = "xyz"
     labels = table.column("label").to_pylist()
@@ -375,13 +393,7 @@ def test_parquet_errors_name_the_row(tmp_path):
     table = table.set_column(COLUMNS.index("C3"), "C3", pa.array(c3))
     table = table.set_column(0, "label", pa.array(labels, pa.int64()))
     path = tmp_path / "data.parquet"
-    pq.write_table(table, path, row_group_size=700)
-    with pytest.raises(DataFormatError) as info:
-        list(CriteoReader([str(path)], batch_rows=100))
-    assert (info.value.path, info.value.line) == (str(path), 1234)
-    assert info.value.reason == "column C3: 'xyz' is not 8-digit hex"
-    batch, _, reader = read_all([path], batch_rows=100, skip_bad_lines=True)
-    assert reader.bad_lines == 2 and batch.num_rows == 2998
+    batch = bad_parquet_rows(table, path, 1234, "column C3: 'xyz' is not 8-digit hex", bad_lines=2)
     assert (batch.sparse == 0xABCD).all()
 
     pq.write_table(table.drop_columns(["I7"]), path)
@@ -391,15 +403,6 @@ def test_parquet_errors_name_the_row(tmp_path):
     pq.write_table(table.set_column(3, "I3", pa.array([0.5] * 3000)), path)
     with pytest.raises(DataFormatError, match="column I3: type double is not supported"):
         list(CriteoReader([str(path)]))
-
-
-def criteo_table(rows: int) -> pa.Table:
-    """A valid Criteo table: label i % 2, I<k> = k - 1, every id 0x0000abcd."""
-    return pa.table(
-        {"label": pa.array([i % 2 for i in range(rows)], pa.int64())}
-        | {c: pa.array([i] * rows, pa.int64()) for i, c in enumerate(COLUMNS[1 : 1 + NUM_DENSE])}
-        | {c: pa.array(["0000abcd"] * rows) for c in COLUMNS[1 + NUM_DENSE :]}
-    )
 
 
 def test_parquet_column_named_twice_is_refused_at_row_1(tmp_path):
@@ -428,13 +431,8 @@ def test_parquet_uint64_beyond_int64_is_a_bad_row(tmp_path):
     labels[2500] = 2**64 - 1
     table = table.set_column(3, "I3", pa.array(i3, pa.uint64())).set_column(0, "label", pa.array(labels, pa.uint64()))
     path = tmp_path / "d.parquet"
-    pq.write_table(table, path, row_group_size=700)
-    with pytest.raises(DataFormatError) as info:
-        list(CriteoReader([str(path)], batch_rows=100))
-    assert (info.value.path, info.value.line) == (str(path), 1234)
-    assert info.value.reason == "column I3: 18446744073709551615 does not fit a 64-bit signed integer"
-    batch, _, reader = read_all([path], batch_rows=100, skip_bad_lines=True)
-    assert reader.bad_lines == 3 and batch.num_rows == 2997
+    batch = bad_parquet_rows(table, path, 1234, "column I3: 18446744073709551615 does not fit a 64-bit signed integer",
+                             bad_lines=3)
     assert batch.dense[:, 2].max() == np.float32(math.log1p(2**63 - 1))
     with pytest.raises(DataFormatError) as info:
         list(CriteoReader([str(path)], batch_rows=2000, skip_bad_lines=False))
