@@ -217,6 +217,15 @@ class TrainerDesk:
         is ahead of ``step`` (a quorum of replacements only); rolls nothing back when the live
         trainers are at ``step`` (``machine.replacement_at_checkpoint``)."""
         deadline = Deadline(self._deadlines.inner_s("fallback_to_checkpoint"))
+        caught_up = self._final_state()
+        if caught_up is not None:
+            # The run committed its last step and saved it: the trainers that did may have ended
+            # already (rank > 0 does not evaluate), so "nobody alive" says nothing about a death.
+            self._trainers.unpin(rank)
+            self._events.record("replacement_decided", rank=rank, step=step, action="final",
+                                reason=f"every step is committed and checkpoint {caught_up.rollback.step} is "
+                                       "the final state: nothing to roll back", answers={})
+            return caught_up
         # Replacements can form a torchft quorum of their own before the survivors join it;
         # "nobody ahead in my quorum" then does not mean every trainer died. The live trainers
         # say where they are (one round of questions), not the books.
@@ -226,9 +235,6 @@ class TrainerDesk:
                             answers={str(r): (None if f is None else [f.steps, f.established])
                                      for r, f in survey.trainers.items() if r != rank})
         if decision.action == "heal":
-            caught_up = self._final_state()
-            if caught_up is not None:
-                return caught_up
             raise TrainerConflict(f"{decision.reason}; replacement {rank} must heal from them")
         if decision.action == "join":
             # The live trainers' word that they are at ``step`` is checked against the shards:
@@ -295,9 +301,10 @@ class TrainerDesk:
     def _final_state(self) -> FleetView | None:
         """The live trainers committed every step and the final checkpoint: no quorum is left to
         heal a late replacement, which takes the final state from that checkpoint instead."""
-        total = self._setup.schedule.total_steps if self._setup.schedule is not None else None
-        last = self._trainers.last_step_committed()
-        if total is None or last is None or last + 1 < total or not self._ckpt.full_checkpoint_of(total):
+        if self._setup.schedule is None:
+            return None
+        total, last = self._setup.schedule.total_steps, self._trainers.last_step_committed()
+        if last is None or last + 1 < total or not self._ckpt.full_checkpoint_of(total):
             return None
         dense = self._dense(total)
         if dense is _REFUSED:

@@ -122,29 +122,24 @@ def test_a_trainer_at_the_commits_redoes_its_failed_step(committed):
     assert [c[0] for c in supervisor.calls] == ["step_failed", "await_shards"]
 
 
-@pytest.mark.parametrize("applied, action", [(141, "join"), (175, "roll back")])
-def test_a_replacement_joins_a_live_trainer_at_its_checkpoint_only_if_the_shards_are_there_too(
-        tmp_path, monkeypatch, applied, action):
-    """Trainer 1 stalled between two steps while trainer 0 trained on to 176, then trainer 0
-    died; its replacement started at checkpoint 142 and trainer 1, resumed, healed from it to
-    142 (torchft heals to the highest step in the quorum). Asked, trainer 1 says "142 steps,
-    established": the replacement joined, nothing rolled back, and the shards, at 176, skipped
-    the redone steps as applied. The shards are asked too: ahead of the checkpoint, nobody alive
-    holds those steps' dense state, and everything goes back to 142."""
+def _desk(tmp_path, monkeypatch, applied: int, trainers: dict, total: int | None = None, final: int | None = None):
+    """A trainer desk over fakes: the shards applied ``applied + 1`` steps, the survey's live
+    trainers are ``trainers``, the schedule has ``total`` steps and ``final`` is the newest full
+    checkpoint (None: only 142)."""
     import actors.supervisor.desk as desk_module
     from actors.supervisor.desk import TrainerDesk
     from actors.supervisor.facts import Survey
-    from actors.supervisor.machine import Running, TrainersAllDied
+    from actors.supervisor.machine import Running
     from actors.supervisor.restore_targets import RestoreTargets
     from core.deadlines import Deadlines
-    from core.records import TrainerFacts
     from tests.unit.test_supervisor_books import _book
 
     class Shard:
         state = SimpleNamespace(remote=lambda: "ref")
 
     class Controller:
-        transitions: list = []
+        def __init__(self):
+            self.transitions = []
 
         def wait_settled(self, timeout_s):
             return True
@@ -166,7 +161,13 @@ def test_a_replacement_joins_a_live_trainer_at_its_checkpoint_only_if_the_shards
         targets = RestoreTargets(lambda: None)
 
         def chain_upto(self, step):
-            return (142,)
+            return (step,)
+
+        def full_checkpoint_of(self, step):
+            return step == final
+
+        def read_dense(self, step):
+            return f"dense of {step}"
 
         def next_due(self):
             return None
@@ -177,9 +178,27 @@ def test_a_replacement_joins_a_live_trainer_at_its_checkpoint_only_if_the_shards
     book = _book(tmp_path, lock=lock)
     book.start_training(0, 2, 0.0)
     events = EventLog(lock, HookList(), lambda: None)
+    schedule = SimpleNamespace(total_steps=total) if total is not None else None
     desk = TrainerDesk(lock, controller, Checkpoints(), book, events, FailurePolicy(BudgetLimits()), Deadlines(30.0),
-                       TrainerSetup(finished=False), lambda s: None, True, "r",
-                       survey=lambda: Survey({}, {}, {1: TrainerFacts(rank=1, pid=7, steps=142, established=True)}))
+                       TrainerSetup(finished=False, schedule=schedule), lambda s: None, True, "r",
+                       survey=lambda: Survey({}, {}, dict(trainers)))
+    return desk, controller, book, events
+
+
+@pytest.mark.parametrize("applied, action", [(141, "join"), (175, "roll back")])
+def test_a_replacement_joins_a_live_trainer_at_its_checkpoint_only_if_the_shards_are_there_too(
+        tmp_path, monkeypatch, applied, action):
+    """Trainer 1 stalled between two steps while trainer 0 trained on to 176, then trainer 0
+    died; its replacement started at checkpoint 142 and trainer 1, resumed, healed from it to
+    142 (torchft heals to the highest step in the quorum). Asked, trainer 1 says "142 steps,
+    established": the replacement joined, nothing rolled back, and the shards, at 176, skipped
+    the redone steps as applied. The shards are asked too: ahead of the checkpoint, nobody alive
+    holds those steps' dense state, and everything goes back to 142."""
+    from actors.supervisor.machine import TrainersAllDied
+    from core.records import TrainerFacts
+
+    desk, controller, _, events = _desk(tmp_path, monkeypatch, applied,
+                                        {1: TrainerFacts(rank=1, pid=7, steps=142, established=True)})
     desk.fallback_to_checkpoint(142, 0)
     if action == "join":
         assert controller.transitions == [] and events.recent("replacement_joined")
@@ -187,6 +206,28 @@ def test_a_replacement_joins_a_live_trainer_at_its_checkpoint_only_if_the_shards
         [event] = controller.transitions
         assert isinstance(event, TrainersAllDied) and event.step == 142
         assert events.recent("replacement_decided")[-1]["action"] == "roll back"
+
+
+@pytest.mark.parametrize("live", [False, True])
+def test_a_replacement_that_comes_after_the_last_step_takes_the_final_checkpoint_and_rolls_nothing_back(
+        tmp_path, monkeypatch, live):
+    """CI at 72b722a (tests/integration/test_fault_kinds.py, the rollback run): trainer 1 trained
+    the run's last steps alone while trainer 0's replacement was starting; it committed step 69 of
+    70, saved the final checkpoint and ended (rank 1 does not evaluate). The replacement, from
+    checkpoint 60, found no live trainer and rolled the shards back to 60: an "every trainer
+    died" for trainers that had finished. With the last step committed and its final checkpoint
+    there, the replacement takes that checkpoint's state, whether the survivor is still alive or
+    not."""
+    from core.records import TrainerFacts
+    from tests.unit.test_supervisor_books import _commit
+
+    trainers = {1: TrainerFacts(rank=1, pid=7, steps=70, established=True)} if live else {}
+    desk, controller, book, events = _desk(tmp_path, monkeypatch, 69, trainers, total=70, final=70)
+    for step in range(70):
+        book.commit(_commit(step, 1, participants=1))
+    view = desk.fallback_to_checkpoint(60, 0)
+    assert controller.transitions == [] and not events.recent("all_trainers_failed")
+    assert view.rollback is not None and view.rollback.step == 70 and view.rollback.dense == "dense of 70"
 
 
 @pytest.mark.parametrize("committed, rejoins", [(130, True), (100, False)])
