@@ -32,7 +32,7 @@ from core.checkpoint import DATA_POSITION_FILE, DENSE_FILE, FULL, INCREMENTAL, C
 from core.checkpoint.removal_log import RemovalLog
 from core.config import RunConfig
 from core.deadlines import Deadline, Deadlines
-from core.errors import ConfigError
+from core.errors import CheckpointCorrupt, CheckpointNotFound, ConfigError
 from core.records import SaveRequest, SaveResult, WrittenPart
 from policies import FailurePolicy, IntervalController
 
@@ -169,10 +169,14 @@ class CheckpointCoordinator(SaveSchedule):
         return self._final_attempts.get(step, 0)
 
     def full_checkpoint_of(self, step: int) -> bool:
-        """Whether a full checkpoint of ``step`` is committed."""
+        """Whether a full checkpoint of ``step`` is committed (one fenced since it was listed, or
+        whose manifest does not parse, is not)."""
         if self.store is None or step not in self.store.list_committed():
             return False
-        return self.store.info(step).kind == FULL
+        try:
+            return self.store.info(step).kind == FULL
+        except (CheckpointNotFound, CheckpointCorrupt):
+            return False
 
     # ------------------------------------------------------------------ saves
 

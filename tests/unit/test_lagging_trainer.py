@@ -264,3 +264,21 @@ def test_a_push_of_a_step_a_shard_applied_already_fails_the_step():
         check_pushed(54, (0, 1), [PushResult(applied=False), PushResult(applied=True, duplicate=True)])
     with pytest.raises(StaleStep, match="newer attempt"):
         check_pushed(54, (0, 1), [PushResult(applied=False, stale=True)])
+
+
+@pytest.mark.parametrize("error", ["fenced", "crafted"])
+def test_whether_the_final_checkpoint_exists_is_no_when_its_manifest_goes_or_cannot_be_read(error):
+    """``full_checkpoint_of`` lists the committed manifests, then reads one: a rollback that
+    fences it in between, or a manifest that does not parse, is "no full checkpoint there" (every
+    replacement's fallback asks it first), not an error out of the supervisor's call."""
+    from actors.supervisor.checkpoints import CheckpointCoordinator
+    from core.errors import CheckpointCorrupt, CheckpointNotFound
+
+    class Store:
+        def list_committed(self):
+            return [60, 70]
+
+        def info(self, step):
+            raise (CheckpointNotFound if error == "fenced" else CheckpointCorrupt)(f"checkpoint step {step}: {error}")
+
+    assert CheckpointCoordinator.full_checkpoint_of(SimpleNamespace(store=Store()), 70) is False
