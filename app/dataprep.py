@@ -17,9 +17,9 @@ import dataclasses
 import functools
 import json
 import logging
+import os
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import ray
 
@@ -29,7 +29,7 @@ from core.data.chunks import Chunk, plan_chunks
 from core.data.criteo import SPARSE_COLUMNS
 from core.data.sources import InputFile, check_distinct, child_uri, is_local, open_filesystem, resolve_inputs
 from core.data.sources import shown as shown_uri, split_uri
-from core.data.synthetic import SUMMARY_FILE, generate_missing
+from core.data.synthetic import ceiling_auc, generate_missing
 from core.errors import ConfigError, InsufficientData
 from core.store import Mapping, StoreManifest, Vocabulary, publish_manifest, read_manifest, store_key
 from core.store.format import manifest_exists
@@ -77,11 +77,7 @@ def resolve_data(cfg: RunConfig) -> DataInputs:
         generate_missing(d)
     train, evaluation = resolve_inputs(d.train, "data.train"), resolve_inputs(d.eval, "data.eval")
     check_distinct(train, evaluation)
-    ceiling = None
-    if is_local(d.train[0]):
-        datagen_json = Path(split_uri(d.train[0])[1]).parent / SUMMARY_FILE
-        if datagen_json.exists():
-            ceiling = json.loads(datagen_json.read_text()).get("ceiling_auc")
+    ceiling = ceiling_auc(os.path.dirname(split_uri(d.train[0])[1])) if is_local(d.train[0]) else None
     return DataInputs(train, evaluation, ceiling)
 
 

@@ -31,7 +31,8 @@ import pyarrow.fs as pafs
 from core.errors import ConfigError
 
 __all__ = [
-    "InputFile", "check_distinct", "child_uri", "is_local", "open_filesystem", "resolve_inputs", "shown", "split_uri",
+    "InputFile", "check_distinct", "child_uri", "has_wildcard", "is_local", "open_filesystem", "resolve_inputs", "shown",
+    "split_uri",
 ]
 
 _GLOB = ("*", "?", "[")
@@ -128,7 +129,7 @@ def resolve_inputs(uris: list[str], field: str) -> list[InputFile]:
     for uri in uris:
         prefix, path, options = split_uri(uri)
         fs, fs_path = open_filesystem(uri, field)
-        infos = _glob(fs, fs_path, uri, field) if any(c in path for c in _GLOB) else [_stat(fs, fs_path, uri, field)]
+        infos = _glob(fs, fs_path, uri, field) if has_wildcard(path) else [_stat(fs, fs_path, uri, field)]
         for info in infos:
             found = InputFile(f"{prefix}{info.path}{options}", f"{prefix}{info.path}", info.size or 0,
                               int(info.mtime_ns or 0), shown(uri))
@@ -155,7 +156,7 @@ def _glob(fs: pafs.FileSystem, pattern: str, uri: str, field: str) -> list[pafs.
     the directory above the first segment with a wildcard is listed (all the way down when the
     rest spans more than one segment or is ``**``) and every path matched whole."""
     parts = pattern.split("/")
-    first = next(k for k, part in enumerate(parts) if _has_wildcard(part))
+    first = next(k for k, part in enumerate(parts) if has_wildcard(part))
     base = "/".join(parts[:first]) or ("/" if pattern.startswith("/") else "")
     deep = first < len(parts) - 1 or parts[first] == "**"
     try:
@@ -172,8 +173,9 @@ def _glob(fs: pafs.FileSystem, pattern: str, uri: str, field: str) -> list[pafs.
     return sorted(found, key=lambda i: i.path)
 
 
-def _has_wildcard(segment: str) -> bool:
-    return any(c in segment for c in _GLOB)
+def has_wildcard(text: str) -> bool:
+    """Whether ``text`` (a path, a URI, one name) holds a glob's wildcard: ``*``, ``?`` or ``[``."""
+    return any(c in text for c in _GLOB)
 
 
 # Zero or more directories none of whose names starts with '.': what a whole '**' segment spans.
@@ -198,7 +200,7 @@ def _glob_regex(pattern: str) -> re.Pattern:
 def _segment_regex(segment: str) -> str:
     """One name's pattern: ``*`` any characters, ``?`` one, ``[...]`` one of a set (``[!...]``
     one not in it; a ']' first is a member; a '[' without its ']' is itself), the rest literal."""
-    if not _has_wildcard(segment):
+    if not has_wildcard(segment):
         return re.escape(segment)
     out = [] if segment.startswith(".") else [r"(?=[^/.])"]  # hidden names stay hidden; never empty
     i = 0
@@ -271,7 +273,7 @@ def _identity(file: InputFile) -> str:
 
 
 def _by_glob(file: InputFile) -> bool:
-    return bool(file.named_by) and _has_wildcard(split_uri(file.named_by)[1])
+    return bool(file.named_by) and has_wildcard(split_uri(file.named_by)[1])
 
 
 def _named_twice(first_field: str, first: InputFile, field: str, again: InputFile) -> str:

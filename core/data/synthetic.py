@@ -13,24 +13,23 @@ never written, and two runs generating at once both finish with the same files.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import uuid
 
 from core.config_data import DataConfig
 from core.data.datagen import generate
-from core.data.sources import is_local, split_uri
+from core.data.sources import has_wildcard, is_local, split_uri
 from core.errors import ConfigError
 
-__all__ = ["SUMMARY_FILE", "generate_missing", "targets", "write_missing"]
+__all__ = ["SUMMARY_FILE", "ceiling_auc", "generate_missing", "targets", "write_missing"]
+
+logger = logging.getLogger(__name__)
 
 SUMMARY_FILE = "datagen.json"
 _SCRATCH = ".generating-"  # a generation's own directory inside the generator's: never the user's
 _SUFFIXES = {"tsv": ".tsv", "tsv.gz": ".tsv.gz", "parquet": ".parquet"}
-
-
-def _is_glob(uri: str) -> bool:
-    return any(c in uri for c in "*?[")
 
 
 def generate_missing(data: DataConfig) -> None:
@@ -39,7 +38,7 @@ def generate_missing(data: DataConfig) -> None:
     gen = data.generate
     named = [(field, uri) for field, uris in (("data.train", data.train), ("data.eval", data.eval)) for uri in uris]
     missing = [(field, uri) for field, uri in named
-               if is_local(uri) and not _is_glob(uri) and not os.path.exists(split_uri(uri)[1])]
+               if is_local(uri) and not has_wildcard(uri) and not os.path.exists(split_uri(uri)[1])]
     directory = os.path.dirname(split_uri(data.train[0])[1]) if is_local(data.train[0]) else ""
     suffix = _SUFFIXES[gen.format]
     train_path, eval_path = os.path.join(directory, f"train{suffix}"), os.path.join(directory, f"eval{suffix}")
@@ -74,21 +73,37 @@ def _parameters(data: DataConfig) -> dict:
 
 
 def _summary(directory: str) -> dict:
-    path = os.path.join(directory, SUMMARY_FILE)
+    """What ``<directory>/datagen.json`` holds ({} without one, or if it holds no object);
+    raises OSError or ValueError when it cannot be read."""
     try:
-        with open(path) as f:
+        with open(os.path.join(directory, SUMMARY_FILE)) as f:
             summary = json.load(f)
     except FileNotFoundError:
         return {}
-    except (OSError, ValueError) as exc:
-        raise ConfigError(f"data.generate: {path} is unreadable ({exc}); remove {directory} to generate it again") from None
     return summary if isinstance(summary, dict) else {}
+
+
+def ceiling_auc(directory: str) -> float | None:
+    """The ceiling AUC the generator recorded for the data in ``directory`` (its
+    ``datagen.json``), or None: not the generator's directory, or a summary that does not say
+    (the report then has no ceiling; nothing else depends on it)."""
+    try:
+        value = _summary(directory).get("ceiling_auc")
+    except (OSError, ValueError) as exc:
+        logger.warning("%s is unreadable (%s); the report shows no ceiling AUC",
+                       os.path.join(directory, SUMMARY_FILE), exc)
+        return None
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
 
 def _check_parameters(directory: str, data: DataConfig) -> dict:
     """The generator's directory holds what ``data.generate`` asks for, or an error says so.
     Returns its summary ({} without one)."""
-    summary = _summary(directory)
+    try:
+        summary = _summary(directory)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"data.generate: {os.path.join(directory, SUMMARY_FILE)} is unreadable ({exc}); remove "
+                          f"{directory} to generate it again") from None
     if not summary:
         return summary
     recorded = summary.get("parameters") or {k: summary.get(k) for k in ("train_rows", "eval_rows")}

@@ -133,3 +133,18 @@ def test_cpr_datagen_never_writes_over_a_file(tmp_path):
     assert fresh.exit_code == 0, fresh.output
     assert sorted(os.listdir(tmp_path / "new")) == ["datagen.json", "eval.tsv", "train.tsv"]
     assert json.loads((tmp_path / "new" / "datagen.json").read_text())["parameters"]["train_rows"] == 50
+
+
+@pytest.mark.parametrize("summary", ["{not json", "[1, 2]", '{"ceiling_auc": "high"}'])
+def test_a_datagen_json_that_does_not_read_beside_a_users_data_costs_only_the_ceiling(tmp_path, summary):
+    """Without data.generate, datagen.json beside the training file only lends the report its
+    ceiling AUC: one that does not parse or holds something else is no ceiling, not a traceback
+    (json.loads raised out of resolve_data before)."""
+    mine = tmp_path / "mydata"
+    mine.mkdir()
+    for name in ("train.tsv", "eval.tsv"):
+        (mine / name).write_text(LINE * 10)
+    (mine / "datagen.json").write_text(summary)
+    cfg = config_from_dict({"run_dir": str(tmp_path / "run"),
+                            "data": {"train": [str(mine / "train.tsv")], "eval": [str(mine / "eval.tsv")]}})
+    assert resolve_data(cfg).ceiling_auc is None
