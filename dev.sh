@@ -2,6 +2,7 @@
 # Sets up a pinned virtual environment (idempotent: seconds when nothing changed), then
 #   ./dev.sh run   -> the main job: a short local training run with injected failures
 #   ./dev.sh test  -> the whole test suite
+#   ./dev.sh unit  -> the unit tier alone (no Ray, two processes): under a minute
 #   ./dev.sh setup -> only the environment
 set -euo pipefail
 cd "$(dirname "$0")"
@@ -32,5 +33,6 @@ case "${1:-run}" in
   setup) ;;
   run) shift || true; exec "$VENV/bin/cpr" train --config configs/local.yaml "$@" ;;
   test) shift || true; exec "$VENV/bin/python" -m pytest -q "$@" ;;
-  *) echo "usage: $0 [run|test|setup] [args...]" >&2; exit 2 ;;
+  unit) shift || true; exec "$VENV/bin/python" -m pytest -q -n 2 tests/unit "$@" ;;
+  *) echo "usage: $0 [run|test|unit|setup] [args...]" >&2; exit 2 ;;
 esac

@@ -6,15 +6,14 @@ from __future__ import annotations
 import json
 import logging
 import os
-import shlex
 import sys
 import threading
 import time
 from pathlib import Path
 
 import click
-import yaml
 
+from app.overrides import parse_set as _parse_set
 from core.errors import ConfigError, CprError
 
 __all__ = ["main"]
@@ -23,55 +22,6 @@ __all__ = ["main"]
 # from 0.06 s to 0.36 s (measured, 2-core machine, cold), and those of train, emulate, chaos,
 # soak and export go on to import Ray or torch, which --help, config-docs and report never load.
 # The cost noted at each import is that module's alone, measured over this one's.
-
-
-def _parse_set(values: tuple[str, ...]) -> dict:
-    """``--set KEY=VALUE`` overrides, each VALUE read as YAML (as in a config file); one that YAML
-    cannot read, or reads otherwise than it looks (a comment, a mapping), is a ConfigError naming
-    the key, what was typed and how to quote it."""
-    overrides = {}
-    for item in values:
-        key, sep, raw = item.partition("=")
-        if not sep or not key.strip():
-            raise ConfigError(f"--set: expected KEY=VALUE, e.g. --set training.epochs=2, got {item!r}")
-        overrides[key.strip()] = _set_value(key.strip(), raw)
-    return overrides
-
-
-def _set_value(key: str, raw: str):
-    shown = raw if raw.isprintable() else repr(raw)  # a tab or a newline shown as such
-    try:
-        value = yaml.safe_load(raw)
-        comment = _comment(raw)
-    except yaml.YAMLError as err:
-        problem = getattr(err, "problem", None) or str(err).splitlines()[0]
-        raise ConfigError(f"--set {key}: cannot read {shown} as YAML ({problem}); {_quoted(key, raw)}") from None
-    if comment:
-        raise ConfigError(f"--set {key}: YAML reads {comment} in {shown} as a comment; {_quoted(key, raw)}")
-    if isinstance(value, dict) and not raw.lstrip().startswith("{"):
-        raise ConfigError(f"--set {key}: YAML reads {shown} as a mapping (a ': ' inside); {_quoted(key, raw)}, "
-                          f"or write a mapping as {{key: value}}")
-    return value
-
-
-def _comment(raw: str) -> str:
-    """The first comment in ``raw`` (a ``#`` between YAML's tokens, which it drops), or ""."""
-    end = 0
-    for token in yaml.scan(raw):
-        gap = raw[end:token.start_mark.index]
-        if "#" in gap:
-            return gap[gap.index("#"):].splitlines()[0].strip()
-        end = max(end, token.end_mark.index)
-    return ""
-
-
-def _quoted(key: str, raw: str) -> str:
-    """How to type ``raw`` so that YAML reads it as typed: each item of a list, or the value, in double quotes."""
-    text = raw.strip()
-    if text.startswith("[") and text.endswith("]"):
-        items = ", ".join(json.dumps(item.strip(), ensure_ascii=False) for item in text[1:-1].split(","))
-        return f"quote each item holding ?, &, :, # or * inside the list: --set {shlex.quote(f'{key}=[{items}]')}"
-    return f"quote the value: --set {shlex.quote(f'{key}={json.dumps(text, ensure_ascii=False)}')}"
 
 
 @click.group(context_settings={"max_content_width": 120, "help_option_names": ["-h", "--help"]},
@@ -393,4 +343,16 @@ def run() -> None:
         main(standalone_mode=True)
     except CprError as err:
         click.echo(f"error: {err}", err=True)
-        sys.exit(2)
+        _exit(2)
+
+
+def _exit(code: int) -> None:
+    """Exits with ``code``; at once where a thread still imports ahead of time (the driver's
+    Ray Train import, ``app.job``): bad input found meanwhile need not wait seconds for modules
+    the run will never use. Everything the command wrote is flushed first; the run was closed."""
+    if any(t.is_alive() and not t.daemon for t in threading.enumerate() if t is not threading.main_thread()):
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)

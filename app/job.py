@@ -34,6 +34,7 @@ from app.rayenv import check_cluster_fits, choose_recovery, cluster_address, con
 from app.report import build_report, rebuild_report, write_report
 from app.resume import refuse_other_data
 from app.storage import check_every_node, expected_files
+from app.warm import prestart
 from core.codec import encode
 from core.config import RunConfig
 from core.data.sources import shown
@@ -101,6 +102,7 @@ class TrainingJob:
         self.emulation = None  # app.emulation.Emulation of an emulated run, set by start()
         self._created_run_dir = False  # by start(): a new run's directory, removed if its input is refused
         self.refused = False  # start() refused the run's input (a CprError): close() removes what it made
+        self._warm_next = False  # start() reached Ray: close() leaves the next run's processes waiting on it
 
     def _lighthouse_kwargs(self) -> dict:
         return {"bind": f"{ray.util.get_node_ip_address()}:0", "min_replicas": 1, "join_timeout_ms": 10_000,
@@ -137,7 +139,10 @@ class TrainingJob:
         if early := one_task_each(cfg, inputs) and not cluster_address(cfg):
             self.data, self._t["data"] = build_stores(cfg, inputs), time.perf_counter()
         self._started_ray = connect_ray(cfg, self.verbose)
-        check_cluster_fits(cfg)
+        if self._started_ray:  # every process of the run starts now, together (a Ray of its own has none idle)
+            prestart(cfg, keep_alive_s=60)
+        check_cluster_fits(cfg, self._started_ray)
+        self._warm_next = cfg.ray.warm_pool_s > 0
         link_ray_session_logs(self.run_dir)
         if not self._started_ray:  # a cluster: every host must see the local paths the run shares
             check_every_node(expected_files(cfg.cache_dir, cfg.checkpoint_uri, self.run_id, local_inputs(inputs)),
@@ -317,6 +322,8 @@ class TrainingJob:
         if self._started_ray:
             ray.shutdown()
             self._started_ray = False
+        elif self._warm_next and ray.is_initialized():  # a Ray that outlives the run: the next one's processes wait there
+            prestart(self.cfg, keep_alive_s=self.cfg.ray.warm_pool_s)
         if self.refused and self._created_run_dir:  # bad input writes nothing: the error says it all
             shutil.rmtree(self.run_dir, ignore_errors=True)
 

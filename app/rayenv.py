@@ -17,7 +17,7 @@ from core.errors import ConfigError, CprError
 from core.memory import memory_estimate
 from policies import CostInputs, RecoveryMode, decide_recovery
 
-__all__ = ["cluster_address", "connect_ray", "join_ray", "check_cluster_fits", "resources_needed", "keep_ray_on_loopback", "worker_env", "ray_system_config", "metrics_url", "LOOPBACK"]
+__all__ = ["cluster_address", "connect_ray", "join_ray", "check_cluster_fits", "resources_needed", "keep_ray_on_loopback", "worker_env", "ray_system_config", "embedded_system_config", "PRELOAD_MODULES", "metrics_url", "LOOPBACK"]
 
 LOOPBACK = "127.0.0.1"
 
@@ -69,6 +69,24 @@ def ray_system_config() -> dict:
     return {"max_direct_call_object_size": INLINE_OBJECT_BYTES}
 
 
+# Imported by every worker the raylet starts, before it takes work, where a Ray asks for it
+# (``embedded_system_config``; ``ray start`` takes RAY_preload_python_modules): what shards
+# (torch, fbgemm's kernels) and trainers (Ray Train's torch backend, torchft) import. A module
+# that is not there is skipped by Ray (logged in the worker's log).
+PRELOAD_MODULES = ("torch", "fbgemm_gpu", "torchft", "ray.train.torch")
+
+
+def embedded_system_config(num_cpus: int, preload: bool = False) -> dict:
+    """Settings of a Ray started for one run: none of Ray's own idle workers at the first
+    driver (``num_cpus`` of them, for Ray's default environment only: app.warm starts the
+    run's own, as many as it needs, in both of its environments), and those started at once,
+    not two at a time on two cores: the run's processes start together. ``preload``: each
+    worker imports ``PRELOAD_MODULES`` before it waits, for a Ray that outlives one
+    run (the test suite's), where the processes wait long before they are taken."""
+    return {"prestart_worker_first_driver": False, "worker_maximum_startup_concurrency": num_cpus,
+            **({"preload_python_modules": list(PRELOAD_MODULES)} if preload else {})}
+
+
 def join_ray(address: str, namespace: str, **kwargs) -> None:
     """``ray.init`` of a running cluster. A head on 127.0.0.1 (an embedded Ray, or `ray start
     --head --node-ip-address=127.0.0.1`) has this driver on its machine, finding the local raylet
@@ -107,17 +125,19 @@ def connect_ray(cfg: RunConfig, verbose: bool = False) -> bool:
     # left unset, Ray itself turns token authentication on for the Ray it starts here.
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     keep_ray_on_loopback()
-    runtime_env["env_vars"]["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
-    runtime_env["env_vars"]["GLOO_SOCKET_IFNAME"] = os.environ["GLOO_SOCKET_IFNAME"]
+    # The workers' variables in the environment the raylet and its workers inherit, not in a job
+    # runtime_env: workers started for Ray's default environment (app.warm) can then take any of
+    # the run's actors outside Ray Train.
+    os.environ.update(runtime_env["env_vars"])
     # One CPU of headroom: a trainer's replacement may be placed before Ray frees its predecessor's.
     needed = int(resources_needed(cfg)["CPU"] + 0.999) + 1
+    num_cpus = cfg.ray.num_cpus or max(os.cpu_count() or 1, needed)
     ray.init(
         _node_ip_address=LOOPBACK,
-        num_cpus=cfg.ray.num_cpus or max(os.cpu_count() or 1, needed),
+        num_cpus=num_cpus,
         namespace=cfg.ray.namespace,
         include_dashboard=False,
-        runtime_env=runtime_env,
-        _system_config=ray_system_config(),
+        _system_config={**ray_system_config(), **embedded_system_config(num_cpus)},
         **({"_metrics_export_port": cfg.ray.metrics_export_port} if cfg.ray.metrics_export_port else {}),
         **quiet,
     )
@@ -137,12 +157,15 @@ def resources_needed(cfg: RunConfig) -> dict[str, float]:
             "GPU": shard_like * emb.num_gpus}
 
 
-def check_cluster_fits(cfg: RunConfig) -> None:
+def check_cluster_fits(cfg: RunConfig, started_here: bool = False) -> None:
     """Raises ConfigError, before anything is placed, when the connected cluster cannot hold
     the run: its shards, spares and trainers would otherwise wait for resources that never come
     (Ray Train retries a worker group it cannot place), or its leases would outlast Ray's
-    verdict on a silent host (``_check_lease``)."""
-    _check_lease(cfg, node_death_s(HEAD_PROBE_TIMEOUT_S))
+    verdict on a silent host (``_check_lease``). ``started_here``: this process started the
+    Ray (its GCS took this process's settings), so they are read here, not by a task on the head
+    (a worker process to start: a second on the path to the first step)."""
+    period_ms, threshold = _health_checks() if started_here else (None, None)
+    _check_lease(cfg, period_ms * threshold / 1000.0 if started_here else node_death_s(HEAD_PROBE_TIMEOUT_S))
     need = resources_needed(cfg)
     nodes = [n["Resources"] for n in ray.nodes() if n.get("Alive")]
     have = {r: sum(n.get(r, 0.0) for n in nodes) for r in need}

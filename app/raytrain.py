@@ -17,6 +17,7 @@ from ray.train import RunConfig as TrainRunConfig
 from ray.train.torch import TorchTrainer
 from ray.train.v2._internal.callbacks.datasets import DatasetsCallback
 from ray.train.v2._internal.callbacks.placement_group_callback import PlacementGroupCleanerCallback
+from ray.train.v2._internal.execution.scaling_policy import FixedScalingPolicy
 from ray.train.v2._internal.exceptions import WorkerGroupStartupFailedError, WorkerGroupStartupTimeoutError
 from ray.train.v2.api.exceptions import WorkerGroupError
 from ray.train.v2.torch.torchft_config import TorchftConfig, _TorchftBackend
@@ -184,12 +185,30 @@ def _port_taken(err: ControllerError) -> bool:
     return "EADDRINUSE" in text or "Address already in use" in text
 
 
+class FixedGroupPolicy(FixedScalingPolicy):
+    """Ray Train's fixed scaling policy without its autoscaling coordinator: Ray Train 2.60
+    starts that actor (a process importing Ray Data: 2-3 s here, on the path from the
+    controller's start to the trainers') to share an autoscaling cluster's capacity between Ray
+    Data and Ray Train; a run reads no Ray Dataset, and the trainers it cannot place are demand
+    the cluster's autoscaler sees either way."""
+
+    def after_controller_start(self, train_run_context) -> None:
+        pass
+
+    def _maybe_send_resource_request(self) -> None:
+        pass
+
+    def _send_resource_request(self) -> None:
+        pass
+
+
 def trainer_class() -> type:
     """``TorchTrainer`` without the helper actors that cannot serve this run.
 
     - Ray Data's callback: trainers read the microbatch cache themselves and pass no
       ``datasets``, yet Ray Train 2.60 starts a DatasetManager actor (a process importing
       Ray Data, about 2 s of CPU) for every worker group and every replaced trainer.
+    - Ray Train's autoscaling coordinator (``FixedGroupPolicy``).
     - The PlacementGroupCleaner, where Ray's state API does not answer (a Ray without a
       dashboard, such as the embedded one): it watches the controller through that API only,
       so there it can never clean anything and polls and fails every second for the whole run.
@@ -200,6 +219,10 @@ def trainer_class() -> type:
     class Trainer(TorchTrainer):
         def _create_default_callbacks(self):
             return [cb for cb in super()._create_default_callbacks() if not isinstance(cb, unused)]
+
+        def _initialize_and_run_controller(self, **controller_init_kwargs):
+            controller_init_kwargs["scaling_policy"] = FixedGroupPolicy(self.scaling_config)
+            return super()._initialize_and_run_controller(**controller_init_kwargs)
 
     return Trainer
 

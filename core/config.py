@@ -217,6 +217,10 @@ class RayConfig(_Section):
     """Ray namespace of the named supervisor actor."""
     metrics_export_port: int | None = Field(None, ge=1024, le=65535)
     """Port of the embedded Ray's Prometheus endpoint (``/metrics``); default: Ray picks a free one, written to run.json."""
+    warm_pool_s: float = Field(600.0, ge=0.0, le=86_400.0)
+    """On a Ray that outlives the run (``ray.address``, ``RAY_ADDRESS``): at its end, start as many idle worker
+    processes as it used, for the next run to take (``app.warm``; with ``RAY_preload_python_modules`` on the
+    cluster, torch is imported in them already), kept at least this long; 0: none."""
     lease_s: float = Field(1.0, ge=0.05, le=600.0)
     """How long a shard or trainer may act (apply a step, join a quorum) without hearing from the cluster that it still
     holds its place (``actors.lease``); must be below the time Ray takes to declare a silent host dead
@@ -298,7 +302,9 @@ class RunConfig(_Section):
             path, _, options = rest.partition("?")
             parent = path.rstrip("/").rsplit("/", 1)[0] if "/" in path.rstrip("/") else path.rstrip("/")
             return f"{prefix}://{parent}/cache" + (f"?{options}" if options else "")
-        return str(Path(self.run_dir) / "cache")
+        # Beside the run directories, not in one: every run under runs/ reuses the stores of the
+        # same inputs and options (keyed by content, built atomically, safe for runs at once).
+        return str(Path(self.run_dir).parent / "cache")
 
     @property
     def checkpoint_uri(self) -> str:

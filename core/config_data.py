@@ -53,7 +53,8 @@ class DataConfig(_Section):
     cache_dir: str | None = None
     """Where the microbatch store goes (a path or ``pyarrow.fs`` URI, reused when inputs and options match,
     safe for runs that build or read it at once);
-    default ``<run_dir>/cache``, or beside ``checkpoint.storage`` when that is an object-store URI."""
+    default ``cache`` beside the run directory (``runs/cache``: every run under ``runs/`` reuses it), or
+    beside ``checkpoint.storage`` when that is an object-store URI."""
     store_cache_mb: int = Field(256, ge=0, le=1 << 20)
     """Per trainer: memory for microbatches read from a remote store (a local store is memory-mapped)."""
     verify_data: bool = False

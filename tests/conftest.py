@@ -20,17 +20,17 @@ for _k, _v in CREDENTIALS.items():
 def ray_local():
     import ray
 
-    from app.rayenv import keep_ray_on_loopback, ray_system_config, worker_env
+    from app.rayenv import embedded_system_config, keep_ray_on_loopback, ray_system_config, worker_env
 
     keep_ray_on_loopback()
+    os.environ.update(worker_env())  # as cpr's embedded Ray: the workers inherit them (app.rayenv)
     ray.init(
         _node_ip_address="127.0.0.1",
         num_cpus=8,
         namespace="cpr",
         include_dashboard=False,
-        runtime_env={"env_vars": {**worker_env(), "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}},
         # Metrics reach Ray's export every 2 s instead of 10 (test_metrics reads them).
-        _system_config={**ray_system_config(), "metrics_report_interval_ms": 2000},
+        _system_config={**ray_system_config(), **embedded_system_config(8), "metrics_report_interval_ms": 2000},
     )
     yield ray
     ray.shutdown()

@@ -89,7 +89,7 @@ def test_kill_driver_then_resume(ray_local, small_data, tmp_path):
     assert refused.returncode == 2 and "--resume" in refused.stderr
 
     # Other training data under the same name: refused before anything is built, naming the file.
-    stores = sorted(p.name for p in (run_dir / "cache").iterdir())
+    stores = sorted(p.name for p in (run_dir.parent / "cache").iterdir())
     original, st = train.read_bytes(), train.stat()
     train.write_bytes(original + original.splitlines(keepends=True)[0])
     changed = subprocess.run(cmd + ["--resume", str(run_dir)], env=env, capture_output=True, text=True, timeout=120)
@@ -97,7 +97,7 @@ def test_kill_driver_then_resume(ray_local, small_data, tmp_path):
     said = [line for line in changed.stderr.splitlines() if line.strip()]
     assert len(said) == 1 and said[0].startswith("error: --resume: the training data changed since checkpoint step "), said
     assert f"{train}: size {st.st_size} -> " in said[0]
-    assert sorted(p.name for p in (run_dir / "cache").iterdir()) == stores
+    assert sorted(p.name for p in (run_dir.parent / "cache").iterdir()) == stores
     train.write_bytes(original)
     os.utime(train, ns=(st.st_atime_ns, st.st_mtime_ns))
 

@@ -266,14 +266,14 @@ def test_child_uris_keep_their_options():
 
 
 def test_the_store_goes_beside_object_store_checkpoints_unless_named():
-    base = {"run_dir": "/tmp/r", "data": {"train": ["t"], "eval": ["e"]}}
-    assert config_from_dict(base).cache_dir == "/tmp/r/cache"
+    base = {"run_dir": "/tmp/runs/r", "data": {"train": ["t"], "eval": ["e"]}}
+    assert config_from_dict(base).cache_dir == "/tmp/runs/cache"  # shared by the runs under /tmp/runs
     remote = {**base, "checkpoint": {"storage": "s3://b/runs/x/checkpoints?endpoint_override=h:9&scheme=http"}}
     assert config_from_dict(remote).cache_dir == "s3://b/runs/x/cache?endpoint_override=h:9&scheme=http"
     named = {**remote, "data": {**base["data"], "cache_dir": "gs://c/store"}}
     assert config_from_dict(named).cache_dir == "gs://c/store"
     local_ckpt = {**base, "checkpoint": {"storage": "/mnt/nfs/ckpt"}}
-    assert config_from_dict(local_ckpt).cache_dir == "/tmp/r/cache"
+    assert config_from_dict(local_ckpt).cache_dir == "/tmp/runs/cache"
 
 
 def test_a_label_column_of_strings_of_other_lengths_is_not_taken_for_labels():

@@ -119,7 +119,7 @@ class DataCache:
 
 def train_store(run: RunFiles) -> str | None:
     """The URI of the run's training store: as run.json names it, else the local store in
-    ``data.cache_dir`` (default ``<run_dir>/cache``) whose manifest lists the run's train files;
+    ``data.cache_dir`` (``<run_dir>/cache`` in runs that did not record it) whose manifest lists the run's train files;
     None where neither is found."""
     uri = run.run_info.get("train_cache")
     if uri:  # the build the run read: no other build of the store holds its bytes
