@@ -102,7 +102,7 @@ class TrainingJob:
         self.emulation = None  # app.emulation.Emulation of an emulated run, set by start()
         self._created_run_dir = False  # by start(): a new run's directory, removed if its input is refused
         self.refused = False  # start() refused the run's input (a CprError): close() removes what it made
-        self._warm_next = False  # start() reached Ray: close() leaves the next run's processes waiting on it
+        self._warm_next = False  # a cluster that outlives the run: close() leaves the next run's processes there
 
     def _lighthouse_kwargs(self) -> dict:
         return {"bind": f"{ray.util.get_node_ip_address()}:0", "min_replicas": 1, "join_timeout_ms": 10_000,
@@ -139,16 +139,17 @@ class TrainingJob:
         if early := one_task_each(cfg, inputs) and not cluster_address(cfg):
             self.data, self._t["data"] = build_stores(cfg, inputs), time.perf_counter()
         self._started_ray = connect_ray(cfg, self.verbose)
-        if self._started_ray:  # every process of the run starts now, together (a Ray of its own has none idle)
-            prestart(cfg, keep_alive_s=60)
         check_cluster_fits(cfg, self._started_ray)
-        self._warm_next = cfg.ray.warm_pool_s > 0
+        # A cluster that outlives the run: close() leaves the next run's processes waiting there.
+        self._warm_next = bool(cluster_address(cfg)) and cfg.ray.warm_pool_s > 0
         link_ray_session_logs(self.run_dir)
         if not self._started_ray:  # a cluster: every host must see the local paths the run shares
             check_every_node(expected_files(cfg.cache_dir, cfg.checkpoint_uri, self.run_id, local_inputs(inputs)),
                              cfg.embeddings.call_timeout_s)
         if not early:  # on Ray Data: the data time includes Ray's start
             self.data, self._t["data"] = build_stores(cfg, inputs), time.perf_counter()
+        if self._started_ray:  # every process of the run starts now, together (a Ray of its own has none idle)
+            prestart(cfg, keep_alive_s=60)
         self.cfg, self.recovery_choice = cfg, _ = choose_recovery(with_table_rows(cfg, self.data["table_rows"]))
         if cfg.emulation is not None and not self.resume:
             self.emulation = Emulation.of(cfg, self._total_steps())
@@ -319,13 +320,13 @@ class TrainingJob:
         if self._lighthouse is not None:
             ray.kill(self._lighthouse, no_restart=True)
             self._lighthouse = None
+        if self.refused and self._created_run_dir:  # bad input writes nothing: the error says it all
+            shutil.rmtree(self.run_dir, ignore_errors=True)
         if self._started_ray:
             ray.shutdown()
             self._started_ray = False
-        elif self._warm_next and ray.is_initialized():  # a Ray that outlives the run: the next one's processes wait there
+        elif self._warm_next and not self.refused and ray.is_initialized():
             prestart(self.cfg, keep_alive_s=self.cfg.ray.warm_pool_s)
-        if self.refused and self._created_run_dir:  # bad input writes nothing: the error says it all
-            shutil.rmtree(self.run_dir, ignore_errors=True)
 
 
 def _write_config(run_dir: Path, cfg: RunConfig) -> None:

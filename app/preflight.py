@@ -40,6 +40,8 @@ def places(cfg: RunConfig) -> list[tuple[str, str]]:
         found.append(("data.cache_dir", cfg.cache_dir))
     elif not is_local(cfg.cache_dir):  # the default beside an object-store checkpoint.storage
         found.append(("data.cache_dir (default: beside checkpoint.storage)", cfg.cache_dir))
+    else:  # the default beside run_dir (runs/cache), shared by the runs there
+        found.append(("data.cache_dir (default: beside run_dir)", cfg.cache_dir))
     unique: dict[str, str] = {}
     for field, uri in found:
         unique.setdefault(uri, field)

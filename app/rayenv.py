@@ -125,22 +125,30 @@ def connect_ray(cfg: RunConfig, verbose: bool = False) -> bool:
     # left unset, Ray itself turns token authentication on for the Ray it starts here.
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     keep_ray_on_loopback()
-    # The workers' variables in the environment the raylet and its workers inherit, not in a job
-    # runtime_env: workers started for Ray's default environment (app.warm) can then take any of
-    # the run's actors outside Ray Train.
+    # The workers' variables in the environment the raylet (started by ray.init) and so its workers
+    # inherit, not in a job runtime_env: workers started for Ray's default environment (app.warm)
+    # can then take any of the run's actors outside Ray Train. The driver's own is left as it was.
+    saved = {k: os.environ.get(k) for k in runtime_env["env_vars"]}
     os.environ.update(runtime_env["env_vars"])
     # One CPU of headroom: a trainer's replacement may be placed before Ray frees its predecessor's.
     needed = int(resources_needed(cfg)["CPU"] + 0.999) + 1
     num_cpus = cfg.ray.num_cpus or max(os.cpu_count() or 1, needed)
-    ray.init(
-        _node_ip_address=LOOPBACK,
-        num_cpus=num_cpus,
-        namespace=cfg.ray.namespace,
-        include_dashboard=False,
-        _system_config={**ray_system_config(), **embedded_system_config(num_cpus)},
-        **({"_metrics_export_port": cfg.ray.metrics_export_port} if cfg.ray.metrics_export_port else {}),
-        **quiet,
-    )
+    try:
+        ray.init(
+            _node_ip_address=LOOPBACK,
+            num_cpus=num_cpus,
+            namespace=cfg.ray.namespace,
+            include_dashboard=False,
+            _system_config={**ray_system_config(), **embedded_system_config(num_cpus)},
+            **({"_metrics_export_port": cfg.ray.metrics_export_port} if cfg.ray.metrics_export_port else {}),
+            **quiet,
+        )
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
     return True
 
 

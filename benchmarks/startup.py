@@ -108,6 +108,8 @@ def main() -> int:
     parser.add_argument("--commits", nargs="+", default=["HEAD"])
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--modes", nargs="+", default=["embedded", "running"], choices=["embedded", "running"])
+    parser.add_argument("--plain-head", action="store_true",
+                        help="A plain `ray start --head`, without the warm-cluster settings of docs/CLUSTER.md.")
     parser.add_argument("--pause-s", type=float, default=20.0, help="Between the first and the second run on a running Ray.")
     parser.add_argument("--out", default=str(ROOT / "benchmarks/results/startup.json"))
     args = parser.parse_args()
@@ -127,7 +129,7 @@ def main() -> int:
                     results[commit]["embedded"].append(r)
                     print(f"{commit} embedded {rep}: {r}", flush=True)
                 if "running" in args.modes:
-                    with running_ray(num_cpus=max(os.cpu_count() or 1, 6)) as address:
+                    with running_ray(num_cpus=max(os.cpu_count() or 1, 6), preload=not args.plain_head) as address:
                         for label in ("running_first", "running_second"):
                             if label == "running_second":
                                 time.sleep(args.pause_s)
@@ -138,7 +140,9 @@ def main() -> int:
         for commit, src in trees:
             if src != ROOT:
                 subprocess.run(["git", "worktree", "remove", "--force", str(src)], cwd=ROOT, capture_output=True)
-    out = {"meta": meta, "config": "configs/local.yaml", "sets": SETS, "pause_s": args.pause_s, "results": results}
+    out = {"meta": meta, "config": "configs/local.yaml", "sets": SETS, "pause_s": args.pause_s,
+           "head": "plain ray start" if args.plain_head else "ray start with docs/CLUSTER.md's warm-cluster settings",
+           "results": results}
     Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
     print(render(out))
     return 0
@@ -161,7 +165,7 @@ def render(result: dict) -> str:
                     _median(runs, k) for k in ("data", "ray", "shards", "trainers", "first_step", "report_startup_s")) + " |")
     return "\n".join(rows) + (
         f"\n\nMedian seconds after `cpr train` was launched (data prep: its own seconds; the second run on a "
-        f"running Ray {result.get('pause_s', 0):g} s after the first ended).\n")
+        f"running Ray {result.get('pause_s', 0):g} s after the first ended; the running Ray: {result.get('head', '')}).\n")
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ pytest's summary line (tests passed, failed, skipped; its seconds), the wall tim
 the console's first and last lines. ``render`` draws the README's block from it.
 
     .venv/bin/python benchmarks/suite.py                 # ./dev.sh test, from this checkout
+    .venv/bin/python benchmarks/suite.py --name suite_unit -- ./dev.sh unit   # the unit tier: suite_unit.json
     .venv/bin/python benchmarks/suite.py --out DIR -- bash .ci/run
     python3 benchmarks/suite.py --from-log LOG --repo CLONE   # a run already made: its log, its checkout
 
@@ -44,14 +45,14 @@ def summary_of(lines: list[str]) -> dict | None:
     return None
 
 
-def _from_log(log: Path, repo: Path) -> tuple[dict, list[str], int, float]:
+def _from_log(log: Path, repo: Path, command: str) -> tuple[dict, list[str], int, float]:
     lines = [x for x in log.read_text().splitlines() if not _NOISE.match(x)]
     rc = next((int(x[3:]) for x in reversed(lines) if x.startswith("rc=")), None)
     real = next((x.split()[1] for x in lines if x.startswith("real\t") or x.startswith("real ")), "0m0s")
     minutes, seconds = real.rstrip("s").split("m")
     head = subprocess.run(["git", "-C", str(repo), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
     date = datetime.datetime.fromtimestamp(log.stat().st_mtime, datetime.timezone.utc).isoformat(timespec="seconds")
-    meta = {**run_metadata(), "commit": head.stdout.strip(), "date": date, "command": "./dev.sh test"}
+    meta = {**run_metadata(), "commit": head.stdout.strip(), "date": date, "command": command}
     body = [x for x in lines if not x.startswith(("rc=", "real", "user", "sys")) and x.strip()]
     return meta, body, rc, int(minutes) * 60 + float(seconds)
 
@@ -59,13 +60,14 @@ def _from_log(log: Path, repo: Path) -> tuple[dict, list[str], int, float]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=str(ROOT / "benchmarks/results"))
+    parser.add_argument("--name", default="suite", help="The results file's name: NAME.json.")
     parser.add_argument("--tail", type=int, default=1, help="Last console lines kept besides the summary.")
     parser.add_argument("--from-log", type=Path, help="Record this log of a run made already (see above).")
     parser.add_argument("--repo", type=Path, default=ROOT, help="With --from-log: the checkout that ran it.")
     parser.add_argument("command", nargs="*", default=["./dev.sh", "test"])
     args = parser.parse_args()
     if args.from_log:
-        meta, lines, rc, wall_s = _from_log(args.from_log, args.repo)
+        meta, lines, rc, wall_s = _from_log(args.from_log, args.repo, " ".join(args.command))
         return _write(args, meta, lines, rc, wall_s)
     meta = run_metadata()  # before the run: the commit it tests
     t0 = time.monotonic()
@@ -82,7 +84,7 @@ def main() -> int:
 def _write(args, meta: dict, lines: list[str], rc: int, wall_s: float) -> int:
     result = {"meta": meta, "exit_status": rc, "wall_s": round(wall_s, 1), "summary": summary_of(lines),
               "first_lines": lines[:1], "last_lines": lines[-args.tail:]}
-    out = Path(args.out) / "suite.json"
+    out = Path(args.out) / f"{args.name}.json"
     out.write_text(json.dumps(result, indent=1) + "\n")
     print(f"wrote {out}")
     return rc

@@ -183,16 +183,18 @@ def _free_port() -> int:
 
 
 @contextlib.contextmanager
-def running_ray(num_cpus: int):
+def running_ray(num_cpus: int, preload: bool = True):
     """A Ray head on 127.0.0.1 as a user starts one (``ray start --head``, token
-    authentication, its workers preloading torch and the rest as docs/CLUSTER.md says), owned by
+    authentication, its workers preloading torch and the rest as docs/CLUSTER.md says, unless not
+    ``preload``: a plain ``ray start``), owned by
     this process: stopped by its own process group at the end, never by ``ray stop``. Yields its
     address."""
     from app.rayenv import PRELOAD_MODULES
 
     env = _env()
-    env.update(RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", RAY_preload_python_modules=",".join(PRELOAD_MODULES),
-               RAY_worker_maximum_startup_concurrency=str(num_cpus))
+    env.update(RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0")
+    if preload:
+        env.update(RAY_preload_python_modules=",".join(PRELOAD_MODULES), RAY_worker_maximum_startup_concurrency=str(num_cpus))
     ray_cli = str(Path(sys.executable).parent / "ray")
     subprocess.run([ray_cli, "get-auth-token", "--generate"], env=env, check=True, capture_output=True, timeout=60)
     port = _free_port()

@@ -218,7 +218,7 @@ class RayConfig(_Section):
     metrics_export_port: int | None = Field(None, ge=1024, le=65535)
     """Port of the embedded Ray's Prometheus endpoint (``/metrics``); default: Ray picks a free one, written to run.json."""
     warm_pool_s: float = Field(600.0, ge=0.0, le=86_400.0)
-    """On a Ray that outlives the run (``ray.address``, ``RAY_ADDRESS``): at its end, start as many idle worker
+    """On a cluster the run joins (``ray.address``, ``RAY_ADDRESS``): at the run's end, start as many idle worker
     processes as it used, for the next run to take (``app.warm``; with ``RAY_preload_python_modules`` on the
     cluster, torch is imported in them already), kept at least this long; 0: none."""
     lease_s: float = Field(1.0, ge=0.05, le=600.0)

@@ -41,7 +41,7 @@ def test_cpr_train_from_a_plain_shell_in_a_run_dir_of_its_own(small_data, tmp_pa
     assert done.returncode == 0, "\n".join(console[-60:])
 
     runs = tmp_path / "runs"
-    [run_dir] = [p for p in runs.iterdir() if p.name != "latest"]
+    [run_dir] = [p for p in runs.iterdir() if p.name not in ("latest", "cache")]  # cache: the default data.cache_dir
     assert (runs / "latest").resolve() == run_dir.resolve()
     report = json.loads((runs / "latest" / "report.json").read_text())
     assert report["steps"] == 60 and len(report["faults_injected"]) == 1

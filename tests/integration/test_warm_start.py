@@ -20,22 +20,24 @@ from .small_runs import small_run_config, train_to_report
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
 
-def _config(tmp_path, data, name: str):
+def _config(tmp_path, data, name: str, address: str):
+    """A short run that joins the session's Ray as a cluster (ray.address): one that outlives it."""
     cfg = small_run_config(tmp_path / name, data, seed=5, steps=4, microbatches=2, call_timeout_s=30,
                            collective_timeout_s=30, checkpoint={"every_steps": None, "final": False}, faults={})
-    return cfg.model_copy(update={"ray": cfg.ray.model_copy(update={"warm_pool_s": 600.0})})
+    return cfg.model_copy(update={"ray": cfg.ray.model_copy(update={"warm_pool_s": 600.0, "address": address})})
 
 
 def test_the_next_run_takes_worker_processes_started_before_it(ray_local, small_data, tmp_path):
-    first = _config(tmp_path, small_data, "first")
+    address = ray_local.get_runtime_context().gcs_address
+    first = _config(tmp_path, small_data, "first", address)
     train_to_report(first)  # its end starts the next run's processes
     # As a user's next run comes: once they wait (they start together, in seconds on 2 cores).
     raylet = psutil.Process(ray_local._private.worker.global_worker.node.all_processes["raylet"][0].process.pid)
-    wanted = sum(here + with_cpus for here, with_cpus in run_processes(first).values())
+    wanted = sum(here + with_cpus for here, with_cpus, _ in run_processes(first).values())
     wait_for_condition(lambda: sum(c.cmdline()[:1] == ["ray::IDLE"] for c in raylet.children()) >= wanted,
                        timeout=60, retry_interval_ms=200)
 
-    cfg = _config(tmp_path, small_data, "second")
+    cfg = _config(tmp_path, small_data, "second", address)
     began = time.time()
     job = TrainingJob(cfg, show_progress=False)
     try:
