@@ -62,6 +62,7 @@ RENDERERS: dict[str, str] = {
     "trainer_failures_scale": "benchmarks.trainer_failures_scale:render",
     "cuda_shard_check": "benchmarks.cuda_shard_check:render",
     "suite": "benchmarks.suite:render",
+    "suite_unit": "benchmarks.suite:render",
     "startup": "benchmarks.startup:render",
     "startup_plain": "benchmarks.startup:render",
     "data": "benchmarks.data_render:render",
