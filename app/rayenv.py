@@ -69,22 +69,19 @@ def ray_system_config() -> dict:
     return {"max_direct_call_object_size": INLINE_OBJECT_BYTES}
 
 
-# Imported by every worker the raylet starts, before it takes work, where a Ray asks for it
-# (``embedded_system_config``; ``ray start`` takes RAY_preload_python_modules): what shards
-# (torch, fbgemm's kernels) and trainers (Ray Train's torch backend, torchft) import. A module
-# that is not there is skipped by Ray (logged in the worker's log).
+# Imported by every worker the raylet starts, before it takes work, on a cluster started with
+# RAY_preload_python_modules set to them (docs/CLUSTER.md): what shards (torch, fbgemm's kernels)
+# and trainers (Ray Train's torch backend, torchft) import. A module that is not there is skipped
+# by Ray (logged in the worker's log). An embedded Ray does not preload (ARCHITECTURE.md#startup).
 PRELOAD_MODULES = ("torch", "fbgemm_gpu", "torchft", "ray.train.torch")
 
 
-def embedded_system_config(num_cpus: int, preload: bool = False) -> dict:
-    """Settings of a Ray started for one run: none of Ray's own idle workers at the first
-    driver (``num_cpus`` of them, for Ray's default environment only: app.warm starts the
-    run's own, as many as it needs, in both of its environments), and those started at once,
-    not two at a time on two cores: the run's processes start together. ``preload``: each
-    worker imports ``PRELOAD_MODULES`` before it waits, for a Ray that outlives one
-    run (the test suite's), where the processes wait long before they are taken."""
-    return {"prestart_worker_first_driver": False, "worker_maximum_startup_concurrency": num_cpus,
-            **({"preload_python_modules": list(PRELOAD_MODULES)} if preload else {})}
+def embedded_system_config(num_cpus: int) -> dict:
+    """Settings of a Ray started here: none of Ray's own idle workers at the first driver
+    (``num_cpus`` of them, for Ray's default environment only: app.warm starts the run's own, as
+    many as it needs, in each of its three environments), and those started at once, not two at
+    a time on two cores: the run's processes start together."""
+    return {"prestart_worker_first_driver": False, "worker_maximum_startup_concurrency": num_cpus}
 
 
 def join_ray(address: str, namespace: str, **kwargs) -> None:
@@ -171,9 +168,8 @@ def check_cluster_fits(cfg: RunConfig, started_here: bool = False) -> None:
     (Ray Train retries a worker group it cannot place), or its leases would outlast Ray's
     verdict on a silent host (``_check_lease``). ``started_here``: this process started the
     Ray (its GCS took this process's settings), so they are read here, not by a task on the head
-    (a worker process to start: a second on the path to the first step)."""
-    period_ms, threshold = _health_checks() if started_here else (None, None)
-    _check_lease(cfg, period_ms * threshold / 1000.0 if started_here else node_death_s(HEAD_PROBE_TIMEOUT_S))
+    (``node_death_s``)."""
+    _check_lease(cfg, node_death_s(HEAD_PROBE_TIMEOUT_S, started_here))
     need = resources_needed(cfg)
     nodes = [n["Resources"] for n in ray.nodes() if n.get("Alive")]
     have = {r: sum(n.get(r, 0.0) for n in nodes) for r in need}
@@ -229,7 +225,7 @@ def _health_checks() -> tuple[int, int]:
     return cfg.health_check_period_ms(), cfg.health_check_failure_threshold()
 
 
-def node_death_s(timeout_s: float) -> float:
+def node_death_s(timeout_s: float, started_here: bool = False) -> float:
     """How long the cluster's GCS waits for a silent node before it declares it dead:
     ``health_check_period_ms`` x ``health_check_failure_threshold`` as the GCS reads them.
 
@@ -237,7 +233,12 @@ def node_death_s(timeout_s: float) -> float:
     them), which no API reports: Ray's ``get_system_config`` holds only ``_system_config``.
     A task on the head node, started by the head's raylet from the same ``ray start``, reads
     both as the GCS does. The driver's own reading could differ (its ``RAY_`` variables change
-    nothing in the cluster)."""
+    nothing in the cluster), except where ``started_here``: this process started the Ray, and its
+    GCS took this process's settings, so they are read here, without a task (a worker process to
+    start: a second on the path to the first step)."""
+    if started_here:
+        period_ms, threshold = _health_checks()
+        return period_ms * threshold / 1000.0
     probe = ray.remote(num_cpus=0, max_retries=0, resources={HEAD_NODE_RESOURCE_NAME: 0.001})(_health_checks)
     ref = probe.remote()
     try:

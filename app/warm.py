@@ -3,17 +3,16 @@ together and, on a Ray that outlives the run, the next run finds them waiting.
 
 Ray gives a new actor an idle worker process of its node when one was started for the same
 runtime environment, else starts one (a Python interpreter, Ray's core worker, then the actor's
-imports: 1-3 s of CPU each here, torch the most). A run needs two kinds: the job's environment
-(supervisor, lighthouse, shards, spares, mirrors), the one Ray Train gives its controller (the
-job's variables, those Ray Train propagates from the driver and its warning switch; the actors
-the controller starts without an environment of their own inherit it: the worker group's
-synchronization actor), and the trainers' (the job's
-variables and those Ray Train propagates). The raylet's ``PrestartWorkers`` call starts idle workers of one
-environment (Ray's own prestart at a raylet's start makes only the default one); with
-``preload_python_modules`` set on the raylet (``ray start`` takes it as
-``RAY_preload_python_modules``, a Ray started here from ``app.rayenv``) each imports torch and
-the rest before it waits. A worker started here that dies is a process that died: the actor
-that would have taken it gets a new one from Ray, as without this module.
+imports: 1-3 s of CPU each here, torch the most). A run's actors come in three environments: the
+job's (supervisor, lighthouse, shards, spares, mirrors); the one Ray Train gives its controller
+(the job's variables, those Ray Train propagates from the driver and its warning switch), which
+the synchronization actor the controller starts inherits; and the trainers', the same variables
+merged by Ray's core worker, and so written otherwise (``_serialized``). The raylet's
+``PrestartWorkers`` call starts idle workers of one environment (Ray's own prestart makes only
+the default one); on a cluster whose nodes set ``RAY_preload_python_modules``
+(``app.rayenv.PRELOAD_MODULES``) each imports torch and the rest before it waits. A worker
+started here that dies is a process that died: the actor that would have taken it gets a new
+one from Ray, as without this module.
 """
 
 from __future__ import annotations
@@ -81,10 +80,10 @@ def shares(count: int, cpus: dict[str, float], each: float) -> dict[str, int]:
     return {node: n for node, n in out.items() if n}
 
 
-def _env_info(env_vars: dict[str, str], serialized: str):
-    """The runtime environment ``env_vars`` as a raylet tells worker environments apart: by the
-    exact string ``serialized``."""
-    info = get_runtime_env_info(RuntimeEnv(env_vars=env_vars), is_job_runtime_env=False, serialize=False)
+def _env_info(serialized: str):
+    """The runtime environment ``serialized`` (its URIs with it), kept as that exact string: a
+    raylet tells worker environments apart by it."""
+    info = get_runtime_env_info(RuntimeEnv.deserialize(serialized), is_job_runtime_env=False, serialize=False)
     info.serialized_runtime_env = serialized
     return info
 
@@ -110,9 +109,7 @@ def prestart(cfg: RunConfig, keep_alive_s: float) -> int:
     try:
         context = ray.get_runtime_context()
         job_env = dict((context.runtime_env or {}).get("env_vars") or {})
-        train = train_env_vars(job_env)
-        envs = {"job": job_env, "controller": train, "trainer": train}
-        strings = _serialized(context.get_runtime_env_string() if context.runtime_env else "", train)
+        strings = _serialized(context.get_runtime_env_string() if context.runtime_env else "", train_env_vars(job_env))
         here = context.get_node_id()
         nodes = {n["NodeID"]: n for n in ray.nodes() if n.get("Alive")}
     except Exception as err:  # noqa: BLE001 - a missed head start, not a failure of the run
@@ -132,7 +129,7 @@ def prestart(cfg: RunConfig, keep_alive_s: float) -> int:
             stub = node_manager_pb2_grpc.NodeManagerServiceStub(init_grpc_channel(address))
             for kind, count in kinds.items():
                 # No string: Ray's default environment, sent as no runtime_env_info at all.
-                env = {"runtime_env_info": _env_info(envs[kind], strings[kind])} if strings[kind] else {}
+                env = {"runtime_env_info": _env_info(strings[kind])} if strings[kind] else {}
                 calls.append((address, stub.PrestartWorkers.future(node_manager_pb2.PrestartWorkersRequest(
                     language=common_pb2.Language.PYTHON, num_workers=count,
                     keep_alive_duration_secs=math.ceil(keep_alive_s), **env), timeout=PRESTART_TIMEOUT_S)))
