@@ -109,7 +109,7 @@ class ShardSaving:
         t0 = time.perf_counter()
         self._pending.clear()  # a restore that fails midway must leave no lookup to apply over it
         self._complete = None
-        found = restore_shard(CheckpointStore(uri), self.shard_id, steps, why)
+        found = restore_shard(CheckpointStore(uri), self.shard_id, steps, why, self.slices)
         fallbacks = tuple(CheckpointFallback(step=s, reason=r, removed=gone) for s, r, gone in found.fallbacks)
         used, parts = found.steps, found.parts
         if not used:

@@ -11,23 +11,48 @@ from app.dataprep import DataInputs, train_identity
 from core.checkpoint import newest_position, other_data
 from core.checkpoint.reader import CheckpointReader
 from core.config import RunConfig, load_config
-from core.errors import ConfigError
+from core.errors import CheckpointCorrupt, CheckpointNotFound, ConfigError
 from core.journal import refuse_old_journal
 
-__all__ = ["refuse_other_data", "resume_config"]
+__all__ = ["PLAN_FIELDS", "refuse_other_data", "resume_config"]
 
 
-def resume_config(run_dir: str, verify_data: bool = False) -> RunConfig:
+# What a resume may change: the rows go back to the shards of the new plan from the
+# checkpoint's files, whatever plan wrote them (core.checkpoint.reader.read_slices).
+PLAN_FIELDS = ("embeddings.num_shards", "embeddings.sharding")
+
+
+def resume_config(run_dir: str, verify_data: bool = False, plan: dict | None = None) -> RunConfig:
     """The config a run was started with, saved in its run directory (``verify_data``: with
-    data.verify_data set, which reads the inputs again and changes nothing they make)."""
+    data.verify_data set, which reads the inputs again and changes nothing they make), with
+    ``plan``'s fields (of ``PLAN_FIELDS``, as ``--set`` gives them) changed: a resume on
+    another number of shards, or another sharding."""
     path = Path(run_dir) / "config.yaml"
     if not path.exists():
         raise ConfigError(f"--resume {run_dir}: no config.yaml there; is it a run directory?")
     refuse_old_journal(Path(run_dir))  # another version's journal: refused before anything starts
-    cfg = load_config(path)
+    if other := sorted(set(plan or {}) - set(PLAN_FIELDS)):
+        raise ConfigError(f"--resume {run_dir}: {other[0]} cannot change on a resume (only {', '.join(PLAN_FIELDS)})")
+    cfg = load_config(path, plan or None)
+    if plan and cfg.checkpoint.stored:
+        _refuse_unrecorded_plan(cfg)
     if verify_data:
         cfg = cfg.model_copy(update={"data": cfg.data.model_copy(update={"verify_data": True})})
     return cfg
+
+
+def _refuse_unrecorded_plan(cfg: RunConfig) -> None:
+    """A checkpoint made before manifests recorded their plan cannot say which rows each file
+    holds: a resume of one keeps the run's plan."""
+    reader = CheckpointReader(cfg.checkpoint_uri)
+    for step in reader.list_committed():
+        try:
+            recorded = reader.plan(reader.info(step))
+        except (CheckpointCorrupt, CheckpointNotFound):
+            continue  # not one a restore will use
+        if recorded is None:
+            raise ConfigError(f"checkpoint step {step} does not record its sharding plan (an older version wrote it): "
+                              f"resume without --set {PLAN_FIELDS[0]} or {PLAN_FIELDS[1]}")
 
 
 def refuse_other_data(cfg: RunConfig, inputs: DataInputs) -> None:

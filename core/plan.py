@@ -11,7 +11,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["TableSlice", "ShardingPlan", "ShardBatch", "make_plan", "slice_offsets", "shard_row_ids"]
+__all__ = [
+    "ShardBatch", "ShardingPlan", "TableSlice", "make_plan", "overlapping", "plan_from_json", "plan_to_json",
+    "shard_row_ids", "slice_offsets",
+]
 
 
 @dataclass(frozen=True)
@@ -45,9 +48,13 @@ class ShardBatch:
 
 @dataclass(frozen=True)
 class ShardingPlan:
+    """Which rows each shard holds. ``generation`` numbers the plans of one run: a plan that
+    replaces another (a resume on another shard count, a move of rows) has the next one."""
+
     kind: str
     table_rows: tuple[int, ...]
     shards: tuple[tuple[TableSlice, ...], ...]
+    generation: int = 0
 
     @property
     def num_shards(self) -> int:
@@ -164,3 +171,26 @@ def make_plan(kind: str, table_rows: list[int], num_shards: int) -> ShardingPlan
     else:
         raise ValueError(f"sharding must be table_wise or row_wise, got {kind!r}")
     return ShardingPlan(kind, tuple(table_rows), tuple(tuple(s) for s in per_shard))
+
+
+def plan_to_json(plan: ShardingPlan) -> dict:
+    """The plan as a checkpoint's manifest records it: which rows each shard file holds."""
+    return {
+        "kind": plan.kind,
+        "generation": plan.generation,
+        "table_rows": list(plan.table_rows),
+        "shards": [[[s.table, s.row_start, s.row_end] for s in slices] for slices in plan.shards],
+    }
+
+
+def plan_from_json(doc: dict) -> ShardingPlan:
+    """``plan_to_json``'s inverse. Raises ValueError (KeyError, TypeError) on a malformed record."""
+    shards = tuple(tuple(TableSlice(int(t), int(a), int(b)) for t, a, b in slices) for slices in doc["shards"])
+    return ShardingPlan(str(doc["kind"]), tuple(int(r) for r in doc["table_rows"]), shards, int(doc["generation"]))
+
+
+def overlapping(plan: ShardingPlan, slices) -> list[int]:
+    """The shards of ``plan`` holding any row of ``slices``, ascending."""
+    wanted = [(s.table, s.row_start, s.row_end) for s in slices]
+    return [k for k, held in enumerate(plan.shards)
+            if any(h.table == t and h.row_start < b and a < h.row_end for h in held for t, a, b in wanted)]

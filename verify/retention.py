@@ -47,7 +47,7 @@ def removed_problems(record: dict, shards: int | None) -> list[str]:
     files = manifest.get("files")
     if manifest.get("step") != step or not isinstance(files, dict):
         return [f"{where}: removed by retention with a manifest of step {manifest.get('step')} listing {files!r:.80}"]
-    out = files_missing(step, files, shards)
+    out = files_missing(step, files, shards, manifest)
     for name, entry in sorted(files.items()):
         seen = found.get(name)
         if not isinstance(entry, dict):

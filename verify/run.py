@@ -125,18 +125,23 @@ def _contradictions(report: dict) -> list[str]:
 
 def _check_lost(run: RunFiles, report: dict, spans, store: Store, cache: DataCache, schedule, v: list[str]) -> float:
     """The report's lost samples, per failure and in total, against the recount."""
-    slices = {}
+    slices = {}  # (shard, generation) -> the rows it held: a resume on another plan changes them
     for k, files in run.shards.items():
-        opened = [r["slices"] for f in files for r in f.records if r.get("event") == "open"]
-        if opened:
-            slices[k] = opened[0]
+        for f in files:
+            opened = [r["slices"] for r in f.records if r.get("event") == "open" and f.kind != "mirror"]
+            if opened:
+                slices.setdefault((k, f.gen or 0), opened[0])
     mine: dict[tuple[int, int], float] = defaultdict(float)
     for span in spans:
-        if span.shard not in slices:
-            v.append(f"shard {span.shard} wrote no open line naming its rows: its lost samples cannot be recounted")
+        # A promoted mirror's generation opened no shard log: it held its primary's rows.
+        before = [g for k, g in slices if k == span.shard and g <= span.generation]
+        held = slices[(span.shard, max(before))] if before else None
+        if held is None:
+            v.append(f"shard {span.shard} generation {span.generation} wrote no open line naming its rows: its lost "
+                     "samples cannot be recounted")
             continue
         try:
-            mine[(span.shard, span.generation)] = recount_lost(span, slices[span.shard], store, cache, schedule,
+            mine[(span.shard, span.generation)] = recount_lost(span, held, store, cache, schedule,
                                                               run.config["model"])
         except (OSError, ValueError, KeyError) as err:
             v.append(f"shard {span.shard} generation {span.generation}: its lost samples cannot be recounted "

@@ -11,7 +11,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.fs as pafs
 
-__all__ = ["Store", "DENSE_FILE", "files_missing", "shard_file"]
+__all__ = ["Store", "DENSE_FILE", "files_missing", "plan_slices", "shard_file"]
 
 _STEP_DIR = re.compile(r"^ckpt-(\d{12})$")
 _FENCED_DIR = re.compile(r"^ckpt-(\d{12})-(\d+)$")
@@ -25,10 +25,25 @@ def shard_file(k: int) -> str:
     return f"shard-{k}.arrow"
 
 
-def files_missing(step: int, files: dict, shards: int | None) -> list[str]:
+def plan_slices(manifest: dict) -> list[list[tuple[int, int, int]]] | None:
+    """The rows each shard file holds, ``[(table, row_start, row_end), ...]`` per shard, as the
+    manifest's plan records them; None where it records none (an older writer) or not as a list
+    of shards of such triples."""
+    plan = (manifest.get("meta") or {}).get("plan") if isinstance(manifest, dict) else None
+    try:
+        return [[(int(t), int(a), int(b)) for t, a, b in shard] for shard in plan["shards"]]
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+def files_missing(step: int, files: dict, shards: int | None, manifest: dict | None = None) -> list[str]:
     """What a checkpoint of a run of ``shards`` shards must hold and whose manifest ``files``
     does not list: the dense state and every shard's file (a shard writes one in every save,
-    its rows or none of them). ``shards`` None: not checked."""
+    its rows or none of them). A ``manifest`` that records its plan says how many shards wrote
+    it (a resume may have changed the run's number since). ``shards`` None: not checked."""
+    recorded = plan_slices(manifest) if manifest is not None else None
+    if recorded is not None:
+        shards = len(recorded)
     if shards is None:
         return []
     wanted = [DENSE_FILE] + [shard_file(k) for k in range(shards)]
@@ -86,6 +101,11 @@ class Store:
             return None
         return info.mtime.timestamp()
 
+    def shard_files(self, step: int) -> list[int]:
+        """The shards whose file the manifest of ``step`` lists, ascending."""
+        names = self.manifest(step).get("files") or {}
+        return sorted(int(m.group(1)) for n in names if (m := re.fullmatch(r"shard-(\d+)\.arrow", n)))
+
     def manifest(self, step: int) -> dict:
         with self.fs.open_input_stream(self._path(step, "manifest.json")) as f:
             return json.loads(f.read())
@@ -103,7 +123,7 @@ class Store:
             return [f"checkpoint {step}: its manifest names step {manifest.get('step')}"]
         if not isinstance(files, dict):
             return [f"checkpoint {step}: its manifest's files are not a mapping"]
-        out = files_missing(step, files, shards)
+        out = files_missing(step, files, shards, manifest)
         for name, entry in sorted(files.items()):
             algo, _, digest = str(entry.get("checksum", "")).partition(":")
             m = _ALGO.fullmatch(algo)

@@ -21,6 +21,8 @@ from actors.supervisor.machine import TERMINAL, ResumeRequested, StopRequested
 from actors.supervisor.restart import continue_history, rebuild
 from actors.supervisor.summary import run_summary
 from core.checkpoint import other_data, read_position
+from core.checkpoint.plans import plan_after, same_rows
+from core.checkpoint.reader import CheckpointReader
 from core.codec import encode
 from core.config import config_from_dict
 from core.errors import ConfigError
@@ -66,11 +68,6 @@ class Supervisor:
         run_dir = Path(cfg.run_dir).resolve()
         configure_process_logging(run_dir / LOG_DIR, "supervisor", ray.util.get_node_ip_address())
         tr = cfg.training
-        inputs = RunInputs(
-            cfg, run_id, run_dir, make_plan(cfg.embeddings.sharding, cfg.model.rows_per_table, cfg.embeddings.num_shards),
-            StepSchedule.from_config(num_microbatches, tr.microbatches_per_step, tr.epochs, tr.max_steps, cfg.seed),
-            train_cache, eval_cache,
-        )
         journal = Journal(run_dir)
         previous = journal.load() if journal.exists() else None
         if previous is not None and previous.get("format") != JOURNAL_FORMAT:
@@ -82,6 +79,15 @@ class Supervisor:
         if previous is not None and use is None:
             logger.warning("the journal in %s is run %s's, not this run's (%s): it is not used", run_dir,
                            previous.get("run_id"), run_id)
+        self._written_plan = None
+        plan = make_plan(cfg.embeddings.sharding, cfg.model.rows_per_table, cfg.embeddings.num_shards)
+        if use is not None and cfg.checkpoint.stored:  # a resume on another plan starts its next generation
+            plan, self._written_plan = plan_after(CheckpointReader(cfg.checkpoint_uri), plan)
+        inputs = RunInputs(
+            cfg, run_id, run_dir, plan,
+            StepSchedule.from_config(num_microbatches, tr.microbatches_per_step, tr.epochs, tr.max_steps, cfg.seed),
+            train_cache, eval_cache,
+        )
         self._p: Parts = assemble(inputs, self._crashed, fresh_files=use is None)
         if use == "rebuild":
             self._rebuild(previous)
@@ -155,10 +161,25 @@ class Supervisor:
                     f"checkpoint step {chain[-1]} was made with {key}={getattr(position, key)}, the config now "
                     f"gives {getattr(expected, key)}; resume with the run's own config"
                 )
+        self._record_plan_change(chain[-1])
         p.controller.transition(ResumeRequested(chain[-1], chain))
         p.controller.wait_settled(p.deadlines.supervisor_wait_s)  # inner_s("restore") = this + the verification
         p.checkpoints.targets.release("resume")
         return p.controller.resume_point()
+
+    def _record_plan_change(self, step: int) -> None:
+        """A resume whose plan is not the one checkpoint ``step`` was written under: the rows
+        go to the shards of the new plan as they load (each reads the files holding its rows)."""
+        p = self._p
+        written = p.checkpoints.store.plan(p.checkpoints.store.info(step))
+        now = p.inputs.plan
+        if written is None or same_rows(written, now):
+            return
+        p.events.record(
+            "plan_changed", step=step, why="resume", generation=now.generation, previous_generation=written.generation,
+            shards=now.num_shards, previous_shards=written.num_shards, sharding=now.kind,
+            previous_sharding=written.kind, rows=[now.shard_rows(k) for k in range(now.num_shards)],
+        )
 
     # ------------------------------------------------------------------ trainers
 

@@ -135,7 +135,7 @@ def assemble(inputs: RunInputs, on_crash: Callable[[str, BaseException], None], 
     hooks.add(RunLogHook(run_log))
     hooks.add(MetricsHook(RunMetrics(run_id, trainers.samples_per_step), trainers.failure_of))
     audit = str(inputs.run_dir / "audit") if cfg.audit_log else None
-    checkpoints = CheckpointCoordinator(cfg, n, costs, events.record, trainers.step_time_s, hooks, start_thread,
+    checkpoints = CheckpointCoordinator(cfg, inputs.plan, costs, events.record, trainers.step_time_s, hooks, start_thread,
                                         keep=trainers.pinned, policy=policy, fail=lambda reason: controller.fail(reason),
                                         audit_dir=audit)
 

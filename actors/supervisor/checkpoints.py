@@ -33,6 +33,7 @@ from core.checkpoint.removal_log import RemovalLog
 from core.config import RunConfig
 from core.deadlines import Deadline, Deadlines
 from core.errors import CheckpointCorrupt, CheckpointNotFound, ConfigError
+from core.plan import ShardingPlan, plan_to_json
 from core.records import SaveRequest, SaveResult, WrittenPart
 from policies import FailurePolicy, IntervalController
 
@@ -50,7 +51,7 @@ class CheckpointCoordinator(SaveSchedule):
     def __init__(
         self,
         cfg: RunConfig,
-        num_shards: int,
+        plan: ShardingPlan,
         costs: SharedCosts,
         record_event: Callable[..., dict],
         step_time_s: Callable[[], float | None],
@@ -74,7 +75,8 @@ class CheckpointCoordinator(SaveSchedule):
             audit_removal=RemovalLog(audit_dir) if audit_dir is not None else None, keep_fenced=audit_dir is not None,
         ) if ck.stored else None
         self.costs = costs
-        self.controller = IntervalController(cfg.recovery, costs, num_shards, ck.pls_target)
+        self.plan = plan  # recorded in every manifest: which rows each shard file holds
+        self.controller = IntervalController(cfg.recovery, costs, plan.num_shards, ck.pls_target)
         self.record_event = record_event
         self.step_time_s = step_time_s
         self.hooks = hooks
@@ -341,7 +343,8 @@ class CheckpointCoordinator(SaveSchedule):
         info = self.store.commit(
             step, [job.dense_entry, job.position_entry] + [w.entry for w in written],
             kind=FULL if full else INCREMENTAL, base_step=None if full else self.last_full_step,
-            meta={"run_id": job.run_id, "save_index": self.save_index, "policy": self.cfg.checkpoint.policy},
+            meta={"run_id": job.run_id, "save_index": self.save_index, "policy": self.cfg.checkpoint.policy,
+                  "plan": plan_to_json(self.plan)},
         )
         # Phase two: the shards may now count the rows they wrote as saved. A shard that died
         # meanwhile is being recovered anyway.

@@ -86,10 +86,12 @@ class ServingFleet:
     def continue_from(self, doc: dict, shard_name: Callable[[int, int], str]) -> None:
         """``--resume``: the first fleet of a new attempt takes the generations after the last
         attempt's, so that no generation of a shard (its audit log, its actor's name) is used twice
-        in a run directory."""
-        if len(doc["next_gens"]) == self.n:
-            self.gens, self.next_gens = list(doc["next_gens"]), list(doc["next_gens"])
-            self.names = [shard_name(k, g) for k, g in enumerate(self.gens)]
+        in a run directory. A resume on more shards than the last attempt's starts the new
+        shards at generation 0; one on fewer leaves the last ones out."""
+        last = list(doc["next_gens"])
+        self.gens = [last[k] if k < len(last) else 0 for k in range(self.n)]
+        self.next_gens = list(self.gens)
+        self.names = [shard_name(k, g) for k, g in enumerate(self.gens)]
 
     def load(self, doc: dict) -> None:
         self.gens, self.next_gens = list(doc["gens"]), list(doc["next_gens"])

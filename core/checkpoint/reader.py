@@ -25,6 +25,7 @@ from core.checkpoint.files import (
 )
 from core.checkpoint.checksum import checksum_of, new_hasher
 from core.checkpoint.manifest import checksum_algo, manifest_from_json
+from core.checkpoint.plans import read_slices, recorded_plan
 from core.checkpoint.rows import ShardRows, merge_shard_rows, rows_from_batch
 from core.errors import CheckpointCorrupt, CheckpointNotFound
 
@@ -124,6 +125,10 @@ class CheckpointReader:
         batch = batches[0] if len(batches) == 1 else pa.concat_batches(batches)
         return rows_from_batch(batch, step, name)
 
+    def plan(self, info: CheckpointInfo):
+        """The plan ``info``'s shard files were written under (``plans.recorded_plan``)."""
+        return recorded_plan(info)
+
     def read_blob(self, step: int, name: str) -> bytes:
         """The bytes of blob ``name`` of ``step``, after checking its size and checksum."""
         return self._read_verified(step, name).to_pybytes()
@@ -171,9 +176,13 @@ class CheckpointReader:
             raise CheckpointCorrupt(f"shard {shard_id} has different embedding dims across steps: {dims}")
         return merge_shard_rows(parts)
 
-    def shard_chain(self, shard_id: int, upto_step: int | None = None) -> tuple[list[int], list[ShardRows]]:
+    def shard_chain(
+        self, shard_id: int, upto_step: int | None = None, slices: Sequence | None = None
+    ) -> tuple[list[int], list[ShardRows]]:
         """The newest restorable state of ONE shard, reading and verifying only that shard's
         files: each file is read once, its checksum checked on the bytes read, and used.
+        ``slices``: the shard's rows under the plan now; a checkpoint of another plan gives
+        them from the files that hold them (``core.checkpoint.plans.read_slices``).
 
         ``chain_steps``'s rule (newest valid full at or before ``upto_step``, then its
         incrementals, stopping before the first bad one), except that only ``shard_id``'s
@@ -184,7 +193,7 @@ class CheckpointReader:
         parts: dict[int, ShardRows] = {}
 
         def read(info: CheckpointInfo) -> None:
-            parts[info.step] = self.read_shard(info.step, shard_id)
+            parts[info.step] = read_slices(self, info, shard_id, slices)
 
         steps = self._chain(upto_step, read, record=True)
         return steps, [parts[s] for s in steps]

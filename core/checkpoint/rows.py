@@ -12,7 +12,9 @@ import pyarrow as pa
 
 from core.errors import CheckpointCorrupt
 
-__all__ = ["SCHEMA_NAMES", "ShardRows", "merge_shard_rows", "rows_from_batch", "to_record_batch", "warm_up"]
+__all__ = [
+    "SCHEMA_NAMES", "ShardRows", "merge_shard_rows", "rows_from_batch", "rows_within", "to_record_batch", "warm_up",
+]
 
 SCHEMA_NAMES = ("table", "row", "weights", "momentum")
 
@@ -140,3 +142,13 @@ def merge_shard_rows(parts: Sequence[ShardRows]) -> ShardRows:
         momentum=np.concatenate([p.momentum for p in parts])[keep],
     )
 
+
+
+def rows_within(data: ShardRows, slices) -> ShardRows:
+    """The rows of ``data`` that fall in ``slices`` (TableSlice: table, [row_start, row_end))."""
+    keep = np.zeros(len(data), dtype=bool)
+    for s in slices:
+        keep |= (data.tables == s.table) & (data.rows >= s.row_start) & (data.rows < s.row_end)
+    if keep.all():
+        return data
+    return ShardRows(data.tables[keep], data.rows[keep], data.weights[keep], data.momentum[keep])

@@ -33,8 +33,12 @@ class ShardRestore:
     initial_rows_reason: str | None  # set exactly when ``steps`` is []
 
 
-def restore_shard(reader: CheckpointReader, shard_id: int, given: Sequence[int], why: str) -> ShardRestore:
-    """The chain of ``shard_id``'s own files to restore (``CheckpointReader.shard_chain``).
+def restore_shard(
+    reader: CheckpointReader, shard_id: int, given: Sequence[int], why: str, slices: Sequence | None = None
+) -> ShardRestore:
+    """The chain of ``shard_id``'s own files to restore (``CheckpointReader.shard_chain``);
+    with ``slices`` (its rows under the plan now), a checkpoint of another plan gives them
+    from the files that hold them.
 
     A partial recovery (``why`` "recovery") takes the newest valid chain at load time, even a
     newer one than ``given``: a save that committed after the death was snapshotted before it,
@@ -53,7 +57,7 @@ def restore_shard(reader: CheckpointReader, shard_id: int, given: Sequence[int],
     if why != RECOVERY and not given:
         return ShardRestore([], [], gone, ROLLBACK_TO_START)
     upto = None if why == RECOVERY else given[-1]
-    steps, parts = reader.shard_chain(shard_id, upto)
+    steps, parts = reader.shard_chain(shard_id, upto, slices)
     fallbacks = gone + [(s, r, s in reader.removed_steps) for s, r in reader.fallbacks]
     if steps:
         return ShardRestore(steps, parts, fallbacks, None)

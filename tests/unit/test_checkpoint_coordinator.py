@@ -47,7 +47,7 @@ def _coordinator(cfg, clock=lambda: 0.0, mtbf_s=100.0, start_s=0.0, hooks: RunHo
     def start_thread(name, fn, *args):
         return start_guarded(name, fn, lambda thread, err: crashes.append((thread, err)), *args)
 
-    c = CheckpointCoordinator(cfg, 2, costs, lambda kind, **f: events.append({"kind": kind, **f}), lambda: 0.1,
+    c = CheckpointCoordinator(cfg, _plan(cfg), costs, lambda kind, **f: events.append({"kind": kind, **f}), lambda: 0.1,
                               hooks, start_thread, clock=clock, policy=FailurePolicy(cfg.budgets.limits()),
                               fail=lambda reason: crashes.append(("fail", reason)))
     return c, events
@@ -122,3 +122,10 @@ def test_a_save_snapshotted_when_the_supervisor_died_is_due_again_at_once(tmp_pa
     # The restarted supervisor never commits step 20: the next save is due right away.
     assert restarted.next_checkpoint_step == 21 and restarted.in_flight_step is None
     assert CheckpointStore(cfg.checkpoint_uri).list_committed() == []
+
+
+def _plan(cfg):
+    """The plan of a run of ``cfg`` on two shards (the manifests record it)."""
+    from core.plan import make_plan
+
+    return make_plan(cfg.embeddings.sharding, cfg.model.rows_per_table, 2)

@@ -37,7 +37,7 @@ def _coordinator(tmp_path, pinned=set):
     cfg = config_from_dict({"run_dir": str(tmp_path), "data": {"train": ["x"], "eval": ["y"]},
                             "checkpoint": {"keep_last": 1, "every_steps": 10}})
     costs = SharedCosts(OnlineCostModel(mtbf_s=100.0, save_cost_s=1.0, load_cost_s=1.0, reschedule_cost_s=1.0))
-    return CheckpointCoordinator(cfg, 2, costs, lambda kind, **f: {}, lambda: 0.1, HookList(),
+    return CheckpointCoordinator(cfg, _plan(cfg), costs, lambda kind, **f: {}, lambda: 0.1, HookList(),
                                  lambda *a: None, keep=pinned, policy=FailurePolicy(BudgetLimits()),
                                  fail=lambda reason: None)
 
@@ -187,3 +187,10 @@ def test_a_save_that_committed_after_the_journals_last_write_is_the_schedules_ne
     c.load({"save_index": 1, "last_full_step": 10, "last_checkpoint_step": 10, "next_checkpoint_step": 20,
             "interval_steps_in_use": 10, "in_flight_step": 20})
     assert (c.last_checkpoint_step, c.last_full_step) == (20, 20)
+
+
+def _plan(cfg):
+    """The plan of a run of ``cfg`` on two shards (the manifests record it)."""
+    from core.plan import make_plan
+
+    return make_plan(cfg.embeddings.sharding, cfg.model.rows_per_table, 2)

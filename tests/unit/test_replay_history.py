@@ -60,7 +60,8 @@ def test_a_shard_load_takes_effect_at_the_first_step_its_generation_served():
     h = read_history(_run([], {1: [g1, mirror]}), M)
     [load] = h.shard_loads
     assert (load.shard, load.generation, load.chain, load.first_step) == (1, 1, [20], 26)
-    assert h.slices == {1: [(0, 0, 10)]} and h.applies == {(26, (0, 0)): [(1, "shard-1-g1.jsonl", "r")]}
+    assert h.slices == {(1, 1): [(0, 0, 10)]} and h.applies == {(26, (0, 0)): [(1, 1, "shard-1-g1.jsonl", "r")]}
+    assert h.slices_of(1) == h.slices_of(1, 1) == [(0, 0, 10)] and h.slices_of(1, 0) == []
     assert not h.accelerated
 
 
@@ -128,7 +129,9 @@ def test_a_checkpoint_reached_again_after_a_rollback_is_judged_by_its_last_compa
     monkeypatch.setattr(engine, "saved_dense", lambda store, step, directory=None: ([], [], []))
     r = object.__new__(engine.Replay)
     r.history, r.unknown, r._snap_shard, r._snap_dense, r._snapshots = SimpleNamespace(slices={}), False, set(), set(), {}
-    r.saved, r.damage, r.store, r.model, r.optimizer = {20: 100.0}, [], None, None, None
+    r.saved, r.damage, r.model, r.optimizer = {20: 100.0}, [], None, None
+    r.store = SimpleNamespace(shard_files=lambda step: [])  # a checkpoint of the dense model alone
+    r.files = SimpleNamespace(ok=lambda step, name, loaded_at=None: True)
     r.tolerance, r.result, r._at_boundary = engine.Tolerance(), engine.ReplayResult(), {}
     r._reached(20, 50.0)
     r._reached(20, 90.0)

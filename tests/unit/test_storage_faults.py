@@ -123,7 +123,7 @@ def _coordinator(tmp_path, storage: Storage, run: Run, record_event, max_failed_
     costs = SharedCosts(OnlineCostModel(mtbf_s=100.0, save_cost_s=1.0, load_cost_s=1.0, reschedule_cost_s=1.0,
                                         start_s=0.0))
     c = CheckpointCoordinator(
-        cfg, 2, costs, record_event, lambda: 0.1, storage,
+        cfg, _plan(cfg), costs, record_event, lambda: 0.1, storage,
         lambda name, fn, *args: start_guarded(name, fn, run.crashed, *args),
         policy=FailurePolicy(cfg.budgets.limits()), fail=run.fail,
     )
@@ -343,3 +343,10 @@ def test_a_failed_save_removes_what_it_wrote(tmp_path, no_ray):
     c.drain()
     assert [e["kind"] for e in events] == ["checkpoint_failed"]
     assert c.store.list_committed() == [] and not list(c.store._scan()[1]), "an uncommitted save's files are left"
+
+
+def _plan(cfg):
+    """The plan of a run of ``cfg`` on two shards (the manifests record it)."""
+    from core.plan import make_plan
+
+    return make_plan(cfg.embeddings.sharding, cfg.model.rows_per_table, 2)

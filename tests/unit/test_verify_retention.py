@@ -139,7 +139,7 @@ def _coordinator(run_dir: Path, audit_log: bool):
     cfg = config_from_dict({"run_dir": str(run_dir), "data": {"train": ["x"], "eval": ["y"]}, "audit_log": audit_log,
                             "checkpoint": {"keep_last": 1, "every_steps": 10}})
     costs = SharedCosts(OnlineCostModel(mtbf_s=100.0, save_cost_s=1.0, load_cost_s=1.0, reschedule_cost_s=1.0))
-    return CheckpointCoordinator(cfg, 2, costs, lambda kind, **f: {}, lambda: 0.1, HookList(), lambda *a: None,
+    return CheckpointCoordinator(cfg, _plan(cfg), costs, lambda kind, **f: {}, lambda: 0.1, HookList(), lambda *a: None,
                                  policy=FailurePolicy(BudgetLimits()), fail=lambda reason: None,
                                  audit_dir=str(run_dir / "audit") if audit_log else None)
 
@@ -153,3 +153,10 @@ def test_the_supervisors_retention_records_what_it_removes_only_with_an_audit_lo
         assert (run_dir / "audit" / "retention.jsonl").exists() == audit_log
     assert [r.get("step") for r in _records(tmp_path / "audited")] == [None, 10]
     assert check_removed(_run(tmp_path / "audited")) == []
+
+
+def _plan(cfg):
+    """The plan of a run of ``cfg`` on two shards (the manifests record it)."""
+    from core.plan import make_plan
+
+    return make_plan(cfg.embeddings.sharding, cfg.model.rows_per_table, 2)

@@ -31,6 +31,7 @@ from verify.replay.compare import Tolerance, dense_problems, rows_problems
 from verify.replay.data import DataCache, train_store
 from verify.replay.dense import DenseDLRM, adagrad
 from verify.replay.history import Commit, DenseLoad, History, ShardLoad, read_history
+from verify.replay.loaded import CLOCK_SLACK_S, LoadedFiles
 from verify.replay.saved import saved_dense, saved_rows
 from verify.replay.schedule import Schedule
 from verify.replay.tables import Tables, dense_digest
@@ -39,9 +40,6 @@ from verify.store import Store
 __all__ = ["ReplayResult", "replay_run", "replay_dir"]
 
 NUM_DENSE, NUM_SPARSE = 13, 26
-# A manifest's time is its storage's clock (object stores keep whole seconds); a commit's, the
-# trainer's: within this much they may be either way round.
-CLOCK_SLACK_S = 1.0
 
 
 @dataclass
@@ -75,6 +73,8 @@ class Replay:
         self.seed = int(cfg.get("seed", 0))
         self.tolerance = tolerance or Tolerance()
         self.history: History = read_history(run, self.m)
+        # The shards every reload after an unknown state must cover: those of the run's last plan.
+        self._shards_now = set(range(int(cfg["embeddings"]["num_shards"]))) & self.history.shards()
         model, emb = cfg["model"], cfg["embeddings"]
         self.tables = Tables(list(cache.table_rows), int(model["embedding_dim"]), float(emb["learning_rate"]),
                              float(emb["eps"]))
@@ -85,15 +85,15 @@ class Replay:
         self.initial_dense = copy.deepcopy((self.model.state_dict(), self.optimizer.state_dict()))
         self.saved = {s: self.store.commit_time(s) for s in self.store.committed()}
         self.damage = planted_damage(run)  # files the fault injector damaged on purpose
+        self.files = LoadedFiles(self.store, self.saved, self.damage, self.history)
         # A load reads a checkpoint's file where it still holds what the load read; else (removed,
         # damaged since, saved again after a rollback) the replay's own state at that boundary,
         # kept for the purpose: the base of a chain only (an increment's rows are known only
         # from its file).
-        self.fenced = self.store.fenced()
-        self._snap_shard = {(load.chain[0], load.shard) for load in self.history.shard_loads
-                            if load.chain and self._source(load.chain[0], f"shard-{load.shard}.arrow", load.t) is None}
+        self._snap_shard = {(load.chain[0], load.shard, load.generation) for load in self.history.shard_loads
+                            if load.chain and self.files.read(load, load.chain[0])[1] is not None}
         self._snap_dense = {d.step for d in self.history.dense_loads
-                            if d.step > 0 and self._source(d.step, "dense.pt", d.t) is None}
+                            if d.step > 0 and self.files.source(d.step, "dense.pt", d.t) is None}
         self._snapshots: dict[tuple, object] = {}
         # After a load it could not replay, nothing is compared until every shard and the dense
         # model were loaded again (a rollback): every later state depends on the unknown one.
@@ -108,7 +108,11 @@ class Replay:
         self._loaded_now: list[str] = []  # the shard loads that took effect before the step in hand
 
     def _initialize_all(self) -> None:
-        for slices in self.history.slices.values():
+        """The rows before training, as the run's first plan drew them (a slice's rows depend on
+        its bounds): the logs opened first last, so that theirs win where a resume on another
+        plan cut the tables otherwise."""
+        opened = self.history.opened
+        for key, slices in sorted(self.history.slices.items(), key=lambda kv: -opened.get(kv[0], 0.0)):
             for table, start, end in slices:
                 self.tables.initialize(self.seed, table, start, end)
 
@@ -148,27 +152,6 @@ class Replay:
                 self._loaded_now.append(f"shard {load.shard} generation {load.generation} loaded {load.chain}")
         return keep
 
-    def _file_ok(self, step: int, name: str, loaded_at: float | None = None) -> bool:
-        """Checkpoint ``step``'s file ``name`` holds what it held when committed (not damaged on
-        purpose since) and, with ``loaded_at``, was committed before then (not saved again
-        after a rollback fenced it)."""
-        when = self.saved.get(step)
-        if when is None or any(d.step == step and d.file == name and d.time > when for d in self.damage):
-            return False
-        return loaded_at is None or when <= loaded_at + CLOCK_SLACK_S
-
-    def _source(self, step: int, name: str, loaded_at: float) -> str | None:
-        """Where the file ``name`` of checkpoint ``step`` is as a load at ``loaded_at`` read it:
-        the checkpoint's directory, a fenced copy committed before the load and fenced after
-        it (an audited run keeps them), or None (removed, or damaged since)."""
-        if self._file_ok(step, name, loaded_at):
-            return self.store._path(step)
-        for committed, fenced_at, directory in self.fenced.get(step, []):
-            damaged = any(d.step == step and d.file == name and committed < d.time < fenced_at for d in self.damage)
-            if committed <= loaded_at + CLOCK_SLACK_S and loaded_at <= fenced_at + CLOCK_SLACK_S and not damaged:
-                return directory
-        return None
-
     def _gap(self, text: str, planted: bool = False) -> None:
         """What the replay cannot recompute: a gap, or, where the fault injector damaged the file
         a load read after it was read, an excused one (the test's doing, not the run's)."""
@@ -177,11 +160,11 @@ class Replay:
 
     def _reloaded_one(self, what) -> None:
         self._reloaded.add(what)
-        if self.unknown and self._reloaded >= {"dense", *self.history.slices}:
+        if self.unknown and self._reloaded >= {"dense", *self._shards_now}:
             self.unknown = False
 
     def _load_dense(self, step: int, t: float) -> None:
-        source = self._source(step, "dense.pt", t) if step > 0 else None
+        source = self.files.source(step, "dense.pt", t) if step > 0 else None
         if step == 0 or source is None and step in self._snapshots.get("dense", {}):
             model_sd, optim_sd = copy.deepcopy(self.initial_dense if step == 0 else self._snapshots["dense"][step])
             self.model.load_state_dict(model_sd)
@@ -201,19 +184,20 @@ class Replay:
         self._reloaded_one("dense")
 
     def _load_shard(self, load: ShardLoad) -> None:
-        k, name = load.shard, f"shard-{load.shard}.arrow"
-        slices = self.history.slices.get(k, [])
+        k, gen = load.shard, load.generation
+        slices = self.history.slices_of(k, gen)
         for table, start, end in slices:
             self.tables.initialize(self.seed, table, start, end)
         for i, step in enumerate(load.chain):
-            source = self._source(step, name, load.t)
-            if source is not None:
-                rows = saved_rows(self.store, step, k, source)
-                for table in np.unique(rows.tables):
-                    at = rows.tables == table
-                    self.tables.put(int(table), rows.rows[at], rows.weights[at], rows.momentum[at])
-            elif i == 0 and (step, k) in self._snapshots:
-                for (table, start, end), (w, m) in zip(slices, self._snapshots[(step, k)]):
+            found, name = self.files.read(load, step)
+            if name is None:
+                for j, source in found:
+                    rows = saved_rows(self.store, step, j, source)
+                    for table, start, end in slices:  # a file of another plan holds others' rows too
+                        at = (rows.tables == table) & (rows.rows >= start) & (rows.rows < end)
+                        self.tables.put(int(table), rows.rows[at], rows.weights[at], rows.momentum[at])
+            elif i == 0 and (step, k, gen) in self._snapshots:
+                for (table, start, end), (w, m) in zip(slices, self._snapshots[(step, k, gen)]):
                     self.tables.put(table, np.arange(start, end), w, m)
             elif any(d.step == step and d.file == name and d.time > load.t for d in self.damage):
                 return self._gap(f"shard {k} generation {load.generation} loaded checkpoint {step} (chain "
@@ -274,8 +258,8 @@ class Replay:
                                  "replay")
         if c.try_ is None:
             return
-        for shard, name, digest in self.history.applies.get((c.step, (c.try_[0], c.try_[2])), []):
-            if digest != self.tables.digest(self.history.slices.get(shard, []), merged):
+        for shard, gen, name, digest in self.history.applies.get((c.step, (c.try_[0], c.try_[2])), []):
+            if digest != self.tables.digest(self.history.slices_of(shard, gen), merged):
                 self._first_part(f"step {c.step}: shard {shard}'s rows after the apply ({name}) differ from the "
                                  "replay")
 
@@ -293,9 +277,9 @@ class Replay:
         if self.unknown:  # a comparison from an earlier timeline of this boundary is void now
             self._at_boundary.pop(boundary, None)
             return
-        for k, slices in self.history.slices.items():
-            if (boundary, k) in self._snap_shard:
-                self._snapshots[(boundary, k)] = [self.tables.rows_of(t_, np.arange(a, e)) for t_, a, e in slices]
+        for (k, gen), slices in self.history.slices.items():
+            if (boundary, k, gen) in self._snap_shard:
+                self._snapshots[(boundary, k, gen)] = [self.tables.rows_of(t_, np.arange(a, e)) for t_, a, e in slices]
         if boundary in self._snap_dense:
             self._snapshots.setdefault("dense", {})[boundary] = copy.deepcopy(self._dense_state())
         when = self.saved.get(boundary)
@@ -314,8 +298,8 @@ class Replay:
 
     def _problems(self, step: int, seen: "_Exactness") -> list[str]:
         problems = []
-        for k in sorted(self.history.slices):
-            if not self._file_ok(step, f"shard-{k}.arrow"):
+        for k in self.store.shard_files(step):
+            if not self.files.ok(step, f"shard-{k}.arrow"):
                 continue  # damaged on purpose by the fault injector (cpr verify checks nobody loaded it)
             try:
                 rows = saved_rows(self.store, step, k)
@@ -323,7 +307,7 @@ class Replay:
                 problems.append(f"checkpoint {step} shard {k}: unreadable ({err})")
                 continue
             problems += rows_problems(step, k, rows, self.tables, self.tolerance, seen)
-        if not self._file_ok(step, "dense.pt"):
+        if not self.files.ok(step, "dense.pt"):
             return problems
         try:
             params, sums, steps = saved_dense(self.store, step)

@@ -48,10 +48,22 @@ class History:
     commits: list[Commit]
     dense_loads: list[DenseLoad]
     shard_loads: list[ShardLoad]
-    slices: dict[int, list[tuple[int, int, int]]]  # shard -> [table, row_start, row_end]
-    # (step, (generation, attempt)) -> (shard, audit file name, digest of the rows after the apply)
+    # (shard, generation) -> [table, row_start, row_end]: a resume on another plan changes them
+    slices: dict[tuple[int, int], list[tuple[int, int, int]]]
+    # (step, (generation, attempt)) -> (shard, the generation whose rows it holds, audit file name, digest of the
+    # rows after the apply)
     applies: dict[tuple, list[tuple[int, str, str]]] = field(default_factory=dict)
     accelerated: list[str] = field(default_factory=list)  # shards that ran on a GPU: other kernels, other sums
+    opened: dict[tuple[int, int], float] = field(default_factory=dict)  # (shard, generation) -> when its log opened
+
+    def slices_of(self, shard: int, generation: int | None = None) -> list[tuple[int, int, int]]:
+        """The rows generation ``generation`` of ``shard`` held: its own log's, else those of the
+        shard's latest generation before it (a mirror holds its primary's); None: the latest."""
+        gens = [g for k, g in self.slices if k == shard and (generation is None or g <= generation)]
+        return self.slices[(shard, max(gens))] if gens else []
+
+    def shards(self) -> set[int]:
+        return {k for k, _ in self.slices}
 
     def events(self) -> list:
         """Every event in time order."""
@@ -77,21 +89,26 @@ def read_history(run: RunFiles, m: int) -> History:
                 dense_loads.append(DenseLoad(int(r["step"]), float(r["t"]), str(r.get("why"))))
     commits = [_commit(records, m) for key, records in groups.items() if key not in aborted]
     shard_loads: list[ShardLoad] = []
-    slices: dict[int, list[tuple[int, int, int]]] = {}
+    slices: dict[tuple[int, int], list[tuple[int, int, int]]] = {}
+    opened: dict[tuple[int, int], float] = {}
     applies: dict[tuple, list[tuple[int, str, str]]] = {}
     devices: set[str] = set()
     for k, files in run.shards.items():
         for f in files:
+            # A mirror holds the rows of the generation it mirrors (its "base" line names it).
+            gen = f.gen if f.kind == "shard" else next((r.get("primary_gen") for r in f.records
+                                                        if r.get("event") == "base"), None)
             for r in f.records:  # a mirror's applies too: its rows must be the shard's at every step
                 if r.get("event") == "apply" and r.get("rows") and r.get("try") is not None:
-                    applies.setdefault((int(r["step"]), tuple(r["try"])), []).append((k, f.path.name, r["rows"]))
+                    applies.setdefault((int(r["step"]), tuple(r["try"])), []).append((k, gen, f.path.name, r["rows"]))
             if f.kind != "shard":  # a mirror's own log: its rows are the shard's until it takes its place
                 continue
             records = sorted(f.records, key=lambda r: (r.get("t", 0.0), r["_line"]))
             for i, r in enumerate(records):
                 kind = r.get("event")
-                if kind == "open" and "slices" in r and k not in slices:
-                    slices[k] = [tuple(int(x) for x in s) for s in r["slices"]]
+                if kind == "open" and "slices" in r and (k, int(f.gen or 0)) not in slices:
+                    slices[(k, int(f.gen or 0))] = [tuple(int(x) for x in s) for s in r["slices"]]
+                    opened[(k, int(f.gen or 0))] = float(r.get("t", 0.0))
                 if kind == "open" and str(r.get("device", "cpu")) != "cpu":
                     devices.add(f"shard {k} ({f.path.name}) on {r['device']}")
                 if kind != "load" or r.get("why") == "replica":
@@ -101,7 +118,7 @@ def read_history(run: RunFiles, m: int) -> History:
                                              str(r.get("why")), float(r["t"]), served))
     commits = [c for c in commits if not _never_applied(c, run) or _went_on_from(c, run)]
     return History(sorted(commits, key=lambda c: c.t), sorted(dense_loads, key=lambda d: d.t),
-                   sorted(shard_loads, key=lambda s: s.t), slices, applies, sorted(devices))
+                   sorted(shard_loads, key=lambda s: s.t), slices, applies, sorted(devices), opened)
 
 
 def _never_applied(c: Commit, run: RunFiles) -> bool:

@@ -1,0 +1,63 @@
+"""Which checkpoint files a load read, and where they are now: the checkpoint's directory, a
+copy a rollback fenced (an audited run keeps them), or gone. A shard's load reads its own
+file, or, where the checkpoint's plan gave its rows to other shards (a resume on another
+number of shards), the files of the shards that held them."""
+
+from __future__ import annotations
+
+from verify.kills import Damage
+from verify.replay.history import History, ShardLoad
+from verify.store import Store, plan_slices
+
+__all__ = ["CLOCK_SLACK_S", "LoadedFiles"]
+
+# A manifest's time is its storage's clock (object stores keep whole seconds); a commit's, the
+# trainer's: within this much they may be either way round.
+CLOCK_SLACK_S = 1.0
+
+
+class LoadedFiles:
+    def __init__(self, store: Store, saved: dict[int, float | None], damage: list[Damage], history: History):
+        self.store, self.saved, self.damage, self.history = store, saved, damage, history
+        self.fenced = store.fenced()
+
+    def ok(self, step: int, name: str, loaded_at: float | None = None) -> bool:
+        """Checkpoint ``step``'s file ``name`` holds what it held when committed (not damaged on
+        purpose since) and, with ``loaded_at``, was committed before then (not saved again
+        after a rollback fenced it)."""
+        when = self.saved.get(step)
+        if when is None or any(d.step == step and d.file == name and d.time > when for d in self.damage):
+            return False
+        return loaded_at is None or when <= loaded_at + CLOCK_SLACK_S
+
+    def source(self, step: int, name: str, loaded_at: float) -> str | None:
+        """Where the file ``name`` of checkpoint ``step`` is as a load at ``loaded_at`` read it:
+        the checkpoint's directory, a fenced copy committed before the load and fenced after
+        it (an audited run keeps them), or None (removed, or damaged since)."""
+        if self.ok(step, name, loaded_at):
+            return self.store._path(step)
+        for committed, fenced_at, directory in self.fenced.get(step, []):
+            damaged = any(d.step == step and d.file == name and committed < d.time < fenced_at for d in self.damage)
+            if committed <= loaded_at + CLOCK_SLACK_S and loaded_at <= fenced_at + CLOCK_SLACK_S and not damaged:
+                return directory
+        return None
+
+    def read(self, load: ShardLoad, step: int) -> tuple[list[tuple[int, str]], str | None]:
+        """The files of checkpoint ``step`` that ``load`` read, as (shard, directory), and the
+        name of the first of them no longer found (None: all found)."""
+        slices = self.history.slices_of(load.shard, load.generation)
+        holders = [load.shard]
+        try:
+            written = plan_slices(self.store.manifest(step))
+        except (OSError, ValueError):
+            written = None  # gone, or fenced: its copy's manifest is not read; the shard's own file
+        if written is not None and (load.shard >= len(written) or sorted(written[load.shard]) != sorted(slices)):
+            holders = [j for j, held in enumerate(written)
+                       if any(t == u and a < f and c < b for t, a, b in held for u, c, f in slices)]
+        found = []
+        for j in holders:
+            directory = self.source(step, f"shard-{j}.arrow", load.t)
+            if directory is None:
+                return found, f"shard-{j}.arrow"
+            found.append((j, directory))
+        return found, None
