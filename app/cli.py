@@ -86,12 +86,9 @@ def train(
     cfg = None if resume_dir is not None else load_config(config_path, overrides)
     from app.run import run_training  # import cost: 0.27 s, then Ray and torch; see the top
     from app.report import format_summary  # import cost: 0.18 s, see the note at the top
-    from app.resume import PLAN_FIELDS, resume_config  # import cost: as app.job's
+    from app.resume import resume_config  # import cost: as app.job's
 
-    if resume_dir is not None:
-        if other := sorted(set(overrides) - set(PLAN_FIELDS)):
-            raise click.UsageError(f"--resume continues a run with its own config; --set {other[0]} is not allowed "
-                                   f"(only {' and '.join(PLAN_FIELDS)}: a new sharding plan)")
+    if resume_dir is not None:  # with its own config; --set may give it a new sharding plan only
         cfg = resume_config(resume_dir, verify_data, overrides)
     verbose = verbose or ctx.find_root().params.get("verbose", False)
     if verbose:

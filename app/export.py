@@ -179,7 +179,10 @@ def _embedding_tables(store: CheckpointStore, info: CheckpointInfo, cfg: RunConf
     table_rows = cfg.model.rows_per_table
     dim = cfg.model.embedding_dim
     where = f"checkpoint step {info.step}"
-    expected_shards = list(range(cfg.embeddings.num_shards))
+    # The plan that wrote it says how many shard files there are (a resume may have changed the
+    # run's number since); one that records none was written by the run's own plan.
+    written = store.plan(info)
+    expected_shards = list(range(written.num_shards if written is not None else cfg.embeddings.num_shards))
     if info.shard_ids != expected_shards:
         raise CheckpointCorrupt(f"{where} has shard files {info.shard_ids}, the run has shards {expected_shards}")
     weights = [np.empty((n, dim), dtype=np.float32) for n in table_rows]

@@ -32,7 +32,8 @@ def resume_config(run_dir: str, verify_data: bool = False, plan: dict | None = N
         raise ConfigError(f"--resume {run_dir}: no config.yaml there; is it a run directory?")
     refuse_old_journal(Path(run_dir))  # another version's journal: refused before anything starts
     if other := sorted(set(plan or {}) - set(PLAN_FIELDS)):
-        raise ConfigError(f"--resume {run_dir}: {other[0]} cannot change on a resume (only {', '.join(PLAN_FIELDS)})")
+        raise ConfigError(f"--resume {run_dir} continues the run with its own config: --set {other[0]} is not "
+                          f"allowed (only {' and '.join(PLAN_FIELDS)}: a new sharding plan)")
     cfg = load_config(path, plan or None)
     if plan and cfg.checkpoint.stored:
         _refuse_unrecorded_plan(cfg)

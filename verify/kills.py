@@ -80,6 +80,18 @@ def stalled_pids(run: RunFiles) -> set[int]:
     return {int(r["pid"]) for r in run.faults if r["event"] == "sent" and r.get("fault") == "stall"}
 
 
+def crashed_attempt_pids(run: RunFiles, report: dict) -> set[int]:
+    """The writers of an attempt that did not finish (its driver killed, the job stopped): a later
+    attempt (``cpr train --resume``) began after them, so each ended where it was, as if killed."""
+    began = [float(e["time"]) for e in report.get("events", []) if e.get("kind") == "attempt_started"
+             and e.get("previous_state") != "finished" and e.get("time") is not None]
+    if not began:
+        return set()
+    files = [f for fs in run.shards.values() for f in fs] + run.trainers
+    return {int(r["pid"]) for f in files for r in f.records[:1]
+            if r.get("event") == "open" and r.get("pid") is not None and r["t"] < max(began)}
+
+
 def check_damage_unused(run: RunFiles, damage: list[Damage], commit_time: Callable[[int], float | None]) -> list[str]:
     """No shard loads a checkpoint file after the injector damaged it: the product must refuse
     it and use the previous valid one. A checkpoint whose manifest was written after the damage

@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from verify.files import RunFiles, load_run
-from verify.kills import (check_damage_unused, check_hosts, check_kills, counts_by_kind, host_faults, host_victims,
-                          landed_kills, planted_damage, stalled_pids)
+from verify.kills import (check_damage_unused, check_hosts, check_kills, counts_by_kind, crashed_attempt_pids,
+                          host_faults, host_victims, landed_kills, planted_damage, stalled_pids)
 from verify.leftovers import leftovers
 from verify.lost import check_replicas, recount_lost
 from verify.replay.data import DataCache, train_store
@@ -77,7 +77,7 @@ def verify_run(run_dir: str | Path, wait_s: float = 10.0) -> Verdict:
     # A writer killed (alone or with its host), or stalled and then killed by the product, may
     # leave a torn last line.
     stalled = stalled_pids(run)
-    killed = {k.pid for k in kills} | stalled | host_victims(run, hosts)
+    killed = {k.pid for k in kills} | stalled | host_victims(run, hosts) | crashed_attempt_pids(run, report)
     every_file = [f for files in run.shards.values() for f in files] + run.trainers
     v += torn_lines(every_file, killed)
     spans = []

@@ -1,0 +1,73 @@
+"""What ``cpr train --resume RUN_DIR --set ...`` accepts: a new sharding plan (the number of
+shards, the sharding), checked like any --set value, and nothing else; a run whose checkpoints
+do not record their plan (an older version wrote them) keeps its own. From a plain shell,
+each refusal is one line and writes nothing."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+
+from app.resume import resume_config
+from core.checkpoint import FULL, CheckpointStore, ShardRows, write_shard_file
+from core.config import config_from_dict
+from core.errors import ConfigError
+from core.plan import make_plan, plan_to_json
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _run_dir(tmp_path: Path, record_plan: bool) -> Path:
+    run = tmp_path / "run"
+    run.mkdir()
+    cfg = config_from_dict({"run_dir": str(run), "data": {"train": ["t.tsv"], "eval": ["e.tsv"]},
+                            "model": {"embedding_dim": 4, "table_rows": 10, "dense_arch": [8, 4], "over_arch": [8, 1]}, "checkpoint": {"every_steps": 5}})
+    (run / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(), sort_keys=False))
+    plan = make_plan("table_wise", [10] * 26, 2)
+    entries = []
+    for k in range(2):
+        slices = plan.shards[k]
+        tables = np.concatenate([np.full(10, s.table, np.int32) for s in slices])
+        rows = np.concatenate([np.arange(10, dtype=np.int64) for _ in slices])
+        data = ShardRows(tables, rows, np.zeros((len(rows), 4), np.float32), np.zeros(len(rows), np.float32))
+        entries.append(write_shard_file(cfg.checkpoint_uri, 5, k, data))
+    CheckpointStore(cfg.checkpoint_uri).commit(5, entries, kind=FULL, meta={"plan": plan_to_json(plan)} if record_plan else {})
+    return run
+
+
+def test_a_resume_takes_a_new_plan_and_nothing_else(tmp_path):
+    run = _run_dir(tmp_path, record_plan=True)
+    cfg = resume_config(str(run), plan={"embeddings.num_shards": 3, "embeddings.sharding": "row_wise"})
+    assert (cfg.embeddings.num_shards, cfg.embeddings.sharding) == (3, "row_wise")
+    assert resume_config(str(run)).embeddings.num_shards == 2  # the run's own, without --set
+    with pytest.raises(ConfigError, match="--set training.epochs is not allowed"):
+        resume_config(str(run), plan={"training.epochs": 2})
+    with pytest.raises(ConfigError, match="embeddings.num_shards"):
+        resume_config(str(run), plan={"embeddings.num_shards": 0})
+
+
+def test_checkpoints_that_record_no_plan_keep_the_runs_own(tmp_path):
+    run = _run_dir(tmp_path, record_plan=False)
+    with pytest.raises(ConfigError, match="checkpoint step 5 does not record its sharding plan"):
+        resume_config(str(run), plan={"embeddings.num_shards": 3})
+    assert resume_config(str(run)).embeddings.num_shards == 2
+
+
+@pytest.mark.parametrize("value,said", [
+    ("training.epochs=2", "--set training.epochs is not allowed (only embeddings.num_shards and embeddings.sharding"),
+    ("embeddings.num_shards=x", "embeddings.num_shards"),
+])
+def test_a_refused_resume_says_so_in_one_line_and_writes_nothing(tmp_path, value, said):
+    run = _run_dir(tmp_path, record_plan=True)
+    before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+    done = subprocess.run([sys.executable, "-m", "app", "train", "--resume", str(run), "--set", value],
+                          capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert done.returncode == 2 and len(lines) == 1 and said in lines[0], done.stderr
+    assert "Traceback" not in done.stderr + done.stdout
+    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before
