@@ -77,6 +77,10 @@ def format_event(e: dict) -> str | None:
             f"[decision] checkpoint every {e['interval_steps']} steps ({e['interval_s']:.1f}s, {e['mode']} recovery "
             f"expected, MTBF {e['mtbf_s']:.0f}s): {e['reason']}"
         )
+    if kind == "plan_changed":
+        return (f"[plan] {e['why']} on {e['shards']} {e['sharding']} shards (plan generation {e['generation']}) from "
+                f"{e['previous_shards']} {e['previous_sharding']} at checkpoint step {e['step']}: {e['rows_moved']:,} "
+                f"rows ({e['bytes_moved'] / 1e6:,.1f} MB with their optimizer state) read from other shards' files")
     if kind == "replacement_joined":
         return f"[failure] trainer:{e['rank']}'s replacement joined the live trainers at step {e['step']}"
     if kind == "recovery_error":

@@ -29,6 +29,7 @@ from core.errors import ConfigError
 from core.journal import Journal
 from core.logs import LOG_DIR, configure_process_logging
 from core.plan import make_plan
+from core.replan import moved_rows, moves
 from core.books import KillRecord, RunSummary, StartInfo
 from core.records import (
     CommitRecord, EvalResult, FinalView, FleetView, Progress, RunStatus, SaveRequest, SaveResult, StepFailure,
@@ -175,10 +176,12 @@ class Supervisor:
         now = p.inputs.plan
         if written is None or same_rows(written, now):
             return
+        moved = moved_rows(moves(written, now))  # rows a shard reads from another shard's file
         p.events.record(
             "plan_changed", step=step, why="resume", generation=now.generation, previous_generation=written.generation,
             shards=now.num_shards, previous_shards=written.num_shards, sharding=now.kind,
             previous_sharding=written.kind, rows=[now.shard_rows(k) for k in range(now.num_shards)],
+            rows_moved=moved, bytes_moved=moved * (p.inputs.cfg.model.embedding_dim + 1) * 4,
         )
 
     # ------------------------------------------------------------------ trainers

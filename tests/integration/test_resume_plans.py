@@ -60,6 +60,12 @@ def test_a_run_resumed_on_three_shards_finishes_and_verifies_across_both_plans(r
     [changed] = [e for e in report["events"] if e["kind"] == "plan_changed"]
     assert (changed["step"], changed["previous_shards"], changed["shards"]) == (last.step, 2, 3)
     assert changed["generation"] == changed["previous_generation"] + 1 == 1
+    # Row-wise 2 -> 3: each table's rows re-split; half of them are read from another shard's file.
+    assert changed["rows_moved"] == 26 * 10_000 and changed["bytes_moved"] == changed["rows_moved"] * 9 * 4
+    said = [line for line in resumed.stdout.splitlines() if line.startswith("[plan]")]
+    assert said == [f"[plan] resume on 3 row_wise shards (plan generation 1) from 2 row_wise at checkpoint step "
+                    f"{last.step}: 260,000 rows (9.4 MB with their optimizer state) read from other shards' files"], \
+        resumed.stdout[-3000:]
     final = store.info(234)
     assert final.shard_ids == [0, 1, 2] and store.plan(final).generation == 1
     assert yaml.safe_load((run_dir / "config.yaml").read_text())["embeddings"]["num_shards"] == 3
