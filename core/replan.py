@@ -1,9 +1,11 @@
 """The plan that follows another when the shard count changes, and the rows that must move.
 
-A resume on fewer shards (after a loss) or more (a scale-up) needs a new ``ShardingPlan``. Moving
-rows costs bandwidth and, for the rows of a lost shard, a read from a mirror or checkpoint, so
-``replan`` keeps as much of the old placement as the plan's kind allows, and ``moves`` lists
-exactly the row ranges whose holder changes.
+A live run that goes on with fewer shards (after a loss) or more (a scale-up) needs a new
+``ShardingPlan``. Moving rows costs bandwidth and, for the rows of a lost shard, a read from a
+mirror or checkpoint, so ``replan`` keeps as much of the old placement as the plan's kind allows,
+and ``moves`` lists exactly the row ranges whose holder changes. (A resume on another number of
+shards takes the config's plan, ``make_plan``: every row is read from the checkpoint's files
+anyway; ``moves`` says how many come from another shard's file.)
 
 Shard numbering: the surviving old shards (all but ``drop``) keep their relative order and
 become new shards 0..S-1; new shards are appended after them. With more survivors than
