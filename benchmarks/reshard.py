@@ -36,6 +36,10 @@ if str(ROOT) not in sys.path:
 
 from benchmarks.meta import describe, run_metadata  # noqa: E402
 
+# Read when Ray is imported: token authentication on, gloo on the loopback (as the tests' Ray).
+os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+os.environ.setdefault("RAY_AUTH_MODE", "token")
+
 OUT = ROOT / "benchmarks" / "results" / "reshard.json"
 DIM = 16
 # Rows per table for about 100 MB and 1 GB of weights and row-wise Adagrad state a shard, at 2 shards.
@@ -71,8 +75,6 @@ def _start_ray():
 
     from app.rayenv import embedded_system_config, keep_ray_on_loopback, ray_system_config, worker_env
 
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    os.environ.setdefault("RAY_AUTH_MODE", "token")
     keep_ray_on_loopback()
     os.environ.update(worker_env())
     ray.init(_node_ip_address="127.0.0.1", num_cpus=8, namespace="cpr", include_dashboard=False,

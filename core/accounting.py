@@ -7,19 +7,21 @@ one definition.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
 from core.store import MicrobatchStore
 from core.config import RunConfig
 from core.data import NUM_SPARSE
-from core.plan import ShardingPlan, shard_row_ids, slice_offsets
+from core.checkpoint.plans import read_slices
+from core.plan import ShardingPlan, TableSlice, shard_row_ids, slice_offsets
 from core.books import KillRecord, StepCommit, TrainerFailure
 from core.records import CommitRecord, Heal, StepFailure
 from core.schedule import StepSchedule
 
-__all__ = ["LostSpan", "saved_at_rows", "lost_accesses", "chain_rows", "count_lost_samples", "trainer_failures"]
+__all__ = ["LostSpan", "saved_at_rows", "lost_accesses", "chain_rows", "count_lost_samples", "plan_held",
+           "trainer_failures"]
 
 
 @dataclass(frozen=True)
@@ -63,6 +65,20 @@ def lost_accesses(
     return lost
 
 
+def plan_held(plan: ShardingPlan, shard: int, slices) -> ShardingPlan:
+    """``plan`` with ``shard`` holding ``slices`` ((table, row_start, row_end) each; None: as
+    ``plan`` says): the plan a dead shard of an earlier attempt held its rows under, for its
+    lost samples (only that shard's slices are read)."""
+    if slices is None:
+        return plan
+    held = tuple(TableSlice(int(t), int(a), int(b)) for t, a, b in slices)
+    if shard < plan.num_shards and plan.shards[shard] == held:
+        return plan
+    shards = list(plan.shards) + [()] * max(0, shard + 1 - plan.num_shards)
+    shards[shard] = held
+    return replace(plan, shards=tuple(shards))
+
+
 def chain_rows(plan: ShardingPlan, store, span: LostSpan) -> list[tuple[int, np.ndarray]]:
     """The shard rows each incremental of the span's restored chain saved, as
     ``(step, shard-row ids)``: what ``count_lost_samples`` reads from the store. Only the
@@ -74,7 +90,7 @@ def chain_rows(plan: ShardingPlan, store, span: LostSpan) -> list[tuple[int, np.
     offsets = slice_offsets(plan.shards[k])
     out = []
     for step in chain[1:]:
-        data = store.read_shard(step, k)
+        data = read_slices(store, store.info(step), k, plan.shards[k])  # whatever plan wrote it
         ids = [data.rows[data.tables == s.table] - s.row_start + offsets[i] for i, s in enumerate(plan.shards[k])]
         out.append((step, np.concatenate(ids)))
     return out

@@ -77,6 +77,9 @@ class FailureRecord:
     lost_samples: float | None = None
     lost_steps_recomputed: int | None = None
     lost_samples_error: str | None = None
+    # The rows the dead generation held, (table, row_start, row_end) per slice: its plan's, which a
+    # resume on another plan changes before a failure of the attempt before it is counted.
+    slices: tuple[tuple[int, int, int], ...] | None = None
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,7 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from verify.files import RunFiles
+from verify.files import AuditFile, RunFiles
 
 __all__ = ["Kill", "Damage", "HostFault", "landed_kills", "check_kills", "counts_by_kind", "planted_damage",
            "stalled_pids", "check_damage_unused", "host_faults", "check_hosts", "host_victims"]
@@ -81,31 +81,57 @@ def stalled_pids(run: RunFiles) -> set[int]:
 
 
 def crashed_attempt_pids(run: RunFiles, report: dict) -> set[int]:
-    """The writers of an attempt that did not finish (its driver killed, the job stopped): a later
-    attempt (``cpr train --resume``) began after them, so each ended where it was, as if killed."""
-    began = [float(e["time"]) for e in report.get("events", []) if e.get("kind") == "attempt_started"
-             and e.get("previous_state") != "finished" and e.get("time") is not None]
-    if not began:
+    """The writers of an attempt that did not finish (its driver killed, the job stopped): the
+    next attempt (``cpr train --resume``) began after them, so each ended where it was, as if
+    killed. Writers of an attempt that finished are not among them."""
+    starts = sorted((float(e["time"]), e.get("previous_state")) for e in report.get("events", [])
+                    if e.get("kind") == "attempt_started" and e.get("time") is not None)
+    spans, begun = [], float("-inf")
+    for t, previous in starts:
+        if previous != "finished":
+            spans.append((begun, t))  # the attempt that ran from ``begun`` until the next began at ``t``
+        begun = t
+    if not spans:
         return set()
     files = [f for fs in run.shards.values() for f in fs] + run.trainers
     return {int(r["pid"]) for f in files for r in f.records[:1]
-            if r.get("event") == "open" and r.get("pid") is not None and r["t"] < max(began)}
+            if r.get("event") == "open" and r.get("pid") is not None and any(a <= r["t"] < b for a, b in spans)}
 
 
-def check_damage_unused(run: RunFiles, damage: list[Damage], commit_time: Callable[[int], float | None]) -> list[str]:
+def check_damage_unused(run: RunFiles, damage: list[Damage], commit_time: Callable[[int], float | None],
+                        plan_of: Callable[[int], list | None] = lambda step: None) -> list[str]:
     """No shard loads a checkpoint file after the injector damaged it: the product must refuse
     it and use the previous valid one. A checkpoint whose manifest was written after the damage
-    (the step fenced by a rollback and saved again) is a new one from then on."""
+    (the step fenced by a rollback and saved again) is a new one from then on. ``plan_of(step)``:
+    the rows each shard file of a checkpoint holds (its manifest's plan; None: not recorded),
+    for a shard of another plan, which reads the files that hold its rows."""
     v = []
     for d in damage:
         saved_again = commit_time(d.step)
         until = saved_again if saved_again is not None and saved_again > d.time else float("inf")
-        for f in run.shards.get(d.shard, []):
-            for r in f.records:
-                if r.get("event") == "load" and d.time < r["t"] < until and d.step in r.get("chain", []):
-                    v.append(f"shard {d.shard} (generation {f.gen}) loaded checkpoint {d.step} at {r['t']:.3f}, after "
-                             f"its file {d.file} was damaged at {d.time:.3f}")
+        written = plan_of(d.step)
+        for k, files in sorted(run.shards.items()):
+            for f in files:
+                if not _reads(k, f, d.shard, written):
+                    continue
+                for r in f.records:
+                    if r.get("event") == "load" and d.time < r["t"] < until and d.step in r.get("chain", []):
+                        v.append(f"shard {k} (generation {f.gen}) loaded checkpoint {d.step} at {r['t']:.3f}, after "
+                                 f"its file {d.file} was damaged at {d.time:.3f}")
     return v
+
+
+def _reads(k: int, f: AuditFile, j: int, written: list | None) -> bool:
+    """Whether shard ``k``'s log ``f`` loads read shard ``j``'s file of a checkpoint whose plan
+    gave each file ``written``'s rows: its own file under the same plan (or none recorded),
+    else every file holding some of its rows."""
+    mine = next((r.get("slices") for r in f.records if r.get("event") == "open"), None)
+    if written is None or mine is None or f.kind == "mirror" or j >= len(written):
+        return k == j
+    mine = sorted(tuple(int(x) for x in s) for s in mine)
+    if k < len(written) and sorted(written[k]) == mine:
+        return k == j
+    return any(t == u and a < e and c < b for t, a, b in written[j] for u, c, e in mine)
 
 
 def counts_by_kind(run: RunFiles, kills: list[Kill]) -> tuple[Counter, Counter]:

@@ -20,7 +20,7 @@ from verify.lost import check_replicas, recount_lost
 from verify.replay.data import DataCache, train_store
 from verify.replay.schedule import Schedule
 from verify.retention import check_removed
-from verify.store import Store
+from verify.store import Store, plan_slices
 from verify.timeline import applies_committed, torn_lines, walk_dense, walk_shard
 
 __all__ = ["Verdict", "verify_run"]
@@ -81,11 +81,17 @@ def verify_run(run_dir: str | Path, wait_s: float = 10.0) -> Verdict:
     every_file = [f for files in run.shards.values() for f in files] + run.trainers
     v += torn_lines(every_file, killed)
     spans = []
-    for k in range(int(run.config["embeddings"]["num_shards"])):
+    shards_now = int(run.config["embeddings"]["num_shards"])
+    for k in sorted(set(range(shards_now)) | set(run.shards)):  # a resume on fewer shards retired the others
         if k not in run.shards:
             v.append(f"shard {k} has no audit log (is audit_log on?)")
             continue
-        found, shard_spans = walk_shard(k, run.shards[k], run.m, total)
+        retired_at = None if k < shards_now else _resumed_after(run, k)
+        if k >= shards_now and retired_at is None:
+            v.append(f"shard {k} is not in the run's last plan ({shards_now} shards), and no resume followed its "
+                     "last line")
+            continue
+        found, shard_spans = walk_shard(k, run.shards[k], run.m, total, retired_at)
         v += found
         spans += shard_spans
     if not run.trainers:
@@ -104,7 +110,7 @@ def verify_run(run_dir: str | Path, wait_s: float = 10.0) -> Verdict:
         v += [p for p in store.problems(step, shards=shards)
               if not any(p.startswith(f"checkpoint {s}: file {f} ") for s, f in planted)]
     v += check_removed(run, planted)
-    v += check_damage_unused(run, damage, store.commit_time)
+    v += check_damage_unused(run, damage, store.commit_time, lambda step: _plan_of(store, step))
     if run.config["checkpoint"].get("final", True) and state == "finished" and total not in committed:
         v.append(f"the final checkpoint (step {total}) is not committed")
     v += leftovers(run, wait_s)
@@ -112,6 +118,23 @@ def verify_run(run_dir: str | Path, wait_s: float = 10.0) -> Verdict:
                      "checkpoints_verified": len(committed), "damaged_checkpoints": len(damage), "stalls": len(stalled),
                      "host_faults": len(hosts)}
     return verdict
+
+
+def _plan_of(store: Store, step: int) -> list | None:
+    """The rows each shard file of checkpoint ``step`` holds, as its manifest records them."""
+    try:
+        return plan_slices(store.manifest(step))
+    except (OSError, ValueError):
+        return None
+
+
+def _resumed_after(run: RunFiles, k: int) -> int | None:
+    """The step the trainers resumed from after shard ``k``'s last line (their audit logs' first
+    "resume" load after it), or None."""
+    last = max((r["t"] for f in run.shards[k] if f.kind != "mirror" for r in f.records), default=None)
+    steps = [int(r["step"]) for f in run.trainers for r in f.records
+             if r.get("event") == "load" and r.get("why") == "resume" and last is not None and r["t"] > last]
+    return min(steps) if steps else None
 
 
 def _contradictions(report: dict) -> list[str]:

@@ -101,6 +101,11 @@ class Store:
             return None
         return info.mtime.timestamp()
 
+    def manifest_in(self, directory: str) -> dict:
+        """The manifest of the checkpoint in ``directory`` (a fenced copy keeps its own)."""
+        with self.fs.open_input_stream(f"{directory}/manifest.json") as f:
+            return json.loads(f.read())
+
     def shard_files(self, step: int) -> list[int]:
         """The shards whose file the manifest of ``step`` lists, ascending."""
         names = self.manifest(step).get("files") or {}

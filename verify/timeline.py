@@ -38,8 +38,11 @@ def _expected(step: int, m: int) -> list[int]:
     return list(range(step * m, step * m + m))
 
 
-def walk_shard(k: int, files: list[AuditFile], m: int, total: int) -> tuple[list[str], list[LostSpanSeen]]:
-    """Shard ``k``'s generations' logs walked in time order (its mirrors' on their own)."""
+def walk_shard(k: int, files: list[AuditFile], m: int, total: int,
+               retired_at: int | None = None) -> tuple[list[str], list[LostSpanSeen]]:
+    """Shard ``k``'s generations' logs walked in time order (its mirrors' on their own).
+    ``retired_at``: a shard the run's last plan has not, whose last attempt ended and was
+    resumed from that step on fewer shards: its walk ends there, not at ``total``."""
     mirrors = [f for f in files if f.kind == "mirror"]
     files = [f for f in files if f.kind != "mirror"]
     events = sorted((r for f in files for r in f.records), key=lambda r: (r["t"], r.get("gen", 0), r["_line"]))
@@ -107,10 +110,13 @@ def walk_shard(k: int, files: list[AuditFile], m: int, total: int) -> tuple[list
                 v.append(f"shard {k} skipped steps {done}..{s - 1}: applied step {s} next (generation {gen})")
             done = s + 1
             stretch.setdefault(gen, {})[s] = e["microbatches"]
-    for span in open_spans:
-        span.redo = total if span.redo is None else span.redo
-    if done != total:
+    end = total if retired_at is None else retired_at
+    for span in open_spans:  # the trainers redid its steps from the end (a retired shard's: from the resume)
+        span.redo = end if span.redo is None else span.redo
+    if retired_at is None and done != total:
         v.append(f"shard {k} holds {done} applied steps at the end, the run has {total}")
+    elif retired_at is not None and done < retired_at:
+        v.append(f"shard {k} held {done} applied steps when the run resumed without it from step {retired_at}")
     return v + walk_mirrors(k, mirrors, files, m), spans
 
 

@@ -40,7 +40,7 @@ from actors.supervisor.spares import SparePool
 from actors.supervisor.survey import Surveyor
 from actors.supervisor.mirrors import MirrorSet
 from actors.supervisor.trainers import TrainerBook
-from core.accounting import LostSpan, chain_rows, count_lost_samples
+from core.accounting import LostSpan, chain_rows, count_lost_samples, plan_held
 from core.checkpoint import DataPosition
 from core.config import RunConfig
 from core.faultlog import fault_log_dir
@@ -185,10 +185,13 @@ def assemble(inputs: RunInputs, on_crash: Callable[[str, BaseException], None], 
 
 
 def _count_lost(inputs: RunInputs, checkpoints: CheckpointCoordinator, f: FailureRecord) -> float:
+    """``f``'s lost samples, over the rows its dead shard held (an earlier attempt's plan, where a
+    resume changed it before the count)."""
     span = LostSpan(f.shard, f.chain, f.first_step, f.failed_at_step)
+    plan = plan_held(inputs.plan, f.shard, f.slices)
     with checkpoints.timeline():  # no rollback fences the chain's files meanwhile
-        rows = chain_rows(inputs.plan, checkpoints.store, span)
-    return count_lost_samples(inputs.cfg, inputs.plan, inputs.schedule, inputs.train_cache, span, rows)
+        rows = chain_rows(plan, checkpoints.store, span)
+    return count_lost_samples(inputs.cfg, plan, inputs.schedule, inputs.train_cache, span, rows)
 
 
 def _death_seen(controller: RecoveryController, target: str, pid: int) -> bool:

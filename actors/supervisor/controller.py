@@ -179,7 +179,7 @@ class RecoveryController:
         dropped = self._p.mirrors.drop(range(self.n) if isinstance(done, RollingBack) else out.handles,
                                        {done.spares[k] for k in promoted})
         effects.append(partial(self._p.mirrors.kill_dropped, dropped))
-        records = failure_records(done, out, self.generation, now)
+        records = failure_records(done, out, self.generation, now, getattr(self._p.fleet, "plan", None))
         self._p.ledger.add(records)
         for f in records:
             self._events.append("shard_recovered", event_time=now, **encode(f))

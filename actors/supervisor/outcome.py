@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from actors.supervisor.machine import EVERY_TRAINER_DIED, RESUME, RecoveringShards, RollbackRefused, RollingBack
+from core.plan import ShardingPlan
 from core.books import FailureRecord
 from core.records import LoadResult, ShardInfo
 
@@ -42,10 +43,13 @@ class Outcome:
     fenced: list[int] = field(default_factory=list)
 
 
-def failure_records(done: RecoveringShards | RollingBack, out: Outcome, generation_after: int, now: float) -> list[FailureRecord]:
+def failure_records(done: RecoveringShards | RollingBack, out: Outcome, generation_after: int, now: float,
+                    plan: ShardingPlan | None = None) -> list[FailureRecord]:
     """The failures ``done`` recovered. A partial recovery's record carries the chain its shard
     loaded (its own files may have sent it back further) and the rows it reloaded; a
-    rollback's, the rollback's chain and every shard's rows."""
+    rollback's, the rollback's chain and every shard's rows. With ``plan``, each record names
+    the rows its dead shard held (its lost samples are counted over them, whatever plan a
+    later attempt resumes on)."""
     partial = isinstance(done, RecoveringShards)
     total_rows = sum(r.rows for r in out.loaded.values())
     total_bytes = sum(r.bytes for r in out.loaded.values())
@@ -70,6 +74,7 @@ def failure_records(done: RecoveringShards | RollingBack, out: Outcome, generati
             bytes_reloaded=int(mine.bytes if mine is not None else (0 if partial else total_bytes)),
             failed_at_step=None, lost_samples=None if partial else 0.0,
             lost_steps_recomputed=0 if partial else None,
+            slices=None if plan is None else tuple((s.table, s.row_start, s.row_end) for s in plan.shards[cause.shard]),
         ))
     return records
 

@@ -87,10 +87,11 @@ class ServingFleet:
         """``--resume``: the first fleet of a new attempt takes the generations after the last
         attempt's, so that no generation of a shard (its audit log, its actor's name) is used twice
         in a run directory. A resume on more shards than the last attempt's starts the new
-        shards at generation 0; one on fewer leaves the last ones out."""
+        shards at generation 0; one on fewer keeps the counters of those it leaves out (beyond
+        ``n``), so that a later resume on more shards again does not reuse their generations."""
         last = list(doc["next_gens"])
         self.gens = [last[k] if k < len(last) else 0 for k in range(self.n)]
-        self.next_gens = list(self.gens)
+        self.next_gens = self.gens + last[self.n:]
         self.names = [shard_name(k, g) for k, g in enumerate(self.gens)]
 
     def load(self, doc: dict) -> None:

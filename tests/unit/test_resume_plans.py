@@ -71,3 +71,36 @@ def test_a_refused_resume_says_so_in_one_line_and_writes_nothing(tmp_path, value
     assert done.returncode == 2 and len(lines) == 1 and said in lines[0], done.stderr
     assert "Traceback" not in done.stderr + done.stdout
     assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before
+
+
+def test_a_resume_on_fewer_shards_then_more_never_reuses_a_generation():
+    """3 shards, then 2, then 4: shard 2 comes back after the generations it had, so no audit log
+    or actor name holds two actors' records (found in review)."""
+    import threading
+
+    from actors.supervisor.serving import ServingFleet
+
+    def name(k, g):
+        return f"shard-{k}-g{g}"
+
+    three = ServingFleet(3, name, threading.RLock())
+    three.reserve({0: 4, 1: 2, 2: 6})
+    two = ServingFleet(2, name, threading.RLock())
+    two.continue_from(three.doc(), name)
+    assert two.gens == [5, 3]
+    four = ServingFleet(4, name, threading.RLock())
+    four.continue_from(two.doc(), name)
+    assert four.gens == [5, 3, 7, 0] and four.names[2] == "shard-2-g7"
+
+
+def test_a_failure_of_an_earlier_plan_is_counted_over_the_rows_its_shard_held():
+    """A partial recovery of shard 2 of three, counted after a resume on two shards: over the
+    rows shard 2 held then, not the plan now's (which has no shard 2, or other rows for it)."""
+    from core.accounting import plan_held
+
+    three, two = make_plan("row_wise", [30] * 26, 3), make_plan("row_wise", [30] * 26, 2)
+    held = tuple((s.table, s.row_start, s.row_end) for s in three.shards[2])
+    assert plan_held(two, 2, held).shards[2] == three.shards[2]
+    assert plan_held(two, 1, tuple((s.table, s.row_start, s.row_end) for s in three.shards[1])).shards[1] == \
+        three.shards[1]
+    assert plan_held(two, 1, None) is two and plan_held(three, 2, held) is three

@@ -44,20 +44,38 @@ class LoadedFiles:
 
     def read(self, load: ShardLoad, step: int) -> tuple[list[tuple[int, str]], str | None]:
         """The files of checkpoint ``step`` that ``load`` read, as (shard, directory), and the
-        name of the first of them no longer found (None: all found)."""
-        slices = self.history.slices_of(load.shard, load.generation)
-        holders = [load.shard]
+        name of the first of them no longer found (None: all found). Which files: those the plan
+        of the checkpoint the load read (its manifest there, a fenced copy's own) gave the load's
+        rows; its own file where that manifest records no plan."""
+        own = f"shard-{load.shard}.arrow"
+        directory = self.source(step, own, load.t) or self._read_from(step, load.t)
+        if directory is None:
+            return [], own
         try:
-            written = plan_slices(self.store.manifest(step))
+            written = plan_slices(self.store.manifest_in(directory))
         except (OSError, ValueError):
-            written = None  # gone, or fenced: its copy's manifest is not read; the shard's own file
+            written = None
+        holders = [load.shard]
+        slices = self.history.slices_of(load.shard, load.generation)
         if written is not None and (load.shard >= len(written) or sorted(written[load.shard]) != sorted(slices)):
             holders = [j for j, held in enumerate(written)
                        if any(t == u and a < f and c < b for t, a, b in held for u, c, f in slices)]
         found = []
         for j in holders:
-            directory = self.source(step, f"shard-{j}.arrow", load.t)
-            if directory is None:
-                return found, f"shard-{j}.arrow"
+            name = f"shard-{j}.arrow"
+            if self.source(step, name, load.t) != directory:  # damaged since, or not in the copy read
+                return found, name
             found.append((j, directory))
         return found, None
+
+    def _read_from(self, step: int, loaded_at: float) -> str | None:
+        """The directory of checkpoint ``step`` as a load at ``loaded_at`` found it, whatever
+        became of the shard's own file (a plan without it): the checkpoint's, if committed
+        before then, else a fenced copy live then."""
+        when = self.saved.get(step)
+        if when is not None and when <= loaded_at + CLOCK_SLACK_S:
+            return self.store._path(step)
+        for committed, fenced_at, directory in self.fenced.get(step, []):
+            if committed <= loaded_at + CLOCK_SLACK_S and loaded_at <= fenced_at + CLOCK_SLACK_S:
+                return directory
+        return None
