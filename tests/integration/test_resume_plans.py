@@ -23,17 +23,19 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 M, B = 4, 128
 
 
-def test_a_run_resumed_on_three_shards_finishes_and_verifies_across_both_plans(ray_local, small_data, tmp_path):
+def _killed_run(ray_local, small_data, tmp_path, embeddings: dict, faults: dict):
+    """A run killed with its driver once its checkpoint of step 60 is committed: (its directory,
+    the driver's environment, the command, its checkpoint store, the last valid checkpoint)."""
     run_dir = tmp_path / "run"
     config = {
         "run_dir": str(run_dir),
         "seed": 5,
         "data": {"train": [small_data.train_path], "eval": [small_data.eval_path]},
         "model": {"embedding_dim": 8, "table_rows": 20_000, "dense_arch": [32, 8], "over_arch": [32, 1]},
-        "embeddings": {"num_shards": 2, "sharding": "row_wise"},
+        "embeddings": embeddings,
         "training": {"num_trainers": 2, "microbatch_rows": B, "microbatches_per_step": M, "epochs": 1},
         "checkpoint": {"every_steps": 30, "keep_last": 10},
-        "faults": {"max_failures": 0},
+        "faults": faults,
         "audit_log": True,
     }
     cfg_path = tmp_path / "c.yaml"
@@ -49,8 +51,14 @@ def test_a_run_resumed_on_three_shards_finishes_and_verifies_across_both_plans(r
         finally:
             first.send_signal(signal.SIGKILL)
             first.wait(timeout=30)
-    last = store.latest_valid()
-    assert not (run_dir / "report.json").exists() and store.plan(last).num_shards == 2
+    assert not (run_dir / "report.json").exists()
+    return run_dir, env, cmd, store, store.latest_valid()
+
+
+def test_a_run_resumed_on_three_shards_finishes_and_verifies_across_both_plans(ray_local, small_data, tmp_path):
+    run_dir, env, cmd, store, last = _killed_run(ray_local, small_data, tmp_path,
+                                                 {"num_shards": 2, "sharding": "row_wise"}, {"max_failures": 0})
+    assert store.plan(last).num_shards == 2
 
     resumed = subprocess.run(cmd + ["--resume", str(run_dir), "--set", "embeddings.num_shards=3"], env=env,
                              capture_output=True, text=True, timeout=400)
@@ -81,3 +89,24 @@ def test_a_run_resumed_on_three_shards_finishes_and_verifies_across_both_plans(r
                                "--out", str(tmp_path / f"export-{step}")], env=env, capture_output=True, text=True,
                               timeout=120)
         assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_a_run_resumed_on_fewer_shards_counts_an_earlier_failure_over_the_rows_its_shard_held(
+        ray_local, small_data, tmp_path):
+    """Three table-wise shards, shard 2 killed and partially recovered, the driver killed; the
+    run resumed on two: the failure's lost samples are those of the rows shard 2 held then (the
+    plan now has no shard 2), and cpr verify walks shard 2 to the resume that retired it."""
+    run_dir, env, cmd, store, last = _killed_run(ray_local, small_data, tmp_path,
+                                                 {"num_shards": 3, "sharding": "table_wise"},
+                                                 {"max_failures": 0, "at_steps": {"shard:2": [35]}})
+    resumed = subprocess.run(cmd + ["--resume", str(run_dir), "--set", "embeddings.num_shards=2"], env=env,
+                             capture_output=True, text=True, timeout=400)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    report = json.loads((run_dir / "report.json").read_text())
+    [failure] = report["failures"]
+    assert failure["actor"] == "shard:2" and failure["recovery"] == "partial"
+    assert failure["lost_samples"] > 0 and failure["lost_samples_error"] is None
+    assert store.info(234).shard_ids == [0, 1]
+    verdict = verified(run_dir)
+    assert verdict.sound, verdict.violations
+    assert verdict.facts["partial_recoveries"] == 1 and verdict.facts["replay"].exact
