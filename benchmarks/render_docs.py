@@ -50,6 +50,7 @@ RENDERERS: dict[str, str] = {
     "throughput": "benchmarks.throughput:render",
     "recovery": "benchmarks.recovery:render",
     "recovery_replica": "benchmarks.recovery:render",
+    "reshard": "benchmarks.reshard:render",
     "replica_cost": "benchmarks.replica_cost:render",
     "scaling": "benchmarks.scaling:render",
     "soak": "benchmarks.soak:render",

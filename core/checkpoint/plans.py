@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from core.checkpoint.files import CheckpointInfo
-from core.checkpoint.rows import ShardRows, merge_shard_rows, rows_within
+from core.checkpoint.rows import ShardRows, gather_rows
 from core.errors import CheckpointCorrupt, CheckpointNotFound
 from core.plan import ShardingPlan, overlapping, plan_from_json
 
@@ -56,7 +56,7 @@ def read_slices(reader: CheckpointReader, info: CheckpointInfo, shard_id: int, s
     sources = overlapping(written, slices)
     if not sources:
         raise CheckpointCorrupt(f"checkpoint step {info.step}: no shard file holds rows of shard {shard_id}")
-    return merge_shard_rows([rows_within(reader.read_shard(info.step, k), slices) for k in sources])
+    return gather_rows([reader.read_shard(info.step, k) for k in sources], slices)
 
 
 def newest_plan(reader: CheckpointReader) -> tuple[int, ShardingPlan] | None:

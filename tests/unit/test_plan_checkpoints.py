@@ -119,3 +119,35 @@ def test_a_manifest_whose_plan_does_not_match_its_files_is_refused(tmp_path):
     path.write_text(json.dumps(doc))
     with pytest.raises(CheckpointCorrupt, match="plan is malformed"):
         recorded_plan(store.info(1))
+
+
+@pytest.mark.parametrize("kind,before,after", [("row_wise", 2, 3), ("row_wise", 3, 2), ("table_wise", 2, 3)])
+def test_gather_rows_gives_a_shards_rows_in_its_layout_from_files_of_another_plan(kind, before, after):
+    """Every row of a full checkpoint once (copied run by run), or an incremental's scattered
+    subset (sorted): the same as selecting each slice's rows and sorting by table then row."""
+    from core.checkpoint.rows import ShardRows, gather_rows
+
+    old, new = make_plan(kind, TABLE_ROWS, before), make_plan(kind, TABLE_ROWS, after)
+    rng = np.random.default_rng(0)
+
+    def file_of(slices, subset: bool) -> ShardRows:
+        tables = np.concatenate([np.full(s.num_rows, s.table, np.int32) for s in slices])
+        rows = np.concatenate([np.arange(s.row_start, s.row_end) for s in slices])
+        pick = np.sort(rng.choice(len(rows), len(rows) // 3, replace=False)) if subset else np.arange(len(rows))
+        return ShardRows(tables[pick], rows[pick], rng.standard_normal((len(pick), DIM)).astype(np.float32),
+                         rng.standard_normal(len(pick)).astype(np.float32))
+
+    for subset in (False, True):
+        files = [file_of(old.shards[k], subset) for k in range(before)]
+        everything = ShardRows(*(np.concatenate([getattr(f, n) for f in files])
+                                 for n in ("tables", "rows", "weights", "momentum")))
+        for k in range(after):
+            got = gather_rows(files, new.shards[k])
+            mine = np.zeros(len(everything), bool)
+            for s in new.shards[k]:
+                mine |= (everything.tables == s.table) & (everything.rows >= s.row_start) & (everything.rows < s.row_end)
+            order = np.lexsort((everything.rows[mine], everything.tables[mine]))
+            for name in ("tables", "rows", "weights", "momentum"):
+                assert np.array_equal(getattr(got, name), getattr(everything, name)[mine][order]), (subset, k, name)
+            if not subset:
+                assert len(got) == new.shard_rows(k)
