@@ -14,7 +14,7 @@ from ray._private import ray_constants
 
 from core.config import RunConfig
 from core.errors import ConfigError, CprError
-from core.memory import memory_estimate
+from core.memory import memory_estimate, memory_shortfall
 from policies import CostInputs, RecoveryMode, decide_recovery
 
 __all__ = ["cluster_address", "connect_ray", "join_ray", "check_cluster_fits", "resources_needed", "keep_ray_on_loopback", "worker_env", "ray_system_config", "embedded_system_config", "PRELOAD_MODULES", "metrics_url", "LOOPBACK"]
@@ -165,8 +165,10 @@ def resources_needed(cfg: RunConfig) -> dict[str, float]:
 def check_cluster_fits(cfg: RunConfig, started_here: bool = False) -> None:
     """Raises ConfigError, before anything is placed, when the connected cluster cannot hold
     the run: its shards, spares and trainers would otherwise wait for resources that never come
-    (Ray Train retries a worker group it cannot place), or its leases would outlast Ray's
-    verdict on a silent host (``_check_lease``). ``started_here``: this process started the
+    (Ray Train retries a worker group it cannot place), its largest shard would not fit in the
+    largest node's memory or the model in the cluster's (``core.memory.memory_shortfall``: a
+    resume on fewer shards makes shards larger), or its leases would outlast Ray's verdict on a
+    silent host (``_check_lease``). ``started_here``: this process started the
     Ray (its GCS took this process's settings), so they are read here, not by a task on the head
     (``node_death_s``)."""
     _check_lease(cfg, node_death_s(HEAD_PROBE_TIMEOUT_S, started_here))
@@ -180,6 +182,8 @@ def check_cluster_fits(cfg: RunConfig, started_here: bool = False) -> None:
     if max(emb.num_cpus, TRAINER_CPUS) > biggest + 1e-9:
         short.append(f"one process needs {max(emb.num_cpus, TRAINER_CPUS):g} CPUs and the largest node has {biggest:g}")
     if not short:
+        if (why := memory_shortfall(memory_estimate(cfg), [n.get("memory", 0.0) for n in nodes])) is not None:
+            raise ConfigError(why)
         return
     raise ConfigError(
         f"the cluster is too small for this config: it needs {'; '.join(short)} "

@@ -11,7 +11,7 @@ from core.config import RunConfig
 from core.data import NUM_DENSE, NUM_SPARSE
 from core.plan import make_plan
 
-__all__ = ["ShardMemory", "MemoryEstimate", "memory_estimate", "dense_parameters"]
+__all__ = ["ShardMemory", "MemoryEstimate", "memory_estimate", "memory_shortfall", "dense_parameters"]
 
 _FLOAT_BYTES = 4
 # fbgemm's EXACT_ROWWISE_ADAGRAD keeps one float32 per row (its momentum), not one per weight.
@@ -142,3 +142,21 @@ def memory_estimate(cfg: RunConfig, mirrors: bool | None = None) -> MemoryEstima
         dense_params=dense_parameters(NUM_DENSE, NUM_SPARSE, cfg.model.dense_arch, cfg.model.over_arch),
         num_trainers=cfg.training.num_trainers,
     )
+
+
+def memory_shortfall(estimate: MemoryEstimate, node_memory: list[float]) -> str | None:
+    """Why a cluster whose nodes give Ray ``node_memory`` bytes each cannot hold the model as
+    ``estimate`` sizes it (its largest shard on the largest node, everything on all of them), or
+    None. A resume on fewer shards makes each shard larger: this says so before anything is
+    placed, rather than a shard killed for memory once it loads."""
+    gib = 1 << 30
+    largest = max(estimate.shards, key=lambda s: s.total_bytes - s.mirror_bytes)
+    shard_bytes = largest.total_bytes - largest.mirror_bytes  # its mirror lives in another process
+    roomiest, have = max(node_memory, default=0.0), sum(node_memory)
+    if shard_bytes <= roomiest and estimate.total_bytes <= have:
+        return None
+    return (f"the cluster's memory is too small for this config: shard {largest.shard} holds "
+            f"{shard_bytes / gib:.2f} GiB at a save and the largest node gives Ray {roomiest / gib:.2f} GiB; "
+            f"the model needs {estimate.total_bytes / gib:.2f} GiB in all and the cluster gives {have / gib:.2f} GiB. "
+            "Raise embeddings.num_shards, lower model.table_rows or model.embedding_dim, or give Ray more "
+            "memory (more nodes, ray start --memory)")

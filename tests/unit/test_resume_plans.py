@@ -104,3 +104,18 @@ def test_a_failure_of_an_earlier_plan_is_counted_over_the_rows_its_shard_held():
     assert plan_held(two, 1, tuple((s.table, s.row_start, s.row_end) for s in three.shards[1])).shards[1] == \
         three.shards[1]
     assert plan_held(two, 1, None) is two and plan_held(three, 2, held) is three
+
+
+def test_a_plan_whose_largest_shard_does_not_fit_a_node_says_so_before_anything_is_placed():
+    from core.memory import memory_estimate, memory_shortfall
+
+    cfg = config_from_dict({"run_dir": "r", "data": {"train": ["t"], "eval": ["e"]},
+                            "model": {"embedding_dim": 16, "table_rows": 100_000},
+                            "embeddings": {"num_shards": 4, "sharding": "row_wise"}})
+    gib = float(1 << 30)
+    one = cfg.model_copy(update={"embeddings": cfg.embeddings.model_copy(update={"num_shards": 1})})
+    assert memory_shortfall(memory_estimate(cfg), [0.3 * gib] * 4) is None  # 4 shards of 0.11 GiB at a save
+    said = memory_shortfall(memory_estimate(one), [0.3 * gib] * 4)  # the same model on 1 shard: 0.45 GiB
+    assert said is not None and said.startswith("the cluster's memory is too small for this config: shard 0 holds ")
+    assert "Raise embeddings.num_shards" in said
+    assert memory_shortfall(memory_estimate(cfg), [0.3 * gib]) is not None  # all of it on one node
