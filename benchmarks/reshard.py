@@ -174,7 +174,7 @@ def measure(sizes: list[str], result: dict) -> None:
 
 def render(result: dict) -> str:
     lines = [f"Rendered from `benchmarks/results/reshard.json`: {describe(result['meta'])}.", "",
-             "| shard size (2 shards) | resumed on | launch to first step | shards' load | loaded | read from another shard's file | steps redone |",
+             "| shard size (2 shards) | resumed on | launch to first step | shards' load | loaded | read from another shard's file | steps redone (at least) |",
              "|---|---:|---:|---:|---:|---:|---:|"]
     for s in result["sizes"]:
         for r in s["resumes"]:
