@@ -91,22 +91,24 @@ def test_rows_saved_under_one_plan_load_into_another_and_train_on_the_same(tmp_p
     assert _model(new, moved) == _model(old, restored)
 
 
-def test_the_same_plan_keeps_its_generation_and_reads_its_own_file(tmp_path):
+def _saved_once(tmp_path):
+    """Two table-wise shards trained a step and saved in full at step 1: (uri, plan)."""
     uri = str(tmp_path / "ckpt")
     plan = make_plan("table_wise", TABLE_ROWS, 2)
     shards = _shards(plan)
     _train(plan, shards, 0)
     _save(uri, plan, shards, 1, full=True)
+    return uri, plan
+
+
+def test_the_same_plan_keeps_its_generation_and_reads_its_own_file(tmp_path):
+    uri, plan = _saved_once(tmp_path)
     again, written = plan_after(CheckpointStore(uri), make_plan("table_wise", TABLE_ROWS, 2))
     assert again == plan and written == plan and again.generation == 0
 
 
 def test_a_manifest_whose_plan_does_not_match_its_files_is_refused(tmp_path):
-    uri = str(tmp_path / "ckpt")
-    plan = make_plan("table_wise", TABLE_ROWS, 2)
-    shards = _shards(plan)
-    _train(plan, shards, 0)
-    _save(uri, plan, shards, 1, full=True)
+    uri, plan = _saved_once(tmp_path)
     path = tmp_path / "ckpt" / step_dir_name(1) / "manifest.json"
     doc = json.loads(path.read_text())
     store = CheckpointStore(uri)
