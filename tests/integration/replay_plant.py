@@ -58,8 +58,8 @@ class _Faulty(Replay):
         self.done = False
 
     def _shard_rows(self):
-        return {k: [(t, s, e, *self.tables.rows_of(t, np.arange(s, e))) for t, s, e in slices]
-                for k, slices in self.history.slices.items()}
+        return {k: [(t, s, e, *self.tables.rows_of(t, np.arange(s, e))) for t, s, e in self.history.slices_of(k)]
+                for k in sorted(self.history.shards())}
 
     def _check_digests(self, c: Commit, merged: np.ndarray) -> None:
         self._last = (c, merged)  # what the faulty process logs: the digests of its state after the step
@@ -69,8 +69,9 @@ class _Faulty(Replay):
         c, merged = self._last
         params = list(self.model.parameters())
         self.logged[("dense", c.try_)] = dense_digest(params, [self.optimizer.state[p]["sum"] for p in params])
-        for k, slices in self.history.slices.items():
-            self.logged.setdefault((k, c.step, (c.try_[0], c.try_[2])), self.tables.digest(slices, merged))
+        for k in sorted(self.history.shards()):
+            self.logged.setdefault((k, c.step, (c.try_[0], c.try_[2])),
+                                   self.tables.digest(self.history.slices_of(k), merged))
 
     def _mutated_commit(self, c: Commit) -> None:
         mu = self.mutation
@@ -79,7 +80,7 @@ class _Faulty(Replay):
         if self.done or mu.kind == "initial_rows" or c.step != mu.step:
             return super()._commit(c)
         self.done = True
-        mine = self.history.slices[mu.shard]
+        mine = self.history.slices_of(mu.shard)
         before = [(t, s, e, *self.tables.rows_of(t, np.arange(s, e))) for t, s, e in mine]
         captured = []
         original = self.tables.step
@@ -115,7 +116,7 @@ class _Faulty(Replay):
         the shard's."""
         mu, k = self.mutation, self.mutation.shard
         mirror_log, new_log, serves_from = self.promotion
-        mine = self.history.slices[k]
+        mine = self.history.slices_of(k)
         if c.step == serves_from and self.mirror is not None:
             for t, s, e in mine:
                 self.tables.put(t, np.arange(s, e), *self.mirror.rows_of(t, np.arange(s, e)))
@@ -143,7 +144,7 @@ class _Faulty(Replay):
         if (mu.kind == "initial_rows" and not self.done and load.shard == mu.shard and load.why == "recovery"
                 and load.first_step == mu.step):
             self.done = True
-            for table, start, end in self.history.slices[load.shard]:
+            for table, start, end in self.history.slices_of(load.shard):
                 self.tables.initialize(self.seed, table, start, end)
             return
         super()._load_shard(load)
