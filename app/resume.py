@@ -18,7 +18,7 @@ __all__ = ["PLAN_FIELDS", "refuse_other_data", "resume_config"]
 
 
 # What a resume may change: the rows go back to the shards of the new plan from the
-# checkpoint's files, whatever plan wrote them (core.checkpoint.reader.read_slices).
+# checkpoint's files, whatever plan wrote them (core.checkpoint.plans.read_slices).
 PLAN_FIELDS = ("embeddings.num_shards", "embeddings.sharding")
 
 

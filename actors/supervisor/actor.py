@@ -80,10 +80,9 @@ class Supervisor:
         if previous is not None and use is None:
             logger.warning("the journal in %s is run %s's, not this run's (%s): it is not used", run_dir,
                            previous.get("run_id"), run_id)
-        self._written_plan = None
         plan = make_plan(cfg.embeddings.sharding, cfg.model.rows_per_table, cfg.embeddings.num_shards)
         if use is not None and cfg.checkpoint.stored:  # a resume on another plan starts its next generation
-            plan, self._written_plan = plan_after(CheckpointReader(cfg.checkpoint_uri), plan)
+            plan = plan_after(CheckpointReader(cfg.checkpoint_uri), plan)
         inputs = RunInputs(
             cfg, run_id, run_dir, plan,
             StepSchedule.from_config(num_microbatches, tr.microbatches_per_step, tr.epochs, tr.max_steps, cfg.seed),

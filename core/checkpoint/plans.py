@@ -76,13 +76,12 @@ def same_rows(a: ShardingPlan, b: ShardingPlan) -> bool:
     return (a.kind, a.table_rows, a.shards) == (b.kind, b.table_rows, b.shards)
 
 
-def plan_after(reader: CheckpointReader, plan: ShardingPlan) -> tuple[ShardingPlan, ShardingPlan | None]:
+def plan_after(reader: CheckpointReader, plan: ShardingPlan) -> ShardingPlan:
     """``plan`` numbered after the run's checkpoints: the generation of the newest recorded
-    plan when it holds the same rows, the next one when it does not (0 without checkpoints).
-    Also returns that recorded plan (None without one)."""
+    plan when it holds the same rows, the next one when it does not (0 without checkpoints)."""
     found = newest_plan(reader)
     if found is None:
-        return plan, None
+        return plan
     _, written = found
     generation = written.generation if same_rows(written, plan) else written.generation + 1
-    return dataclasses.replace(plan, generation=generation), written
+    return dataclasses.replace(plan, generation=generation)
