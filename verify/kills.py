@@ -7,6 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from verify.files import AuditFile, RunFiles
+from verify.store import files_read
 
 __all__ = ["Kill", "Damage", "HostFault", "landed_kills", "check_kills", "counts_by_kind", "planted_damage",
            "stalled_pids", "check_damage_unused", "host_faults", "check_hosts", "host_victims"]
@@ -128,10 +129,7 @@ def _reads(k: int, f: AuditFile, j: int, written: list | None) -> bool:
     mine = next((r.get("slices") for r in f.records if r.get("event") == "open"), None)
     if written is None or mine is None or f.kind == "mirror" or j >= len(written):
         return k == j
-    mine = sorted(tuple(int(x) for x in s) for s in mine)
-    if k < len(written) and sorted(written[k]) == mine:
-        return k == j
-    return any(t == u and a < e and c < b for t, a, b in written[j] for u, c, e in mine)
+    return j in files_read(k, mine, written)
 
 
 def counts_by_kind(run: RunFiles, kills: list[Kill]) -> tuple[Counter, Counter]:

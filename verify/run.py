@@ -20,7 +20,7 @@ from verify.lost import check_replicas, recount_lost
 from verify.replay.data import DataCache, train_store
 from verify.replay.schedule import Schedule
 from verify.retention import check_removed
-from verify.store import Store, plan_slices
+from verify.store import Store
 from verify.timeline import applies_committed, torn_lines, walk_dense, walk_shard
 
 __all__ = ["Verdict", "verify_run"]
@@ -110,7 +110,7 @@ def verify_run(run_dir: str | Path, wait_s: float = 10.0) -> Verdict:
         v += [p for p in store.problems(step, shards=shards)
               if not any(p.startswith(f"checkpoint {s}: file {f} ") for s, f in planted)]
     v += check_removed(run, planted)
-    v += check_damage_unused(run, damage, store.commit_time, lambda step: _plan_of(store, step))
+    v += check_damage_unused(run, damage, store.commit_time, lambda step: store.plan_in(store._path(step)))
     if run.config["checkpoint"].get("final", True) and state == "finished" and total not in committed:
         v.append(f"the final checkpoint (step {total}) is not committed")
     v += leftovers(run, wait_s)
@@ -118,14 +118,6 @@ def verify_run(run_dir: str | Path, wait_s: float = 10.0) -> Verdict:
                      "checkpoints_verified": len(committed), "damaged_checkpoints": len(damage), "stalls": len(stalled),
                      "host_faults": len(hosts)}
     return verdict
-
-
-def _plan_of(store: Store, step: int) -> list | None:
-    """The rows each shard file of checkpoint ``step`` holds, as its manifest records them."""
-    try:
-        return plan_slices(store.manifest(step))
-    except (OSError, ValueError):
-        return None
 
 
 def _resumed_after(run: RunFiles, k: int) -> int | None:

@@ -11,10 +11,11 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.fs as pafs
 
-__all__ = ["Store", "DENSE_FILE", "files_missing", "plan_slices", "shard_file"]
+__all__ = ["Store", "DENSE_FILE", "files_missing", "files_read", "plan_slices", "shard_file"]
 
 _STEP_DIR = re.compile(r"^ckpt-(\d{12})$")
 _FENCED_DIR = re.compile(r"^ckpt-(\d{12})-(\d+)$")
+_SHARD_FILE = re.compile(r"^shard-(\d+)\.arrow$")
 _CHUNK = 8 << 20
 # "<algo>" hashes the whole file; "<algo>c<MiB>" the digests of its MiB-sized chunks.
 _ALGO = re.compile(r"(sha256|sha512|blake2b)(?:c([1-9][0-9]{0,3}))?")  # fullmatch; chunks up to 1024 MiB
@@ -34,6 +35,16 @@ def plan_slices(manifest: dict) -> list[list[tuple[int, int, int]]] | None:
         return [[(int(t), int(a), int(b)) for t, a, b in shard] for shard in plan["shards"]]
     except (KeyError, TypeError, ValueError):
         return None
+
+
+def files_read(shard: int, slices, written: list | None) -> list[int]:
+    """The shard files a load by ``shard``, holding ``slices`` ((table, row_start, row_end)
+    each), read of a checkpoint whose plan gave each file ``written``'s rows: its own where that
+    plan gave it these very rows (or records none), else every file holding some of its rows."""
+    mine = sorted(tuple(int(x) for x in s) for s in slices)
+    if written is None or (shard < len(written) and sorted(written[shard]) == mine):
+        return [shard]
+    return [j for j, held in enumerate(written) if any(t == u and a < f and c < b for t, a, b in held for u, c, f in mine)]
 
 
 def files_missing(step: int, files: dict, shards: int | None, manifest: dict | None = None) -> list[str]:
@@ -101,15 +112,19 @@ class Store:
             return None
         return info.mtime.timestamp()
 
-    def manifest_in(self, directory: str) -> dict:
-        """The manifest of the checkpoint in ``directory`` (a fenced copy keeps its own)."""
-        with self.fs.open_input_stream(f"{directory}/manifest.json") as f:
-            return json.loads(f.read())
+    def plan_in(self, directory: str) -> list[list[tuple[int, int, int]]] | None:
+        """``plan_slices`` of the manifest of the checkpoint in ``directory`` (a fenced copy
+        keeps its own); None where it cannot be read or records no plan."""
+        try:
+            with self.fs.open_input_stream(f"{directory}/manifest.json") as f:
+                return plan_slices(json.loads(f.read()))
+        except (OSError, ValueError):
+            return None
 
     def shard_files(self, step: int) -> list[int]:
         """The shards whose file the manifest of ``step`` lists, ascending."""
         names = self.manifest(step).get("files") or {}
-        return sorted(int(m.group(1)) for n in names if (m := re.fullmatch(r"shard-(\d+)\.arrow", n)))
+        return sorted(int(m.group(1)) for n in names if (m := _SHARD_FILE.match(n)))
 
     def manifest(self, step: int) -> dict:
         with self.fs.open_input_stream(self._path(step, "manifest.json")) as f:

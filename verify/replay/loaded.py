@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from verify.kills import Damage
 from verify.replay.history import History, ShardLoad
-from verify.store import Store, plan_slices
+from verify.store import Store, files_read
 
 __all__ = ["CLOCK_SLACK_S", "LoadedFiles"]
 
@@ -51,17 +51,9 @@ class LoadedFiles:
         directory = self.source(step, own, load.t) or self._read_from(step, load.t)
         if directory is None:
             return [], own
-        try:
-            written = plan_slices(self.store.manifest_in(directory))
-        except (OSError, ValueError):
-            written = None
-        holders = [load.shard]
         slices = self.history.slices_of(load.shard, load.generation)
-        if written is not None and (load.shard >= len(written) or sorted(written[load.shard]) != sorted(slices)):
-            holders = [j for j, held in enumerate(written)
-                       if any(t == u and a < f and c < b for t, a, b in held for u, c, f in slices)]
         found = []
-        for j in holders:
+        for j in files_read(load.shard, slices, self.store.plan_in(directory)):
             name = f"shard-{j}.arrow"
             if self.source(step, name, load.t) != directory:  # damaged since, or not in the copy read
                 return found, name
