@@ -56,14 +56,27 @@ def step_times(args, root: Path) -> list[dict]:
                                           "model.dense_arch": [64, dim], "data.cache_dir": str(root / "cache")})
         data = prepare_data(cfg.model_copy(update={"run_dir": str(root / f"prep-{rows}-{dim}")}), LocalEngine())
         samples = cfg.training.microbatches_per_step * cfg.training.microbatch_rows
-        single = single_process_run(CONFIG, args.steps, data["train"].uri, sets)
-        cpr = product(CONFIG, args.steps, 1, root / f"cpr-{rows}-{dim}", sets)
-        point = {"rows_per_table": rows, "dim": dim, "single_ms": 1e3 * samples / single["samples_per_s"],
-                 "cpr_ms": 1e3 * samples / cpr["samples_per_s"], "cpr_phase_ms": cpr["phase_ms"],
-                 "single_phase_ms": single["phase_ms"]}
+        singles, cprs = [], []
+        for pair in range(args.pairs):  # alternated: a-b, then b-a, so a drift of the machine hits both
+            order = ("single", "cpr") if pair % 2 == 0 else ("cpr", "single")
+            for side in order:
+                if side == "single":
+                    singles.append(single_process_run(CONFIG, args.steps, data["train"].uri, sets))
+                else:
+                    run_dir = root / f"cpr-{rows}-{dim}-{pair}"
+                    cprs.append(product(CONFIG, args.steps, 1, run_dir, sets))
+                    shutil.rmtree(run_dir, ignore_errors=True)
+        single_ms = [1e3 * samples / r["samples_per_s"] for r in singles]
+        cpr_ms = [1e3 * samples / r["samples_per_s"] for r in cprs]
+        mid = int(np.argsort(cpr_ms)[len(cpr_ms) // 2])  # the phases of the median cpr run
+        point = {"rows_per_table": rows, "dim": dim, "pairs": args.pairs,
+                 "single_ms": float(np.median(single_ms)), "cpr_ms": float(np.median(cpr_ms)),
+                 "ratio": float(np.median([a / b for a, b in zip(single_ms, cpr_ms)])),
+                 "single_ms_all": single_ms, "cpr_ms_all": cpr_ms,
+                 "cpr_phase_ms": cprs[mid]["phase_ms"], "single_phase_ms": singles[mid]["phase_ms"]}
         out.append(point)
-        print(f"rows {rows:,} dim {dim}: single {point['single_ms']:.1f} ms, cpr {point['cpr_ms']:.1f} ms", flush=True)
-        shutil.rmtree(root / f"cpr-{rows}-{dim}", ignore_errors=True)
+        print(f"rows {rows:,} dim {dim}: single {point['single_ms']:.1f} ms, cpr {point['cpr_ms']:.1f} ms, "
+              f"ratio {point['ratio']:.2f}", flush=True)
     return out
 
 
@@ -194,12 +207,13 @@ def render(result: dict) -> str:
     lines = ["# How each cost grows with the model", "",
              f"Rendered from `scaling.json`: {describe(result['meta'])}.{again} The plot: `docs/images/scaling.png`.", "",
              f"**Step time** (ms a step of 2,048 samples, {result['step_count']} steps; cpr: `python -m app train`, "
-             "1 trainer, 2 shards; single process: torchrec in its own process, no Ray, every core):", "",
+             "1 trainer, 2 shards; single process: torchrec in its own process, no Ray, every core; the median of "
+             f"{result['steps'][0].get('pairs', 1)} alternated pair(s) of runs, the ratio the median of the pairs' ratios):", "",
              "| rows per table | D | single process | cpr | ratio (single/cpr) | cpr lookup | cpr push |",
              "|---:|---:|---:|---:|---:|---:|---:|"]
     for p in result["steps"]:
         lines.append(f"| {p['rows_per_table']:,} | {p['dim']} | {p['single_ms']:.1f} | {p['cpr_ms']:.1f} | "
-                     f"{p['single_ms'] / p['cpr_ms']:.2f} | {p['cpr_phase_ms']['lookup']:.1f} | "
+                     f"{p.get('ratio', p['single_ms'] / p['cpr_ms']):.2f} | {p['cpr_phase_ms']['lookup']:.1f} | "
                      f"{p['cpr_phase_ms']['push']:.1f} |")
     lines += ["", "**Saves and loads of one shard** (one process, no Ray; the file in the page cache, as in a run):", "",
               "| shard | snapshot (holds training) | background write | load (read, verify, copy) | dd write (fdatasync) | "
@@ -220,7 +234,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, nargs="+", default=[100_000, 1_000_000, 3_000_000])
     parser.add_argument("--dims", type=int, nargs="+", default=[16, 64, 128])
-    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--steps", type=int, default=90)
+    parser.add_argument("--pairs", type=int, default=3, help="alternated pairs of runs a point (the median is kept)")
     parser.add_argument("--shard-mb", type=int, nargs="+", default=[100, 1000, 2500])
     parser.add_argument("--out", default=str(ROOT / "benchmarks/results/scaling.md"))
     parser.add_argument("--plot", default=str(ROOT / "docs/images/scaling.png"))
@@ -233,6 +248,8 @@ def main() -> None:
     if len(args.parts) < 3:
         result = json.loads(out.with_suffix(".json").read_text())
         result.setdefault("remeasured", {}).update({part: run_metadata() for part in args.parts})
+        if "steps" in args.parts:
+            result["step_count"] = args.steps
     else:
         result["meta"] = run_metadata()
     parts = {"tracking": lambda: tracking(args), "save_load": lambda: save_load(args, root),
