@@ -104,9 +104,11 @@ class EmbeddingShard(ShardSteps, MirrorRole, ShardSaving):
             warm(warm_up)
             if ready_rows and tables_wanted(spare_tables, ready_rows, dim, self.device):
                 self._ready_tables = (tuple(ready_rows), warm(self._new_tables, ready_rows))
-        # Trainers on this node call lookup and push_grads over a socket, not Ray.
+        # Trainers on this node call lookup and push_grads over a socket, not Ray; a primary on
+        # this node feeds its mirror (this process, if it becomes one) the same way.
         self._link = LinkServer(
-            {"lookup": self.lookup, "lookup_eval": self.lookup_eval, "push_grads": self.push_grads}, role,
+            {"lookup": self.lookup, "lookup_eval": self.lookup_eval, "push_grads": self.push_grads,
+             "replicate": self.replicate}, role,
             after_reply=self._after_reply) if link_supported() else None
 
     def _allocate(self, shard_id: int, slices: list[TableSlice], init: bool) -> None:

@@ -210,8 +210,10 @@ class MirrorSet:
             if info.node_id == pinfo.node_id and len(cpu_nodes()) > 1:
                 raise RuntimeError(f"placed on the host of shard {k} while another host exists")
             alloc = ray.get(handle.become_mirror.remote(k, list(self._fleet.plan.shards[k])), timeout=self._timeout_s)
-            sync = ray.get(primary.attach_mirror.options(concurrency_group="mirror").remote(name, self._timeout_s),
-                           timeout=2 * self._timeout_s)
+            # A mirror on the primary's node takes its steps over its link, not by Ray calls.
+            link = info.link if info.node_id == pinfo.node_id else None
+            sync = ray.get(primary.attach_mirror.options(concurrency_group="mirror").remote(
+                name, self._timeout_s, self._fleet.run_id, link), timeout=2 * self._timeout_s)
         except (*_ERRORS, RuntimeError) as err:
             self._fleet.kill(handle)
             with self._lock:
@@ -234,7 +236,7 @@ class MirrorSet:
             self._events.append("mirror_ready", shard=k, mirror=name, node_id=info.node_id, node_ip=info.node_ip,
                                 primary_node=pinfo.node_id, build_s=round(time.perf_counter() - t0, 3),
                                 alloc_s=alloc["alloc_s"], hold_s=sync["hold_s"], sync_s=sync["sync_s"],
-                                base_step=sync["base_step"], from_spare=spare is not None)
+                                base_step=sync["base_step"], from_spare=spare is not None, linked=sync.get("linked", False))
             self._persist()
         return True
 

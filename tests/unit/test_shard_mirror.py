@@ -313,3 +313,60 @@ def test_a_primary_that_cannot_confirm_its_place_kills_no_mirror(monkeypatch):
     monkeypatch.setattr(ray, "kill", lambda handle, no_restart=True: killed.append(handle))
     assert not MirrorFeed("mirror", "m", 1.0, may_act=lambda: False).kill() and killed == []
     assert MirrorFeed("mirror", "m", 1.0, may_act=lambda: True).kill() and killed == ["mirror"]
+
+
+def test_a_mirror_on_the_primarys_node_takes_its_steps_over_its_link(monkeypatch):
+    """A mirror on the primary's node is fed over its link, the arrays in a shared-memory slab
+    (a Ray call carrying them cost most of a demo step): the mirror holds the primary's rows bit
+    for bit, through a redo; a mirror that refuses a step over the link is killed, and the step
+    is redone without it."""
+    from actors.shard_link import link_supported
+    from actors.shm import shm_available
+
+    if not (link_supported() and shm_available()):
+        pytest.skip("needs Linux's abstract Unix sockets and /dev/shm")
+
+    class Handle:  # the base is already in the mirror (_mirror); no step may go by Ray
+        class sync_base:
+            remote = staticmethod(lambda *args: None)
+
+        class replicate:
+            @staticmethod
+            def remote(*args):
+                raise AssertionError("a linked mirror's step went by a Ray call")
+
+    killed = []
+    context = type("C", (), {"namespace": "ns", "get_node_id": lambda self: "n"})()
+    monkeypatch.setattr("ray.get_runtime_context", lambda: context)
+    monkeypatch.setattr("ray.get_actor", lambda name, namespace=None: Handle)
+    monkeypatch.setattr("ray.get", lambda refs, timeout=None: None)
+    monkeypatch.setattr("ray.kill", lambda handle, no_restart=True: killed.append(handle))
+    primary = _shard()
+    mirror = _mirror(primary)
+    run = f"t{time.monotonic_ns()}"
+    assert primary.attach_mirror("mirror", 5.0, run, mirror._link.address)["linked"]
+    for step in range(4):
+        _step(primary, step)
+    _step(primary, 3, seed=99)  # redone with other gradients: replaced on the mirror too
+    deadline = time.monotonic() + 5
+    while mirror.applied_step < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert mirror.applied_step == 2 and mirror._shm.reads == 3 * 5  # 5 steps sent, 3 arrays each
+    feed, primary._feed = primary._feed, None  # the primary's death, as the mirror sees it
+    feed.close_link()
+    mirror.adopt(0, list(PLAN.shards[0]), 1, committed=4)
+    _step(primary, 4)
+    _step(mirror, 4)
+    assert _same(primary, mirror) and not killed
+
+    other = _mirror(primary)
+    assert primary.attach_mirror("mirror2", 5.0, run, other._link.address)["linked"]
+    other._mirror.broken = "lost a step"  # it refuses the next step
+    rng = np.random.default_rng(5)
+    for mb in (0, 1):
+        sb = PLAN.route(rng.integers(0, 60, size=(8, 26)), 0)
+        primary.lookup(5, (5 * M + mb,), sb.lengths, sb.indices)
+    grads = [rng.standard_normal((8, len(PLAN.shards[0]) * DIM)).astype(np.float32) for _ in (0, 1)]
+    assert primary.push_grads(5, (5 * M + 1,), grads[1]) == PushResult(applied=False)
+    assert primary.push_grads(5, (5 * M,), grads[0]) == PushResult(applied=False, stale=True)
+    assert killed == [Handle] and primary._feed is None

@@ -1,0 +1,291 @@
+"""The DLRM reference's Criteo Kaggle model end to end, on synthetic data of its size.
+
+The model is ``configs/criteo_kaggle.yaml`` as shipped (the 26 Kaggle cardinalities with the
+four largest capped at 5M rows, D = 16, 2 table-wise shards, 2 trainers, 8,192 samples a
+step); only the data paths (the synthetic files here), the run directory, the step count,
+the checkpoint interval and the faults are set. The data is ``core.data.datagen.generate``
+with each column's values drawn (Zipf) over that column's Kaggle cardinality, so every table
+is touched the way Criteo touches it; the generator's hidden click model gives the AUC
+ceiling. Each run is a process of its own (``python -m app train``, embedded Ray):
+
+- ``single``: the single-process torchrec baseline on the same microbatches and model
+  (``benchmarks/throughput.py --single``: its own process, no Ray, every core);
+- ``steady``: cpr on the same steps, no faults and no checkpoints (the pair's ratio);
+- ``partial``: ``--steps`` steps with a checkpoint every ``--save-every`` steps; a trainer is
+  SIGKILLed at one step and heals from its peer; a shard at a later step and comes back
+  alone from its last checkpoint;
+- ``replica``: the same with ``recovery: replica`` (each shard's mirror takes its place).
+
+Recorded per run: samples/s and ms a step per phase (participant 0's timers), peak RSS of every
+process of the run (sampled each second: the driver, the shards, mirrors and spares, the
+trainers, the supervisor) beside what ``core.memory`` estimated for the config, the bytes
+and overhead of each checkpoint, kill to serving of each failure, and the AUC on the held-out
+split against the generator's ceiling. Writes benchmarks/results/kaggle.json; the table and
+the plot (docs/images/kaggle.png) come from ``render`` (benchmarks/render_docs.py).
+
+    .venv/bin/python benchmarks/kaggle.py                     # about 45 minutes, 7 GB in /tmp
+    .venv/bin/python benchmarks/kaggle.py --steps 60 --baseline-steps 20 --out /tmp/kaggle-small.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+os.environ.setdefault("RAY_AUTH_MODE", "token")
+
+from benchmarks.meta import describe, run_metadata  # noqa: E402
+from benchmarks.throughput_runs import PHASES, _env, single_process_run  # noqa: E402
+
+CONFIG = "configs/criteo_kaggle.yaml"
+# Each column's distinct values in Criteo Kaggle's train.txt (the uncapped table_rows of the config).
+KAGGLE_CARDINALITIES = [1460, 583, 10131227, 2202608, 305, 24, 12517, 633, 3, 93145, 5683, 8351593, 3194,
+                        27, 14992, 5461306, 10, 5652, 2173, 4, 7046547, 18, 15, 286181, 105, 142572]
+
+
+def make_data(workdir: Path, train_rows: int, eval_rows: int) -> dict:
+    """The synthetic train and held-out files (reused while their size and seed are the same)."""
+    from core.data.datagen import generate
+
+    out = workdir / "data"
+    summary = out / "datagen.json"
+    if summary.exists():
+        old = json.loads(summary.read_text())
+        if (old["train_rows"], old["eval_rows"]) == (train_rows, eval_rows):
+            return {**old, "seconds": None, "reused": True}
+    shutil.rmtree(out, ignore_errors=True)
+    t0 = time.perf_counter()
+    s = generate(str(out), train_rows, eval_rows, fmt="tsv", seed=0, vocab_rows=KAGGLE_CARDINALITIES)
+    return {"train_path": s.train_path, "eval_path": s.eval_path, "train_rows": s.train_rows,
+            "eval_rows": s.eval_rows, "ceiling_auc": s.ceiling_auc, "seconds": round(time.perf_counter() - t0, 1),
+            "reused": False}
+
+
+def base_sets(data: dict, workdir: Path) -> list[str]:
+    return [f"data.train=[{data['train_path']}]", f"data.eval=[{data['eval_path']}]",
+            f"data.cache_dir={workdir / 'cache'}"]
+
+
+class RssSampler:
+    """Peak RSS of a process and of all its descendants, by role, sampled every ``period_s``."""
+
+    def __init__(self, pid: int, period_s: float = 1.0):
+        import psutil
+
+        self._psutil, self._root, self._period = psutil, psutil.Process(pid), period_s
+        self.peak: dict[int, tuple[str, int]] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _role(self, proc) -> str:
+        args = proc.cmdline()
+        if proc.pid == self._root.pid:
+            return "driver"
+        name = args[0] if args else proc.name()
+        if name.startswith("ray::"):
+            name = name[5:].split(".")[0]
+            return name.split(":")[-1]  # a spare's name is "cpr-shard-...-spare0:EmbeddingShard"
+        return os.path.basename(name.split()[0])
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._period):
+            try:
+                procs = [self._root] + self._root.children(recursive=True)
+            except self._psutil.Error:
+                return
+            for p in procs:
+                try:
+                    rss, role = p.memory_info().rss, self._role(p)
+                except self._psutil.Error:
+                    continue
+                if rss > self.peak.get(p.pid, ("", 0))[1]:
+                    self.peak[p.pid] = (role, rss)
+
+    def stop(self) -> dict:
+        """{role: {"processes", "max_mb", "sum_mb"}} of the peaks."""
+        self._stop.set()
+        self._thread.join()
+        out: dict[str, dict] = {}
+        for role, rss in self.peak.values():
+            r = out.setdefault(role, {"processes": 0, "max_mb": 0.0, "sum_mb": 0.0})
+            r["processes"] += 1
+            r["max_mb"] = round(max(r["max_mb"], rss / 2**20), 1)
+            r["sum_mb"] = round(r["sum_mb"] + rss / 2**20, 1)
+        return out
+
+
+def cpr_run(name: str, steps: int, run_dir: Path, sets: list[str]) -> dict:
+    """``python -m app train`` on the Kaggle config; its report's figures, its processes' RSS."""
+    shutil.rmtree(run_dir, ignore_errors=True)
+    cmd = [sys.executable, "-m", "app", "train", "--config", CONFIG, "--no-progress"]
+    for kv in [f"run_dir={run_dir}", f"training.max_steps={steps}", *sets]:
+        cmd += ["--set", kv]
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    sampler = RssSampler(proc.pid)
+    _, err = proc.communicate()
+    rss = sampler.stop()
+    if proc.returncode != 0:
+        raise RuntimeError(f"{name}: cpr train failed ({proc.returncode}): {err[-3000:]}")
+    report = json.loads((run_dir / "report.json").read_text())
+    if report["steps"] != steps:
+        raise RuntimeError(f"{name}: the run trained {report['steps']} steps, expected {steps}")
+    totals = dict.fromkeys(PHASES + ("checkpoint",), 0.0)
+    for p in report.get("progress") or []:
+        for k in totals:
+            totals[k] += (p.get("phase_s") or {}).get(k, 0.0)
+    samples = report["samples_this_run"]
+    out = {
+        "name": name, "steps": steps, "samples_per_s": report["samples_per_s"],
+        "step_ms": 1e3 * report["wall_time_s"]["training_s"] / steps,
+        "phase_ms": {k: round(1e3 * v / steps, 2) for k, v in totals.items()},
+        "wall_time_s": report["wall_time_s"], "process_s": round(time.perf_counter() - t0, 1),
+        "auc": report.get("auc"), "ceiling_auc": report.get("ceiling_auc"), "log_loss": report.get("log_loss"),
+        "samples": samples, "lost_samples": report["lost_samples"], "pls": report["pls"],
+        "rss": rss, "checkpoints": checkpoint_sizes(run_dir),
+        "checkpoints_saved": report["checkpoints_saved"], "overhead_s": report["overhead_s"],
+        "overhead_pct_of_wall": report["overhead_pct_of_wall"], "save_split_s": report["save_split_s"],
+        "mirrors": report.get("mirrors"),
+        "failures": [{k: f.get(k) for k in ("actor", "restored_step", "recovery", "detection_s", "adoption_s", "load_s",
+                                             "serving_s", "lost_samples", "bytes_reloaded", "spare")}
+                     for f in report["failures"]],
+        "trainer_failures": report["trainer_failures"],
+        "faults_injected": report["faults_injected"],
+        "steps_with_fewer_trainers": report["steps_with_fewer_trainers"],
+    }
+    shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)  # 1.8 GB each
+    return out
+
+
+def checkpoint_sizes(run_dir: Path) -> list[dict]:
+    """Bytes of each checkpoint still on disk (``keep_last`` of them), by its directory."""
+    out = []
+    root = run_dir / "checkpoints"
+    for d in sorted(root.iterdir()) if root.exists() else []:
+        if d.is_dir():
+            out.append({"name": d.name, "bytes": sum(f.stat().st_size for f in d.rglob("*") if f.is_file())})
+    return out
+
+
+def estimate(sets: list[str], mirrors: bool) -> dict:
+    from core.config import load_config
+    from core.memory import memory_estimate
+
+    import yaml
+
+    cfg = load_config(ROOT / CONFIG, {k: yaml.safe_load(v) for k, v in (kv.split("=", 1) for kv in sets)})
+    e = memory_estimate(cfg, mirrors=mirrors)
+    mb = 2**20
+    return {"rows": e.embedding_rows, "total_mb": round(e.total_bytes / mb, 1),
+            "shards_mb": [round((s.weights_bytes + s.optimizer_bytes) / mb, 1) for s in e.shards],
+            "shards_at_save_mb": [round(s.total_bytes / mb, 1) for s in e.shards],
+            "mirror_mb": [round(s.mirror_bytes / mb, 1) for s in e.shards],
+            "dense_params": e.dense_params}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=2000, help="steps of the runs with failures")
+    parser.add_argument("--baseline-steps", type=int, default=300, help="steps of the single process and steady")
+    parser.add_argument("--save-every", type=int, default=500, help="steps between checkpoints of the fault runs")
+    parser.add_argument("--eval-rows", type=int, default=500_000)
+    parser.add_argument("--runs", nargs="+", default=["single", "steady", "partial", "replica"],
+                        choices=["single", "steady", "partial", "replica"])
+    parser.add_argument("--workdir", default="/tmp/cpr-bench-kaggle")
+    parser.add_argument("--out", default=str(ROOT / "benchmarks/results/kaggle.json"))
+    args = parser.parse_args()
+    workdir = Path(args.workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    samples_per_step = 8192
+    data = make_data(workdir, args.steps * samples_per_step, args.eval_rows)
+    print(f"data: {data['train_rows']:,} + {data['eval_rows']:,} rows, ceiling AUC {data['ceiling_auc']:.4f}", flush=True)
+    sets = base_sets(data, workdir)
+    result = {"meta": run_metadata(), "config": CONFIG, "data": data, "samples_per_step": samples_per_step,
+              "estimate": estimate(sets, False), "estimate_replica": estimate(sets, True), "runs": {}}
+    out = Path(args.out)
+    quiet = ["checkpoint.every_s=null", "checkpoint.every_steps=null", "checkpoint.final=false", "faults=null"]
+    kill_trainer, kill_shard = int(args.steps * 0.3), int(args.steps * 0.7) + 3
+    faulty = ["checkpoint.every_s=null", f"checkpoint.every_steps={args.save_every}", "checkpoint.final=false",
+              "faults.max_failures=0", f"faults.at_steps={{trainer: [{kill_trainer}], shard: [{kill_shard}]}}",
+              "faults.seed=1"]
+    for name in args.runs:
+        if name == "single":
+            cfg_sets = sets + [f"training.max_steps={args.baseline_steps}"]
+            from app.dataengines import LocalEngine
+            from app.dataprep import prepare_data
+            from core.config import load_config
+
+            import yaml
+
+            cfg = load_config(ROOT / CONFIG, {k: yaml.safe_load(v) for k, v in (kv.split("=", 1) for kv in cfg_sets)})
+            prepared = prepare_data(cfg.model_copy(update={"run_dir": str(workdir / "prep")}), LocalEngine())
+            r = single_process_run(CONFIG, args.baseline_steps, prepared["train"].uri, sets)
+            r["step_ms"] = 1e3 * samples_per_step / r["samples_per_s"]
+        elif name == "steady":
+            r = cpr_run(name, args.baseline_steps, workdir / name, sets + quiet)
+        else:
+            r = cpr_run(name, args.steps, workdir / name, sets + faulty + [f"recovery={name}"])
+        result["runs"][name] = r
+        print(f"{name}: {r['samples_per_s']:,.0f} samples/s, {r['step_ms']:.1f} ms a step", flush=True)
+        out.write_text(json.dumps(result, indent=2))  # what is measured so far survives a later failure
+    runs = result["runs"]
+    if "single" in runs and "steady" in runs:
+        result["ratio_steady_to_single"] = round(runs["steady"]["samples_per_s"] / runs["single"]["samples_per_s"], 3)
+    out.write_text(json.dumps(result, indent=2))
+    print(render(result))
+
+
+def render(result: dict) -> str:
+    """The docs' section: per run, throughput, memory, checkpoints, recoveries, AUC."""
+    runs = result["runs"]
+    est = result["estimate"]
+    lines = [f"Rendered from `kaggle.json`: {describe(result['meta'])}. Model: `{result['config']}` as shipped "
+             f"({est['rows']:,} rows of D=16 in 2 table-wise shards, {est['dense_params']:,} dense parameters, "
+             f"{result['samples_per_step']:,} samples a step); synthetic data of {result['data']['train_rows']:,} "
+             f"rows drawn over the 26 Kaggle cardinalities (generator's ceiling AUC "
+             f"{result['data']['ceiling_auc']:.4f} on {result['data']['eval_rows']:,} held-out rows).", "",
+             "| run | steps | samples/s | ms a step | lookup | dense | push | commit | checkpoint | AUC | kill to serving |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    for name, r in runs.items():
+        ph = r.get("phase_ms") or {}
+        cell = (lambda k: f"{ph[k]:.1f}" if k in ph else "")
+        kills = "; ".join(f"{f['actor']} ({f['recovery']}) {f['serving_s']:.2f} s" for f in r.get("failures") or []
+                          if f.get("serving_s") is not None)
+        heals = "; ".join(f"{t['actor']} replaced, healed {t['rejoined_s']:.1f} s after its kill"
+                          for t in r.get("trainer_failures") or [] if t.get("rejoined_s") is not None)
+        auc = f"{r['auc']:.4f}" if r.get("auc") is not None else ""
+        lines.append(f"| {name} | {r.get('steps', '')} | {r['samples_per_s']:,.0f} | {r['step_ms']:.1f} | {cell('lookup')} | "
+                     f"{cell('dense') or cell('dense+update')} | {cell('push')} | {cell('commit')} | "
+                     f"{cell('checkpoint')} | {auc} | {'; '.join(x for x in (kills, heals) if x)} |")
+    if "ratio_steady_to_single" in result:
+        lines += ["", f"cpr (steady) to the single process: **{result['ratio_steady_to_single']:.2f}**."]
+    lines += ["", "Peak RSS (MB; the largest process of each kind, and how many) beside the plan's estimate of the "
+              "model state (weights and Adagrad state a shard, and with a full save's copy):", "",
+              "| run | driver | shard | trainer | supervisor | estimate: shard (at a save) | checkpoint size |",
+              "|---|---:|---:|---:|---:|---|---:|"]
+    for name, r in runs.items():
+        rss = r.get("rss") or {}
+        cell = (lambda role: f"{rss[role]['max_mb']:,.0f} (x{rss[role]['processes']})" if role in rss else "")
+        e = result["estimate_replica"] if name == "replica" else est
+        shards = ", ".join(f"{a:,.0f} ({b:,.0f})" for a, b in zip(e["shards_mb"], e["shards_at_save_mb"]))
+        ck = r.get("checkpoints") or []
+        size = f"{max(c['bytes'] for c in ck) / 1e9:.2f} GB" if ck else ""
+        rss_single = f"{r['peak_rss_mb']:,.0f}" if "peak_rss_mb" in r else cell("driver")
+        lines.append(f"| {name} | {rss_single} | {cell('EmbeddingShard')} | {cell('RayTrainWorker')} | "
+                     f"{cell('Supervisor')} | {shards if name != 'single' else ''} | {size} |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()
