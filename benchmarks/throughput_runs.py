@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import resource
 import shutil
 import signal
 import socket
@@ -92,6 +93,7 @@ def single_process(cfg: RunConfig, train_cache: str, steps: int) -> dict:
         "samples_per_s": n * tr.microbatches_per_step * tr.microbatch_rows / elapsed,
         "phase_ms": {k: 1e3 * v / n for k, v in laps.items()},
         "threads": torch.get_num_threads(),
+        "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),  # Linux: KiB
     }
 
 
