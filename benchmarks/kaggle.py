@@ -210,6 +210,7 @@ def main() -> None:
                         help="the DLRM reference's own arches (13-512-256-64-16, 512-256-1) and no cap on the tables")
     parser.add_argument("--workdir", default="/tmp/cpr-bench-kaggle")
     parser.add_argument("--out", default=str(ROOT / "benchmarks/results/kaggle.json"))
+    parser.add_argument("--plot", default=str(ROOT / "docs/images/kaggle.png"))
     args = parser.parse_args()
     workdir = Path(args.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
@@ -250,7 +251,60 @@ def main() -> None:
     if "single" in runs and "steady" in runs:
         result["ratio_steady_to_single"] = round(runs["steady"]["samples_per_s"] / runs["single"]["samples_per_s"], 3)
     out.write_text(json.dumps(result, indent=2))
+    plot(result, Path(args.plot))
     print(render(result))
+
+
+def plot(result: dict, path: Path) -> None:
+    """Three panels: ms a step by phase per run, peak RSS per kind of process against the
+    estimate, and kill to serving per failure."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = result["runs"]
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    ax = axes[0]
+    names = list(runs)
+    phases = ["data", "lookup", "dense", "dense+update", "push", "quorum", "allreduce", "commit", "checkpoint"]
+    bottom = [0.0] * len(names)
+    for ph in phases:
+        vals = [(runs[n].get("phase_ms") or {}).get(ph, 0.0) for n in names]
+        if any(vals):
+            ax.bar(names, vals, bottom=bottom, label=ph)
+            bottom = [b + v for b, v in zip(bottom, vals)]
+    ax.plot(names, [runs[n]["step_ms"] for n in names], "k_", markersize=30, label="ms a step (wall)")
+    ax.set(ylabel="ms a step (8,192 samples)", title="Where a step goes")
+    ax.legend(fontsize=7)
+    ax = axes[1]
+    kinds = [("EmbeddingShard", "shard"), ("RayTrainWorker", "trainer"), ("Supervisor", "supervisor"), ("driver", "driver")]
+    width = 0.8 / max(1, len(names))
+    for i, n in enumerate(names):
+        rss = runs[n].get("rss") or {}
+        vals = [rss.get(k, {}).get("max_mb", 0.0) for k, _ in kinds]
+        if n == "single":
+            vals = [0.0, 0.0, 0.0, runs[n].get("peak_rss_mb", 0.0)]
+        ax.bar([j + i * width for j in range(len(kinds))], vals, width, label=n)
+    est = max(result["estimate"]["shards_at_save_mb"])
+    ax.axhline(est, color="k", linestyle="--", linewidth=1, label="estimate: largest shard at a save")
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(kinds))], [label for _, label in kinds])
+    ax.set(ylabel="peak RSS (MB), the largest of its kind", title="Memory per process")
+    ax.legend(fontsize=7)
+    ax = axes[2]
+    bars = [(f"{n}: {f['actor']}", f) for n in names for f in runs[n].get("failures") or [] if f.get("serving_s")]
+    parts = [("detection_s", "detection"), ("adoption_s", "adoption"), ("load_s", "load")]
+    left = [0.0] * len(bars)
+    for key, label in parts:
+        vals = [f.get(key) or 0.0 for _, f in bars]
+        ax.barh([b for b, _ in bars], vals, left=left, label=label)
+        left = [a + v for a, v in zip(left, vals)]
+    ax.plot([f["serving_s"] for _, f in bars], [b for b, _ in bars], "k|", markersize=20, label="serving again")
+    ax.set(xlabel="seconds from the kill", title="A shard's kill to serving")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=90)
 
 
 def render(result: dict) -> str:
