@@ -30,11 +30,13 @@ the plot (docs/images/kaggle.png) come from ``render`` (benchmarks/render_docs.p
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -83,10 +85,11 @@ def base_sets(data: dict, workdir: Path) -> list[str]:
 class RssSampler:
     """Peak RSS of a process and of all its descendants, by role, sampled every ``period_s``."""
 
-    def __init__(self, pid: int, period_s: float = 1.0):
+    def __init__(self, pid: int, period_s: float = 1.0, every_ray_process: bool = False):
         import psutil
 
         self._psutil, self._root, self._period = psutil, psutil.Process(pid), period_s
+        self._everywhere = every_ray_process  # a namespace cluster's hosts are not the driver's children
         self.peak: dict[int, tuple[str, int]] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -94,7 +97,7 @@ class RssSampler:
 
     def _role(self, proc) -> str:
         args = proc.cmdline()
-        if proc.pid == self._root.pid:
+        if proc.pid == self._root.pid or (args[2:5] == ["-m", "app", "train"] if len(args) > 4 else False):
             return "driver"
         name = args[0] if args else proc.name()
         if name.startswith("ray::"):
@@ -108,6 +111,11 @@ class RssSampler:
                 procs = [self._root] + self._root.children(recursive=True)
             except self._psutil.Error:
                 return
+            if self._everywhere:
+                seen = {p.pid for p in procs}
+                for p in self._psutil.process_iter(["cmdline"]):
+                    if p.pid not in seen and (p.info["cmdline"] or [""])[0].startswith("ray::"):
+                        procs.append(p)
             for p in procs:
                 try:
                     rss, role = p.memory_info().rss, self._role(p)
@@ -129,15 +137,19 @@ class RssSampler:
         return out
 
 
-def cpr_run(name: str, steps: int, run_dir: Path, sets: list[str]) -> dict:
-    """``python -m app train`` on the Kaggle config; its report's figures, its processes' RSS."""
+def cpr_run(name: str, steps: int, run_dir: Path, sets: list[str], cluster=None) -> dict:
+    """``python -m app train`` on the Kaggle config (on host 0 of ``cluster``, a namespace
+    cluster, if given); its report's figures, its processes' RSS."""
     shutil.rmtree(run_dir, ignore_errors=True)
-    cmd = [sys.executable, "-m", "app", "train", "--config", CONFIG, "--no-progress"]
+    cmd = [sys.executable, "-m", "app", "train", "--config", str(ROOT / CONFIG), "--no-progress"]
+    if cluster is not None:
+        cmd = [str(cluster.script), "exec", "0", "--", *cmd]
     for kv in [f"run_dir={run_dir}", f"training.max_steps={steps}", *sets]:
         cmd += ["--set", kv]
     t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    sampler = RssSampler(proc.pid)
+    env = _env() if cluster is None else {**cluster.env, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    sampler = RssSampler(proc.pid, every_ray_process=cluster is not None)
     _, err = proc.communicate()
     rss = sampler.stop()
     if proc.returncode != 0:
@@ -170,6 +182,28 @@ def cpr_run(name: str, steps: int, run_dir: Path, sets: list[str]) -> dict:
     }
     shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)  # 1.8 GB each
     return out
+
+
+@contextlib.contextmanager
+def namespace_cluster(hosts: int):
+    """A ``hosts``-host namespace cluster of this machine (``scripts/local_cluster.sh``, as root),
+    torn down after; None for one host."""
+    if hosts <= 1:
+        yield None
+        return
+    from app.host_chaos import Cluster
+
+    directory = tempfile.mkdtemp(prefix="cprk-", dir="/tmp")  # short: Ray's socket paths
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "GLOO_SOCKET_IFNAME")}
+    env |= {"CPR_CLUSTER_HOSTS": str(hosts), "CPR_WORKER_CPUS": "8", "CPR_CLUSTER_OWNER": str(os.getpid()),
+            "CPR_PYTHON": sys.executable}
+    cluster = Cluster(directory, env)
+    try:
+        cluster("up", timeout_s=600)
+        yield cluster
+    finally:
+        cluster("down", timeout_s=300, check=False)
+        shutil.rmtree(directory, ignore_errors=True)
 
 
 def checkpoint_sizes(run_dir: Path) -> list[dict]:
@@ -208,6 +242,8 @@ def main() -> None:
                         choices=["single", "steady", "partial", "replica"])
     parser.add_argument("--reference", action="store_true",
                         help="the DLRM reference's own arches (13-512-256-64-16, 512-256-1) and no cap on the tables")
+    parser.add_argument("--hosts", type=int, default=1,
+                        help="1: this host; 2-9: the cpr runs on a namespace cluster of that many hosts (as root)")
     parser.add_argument("--workdir", default="/tmp/cpr-bench-kaggle")
     parser.add_argument("--out", default=str(ROOT / "benchmarks/results/kaggle.json"))
     parser.add_argument("--plot", default=str(ROOT / "docs/images/kaggle.png"))
@@ -218,15 +254,28 @@ def main() -> None:
     data = make_data(workdir, args.steps * samples_per_step, args.eval_rows)
     print(f"data: {data['train_rows']:,} + {data['eval_rows']:,} rows, ceiling AUC {data['ceiling_auc']:.4f}", flush=True)
     sets = base_sets(data, workdir) + (REFERENCE if args.reference else [])
-    result = {"meta": run_metadata(), "config": CONFIG, "reference": args.reference, "data": data, "samples_per_step": samples_per_step,
-              "estimate": estimate(sets, False), "estimate_replica": estimate(sets, True), "runs": {}}
+    result = {"meta": run_metadata(), "config": CONFIG, "reference": args.reference, "hosts": args.hosts,
+              "data": data, "samples_per_step": samples_per_step, "estimate": estimate(sets, False),
+              "estimate_replica": estimate(sets, True), "runs": {}}
     out = Path(args.out)
-    result["file"] = out.name
+    result["file"], result["save_every"] = out.name, args.save_every
     quiet = ["checkpoint.every_s=null", "checkpoint.every_steps=null", "checkpoint.final=false", "faults=null"]
     kill_trainer, kill_shard = int(args.steps * 0.3), int(args.steps * 0.7) + 3
     faulty = ["checkpoint.every_s=null", f"checkpoint.every_steps={args.save_every}", "checkpoint.final=false",
               "faults.max_failures=0", f"faults.at_steps={{trainer: [{kill_trainer}], shard: [{kill_shard}]}}",
               "faults.seed=1"]
+    with namespace_cluster(args.hosts) as cluster:
+        run_all(args, result, out, workdir, sets, quiet, faulty, samples_per_step, cluster)
+    runs = result["runs"]
+    if "single" in runs and "steady" in runs:
+        result["ratio_steady_to_single"] = round(runs["steady"]["samples_per_s"] / runs["single"]["samples_per_s"], 3)
+    out.write_text(json.dumps(result, indent=2))
+    plot(result, Path(args.plot))
+    print(render(result))
+
+
+def run_all(args, result: dict, out: Path, workdir: Path, sets: list[str], quiet: list[str], faulty: list[str],
+            samples_per_step: int, cluster) -> None:
     for name in args.runs:
         if name == "single":
             cfg_sets = sets + [f"training.max_steps={args.baseline_steps}"]
@@ -241,18 +290,12 @@ def main() -> None:
             r = single_process_run(CONFIG, args.baseline_steps, prepared["train"].uri, sets)
             r["step_ms"] = 1e3 * samples_per_step / r["samples_per_s"]
         elif name == "steady":
-            r = cpr_run(name, args.baseline_steps, workdir / name, sets + quiet)
+            r = cpr_run(name, args.baseline_steps, workdir / name, sets + quiet, cluster)
         else:
-            r = cpr_run(name, args.steps, workdir / name, sets + faulty + [f"recovery={name}"])
+            r = cpr_run(name, args.steps, workdir / name, sets + faulty + [f"recovery={name}"], cluster)
         result["runs"][name] = r
         print(f"{name}: {r['samples_per_s']:,.0f} samples/s, {r['step_ms']:.1f} ms a step", flush=True)
         out.write_text(json.dumps(result, indent=2))  # what is measured so far survives a later failure
-    runs = result["runs"]
-    if "single" in runs and "steady" in runs:
-        result["ratio_steady_to_single"] = round(runs["steady"]["samples_per_s"] / runs["single"]["samples_per_s"], 3)
-    out.write_text(json.dumps(result, indent=2))
-    plot(result, Path(args.plot))
-    print(render(result))
 
 
 def plot(result: dict, path: Path) -> None:
@@ -275,8 +318,9 @@ def plot(result: dict, path: Path) -> None:
             ax.bar(names, vals, bottom=bottom, label=ph)
             bottom = [b + v for b, v in zip(bottom, vals)]
     ax.plot(names, [runs[n]["step_ms"] for n in names], "k_", markersize=30, label="ms a step (wall)")
-    ax.set(ylabel="ms a step (8,192 samples)", title="Where a step goes")
-    ax.legend(fontsize=7)
+    ax.set(ylabel="ms a step (8,192 samples)", title="Where a step goes",
+           ylim=(0, 1.6 * max(runs[n]["step_ms"] for n in names)))
+    ax.legend(fontsize=7, ncol=3, loc="upper center")
     ax = axes[1]
     kinds = [("EmbeddingShard", "shard"), ("RayTrainWorker", "trainer"), ("Supervisor", "supervisor"), ("driver", "driver")]
     width = 0.8 / max(1, len(names))
@@ -317,7 +361,11 @@ def render(result: dict) -> str:
              f"{model} ({est['rows']:,} rows of D=16 in 2 table-wise shards, {est['dense_params']:,} dense parameters, "
              f"{result['samples_per_step']:,} samples a step); synthetic data of {result['data']['train_rows']:,} "
              f"rows drawn over the 26 Kaggle cardinalities (generator's ceiling AUC "
-             f"{result['data']['ceiling_auc']:.4f} on {result['data']['eval_rows']:,} held-out rows).", "",
+             f"{result['data']['ceiling_auc']:.4f} on {result['data']['eval_rows']:,} held-out rows). cpr runs "
+             + ("on this host (embedded Ray)." if result.get("hosts", 1) <= 1 else
+                f"on a {result['hosts']}-host namespace cluster of this machine (`scripts/local_cluster.sh`: the "
+                "driver and the supervisor on host 0, shards and trainers on the others, each mirror on "
+                "another host than its primary)."), "",
              "| run | steps | samples/s | ms a step | lookup | dense | push | commit | checkpoint | AUC | kill to serving |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for name, r in runs.items():
@@ -333,6 +381,23 @@ def render(result: dict) -> str:
                      f"{cell('checkpoint')} | {auc} | {'; '.join(x for x in (kills, heals) if x)} |")
     if "ratio_steady_to_single" in result:
         lines += ["", f"cpr (steady) to the single process: **{result['ratio_steady_to_single']:.2f}**."]
+    faulty = {n: r for n, r in runs.items() if r.get("failures") or r.get("trainer_failures")}
+    if faulty:
+        lines += ["", f"Failures and saves (a full checkpoint every {result.get('save_every', 500)} steps, the last 2 "
+                  "kept; the saving trainer waits for the snapshot, the files are written behind training):", "",
+                  "| run | saves | on the training path | written behind | lost samples (PLS) | shard killed: "
+                  "detection, adoption, load, serving | trainer killed: detection, steps with one fewer, back in |",
+                  "|---|---:|---:|---:|---:|---|---|"]
+        for name, r in faulty.items():
+            shard = "; ".join(f"{f['actor']} ({f['recovery']}, from step {f['restored_step']}): {f['detection_s']:.2f} + "
+                              f"{f['adoption_s']:.2f} + {f['load_s']:.2f} s, serving at {f['serving_s']:.2f} s"
+                              for f in r["failures"])
+            trainer = "; ".join(f"{t['actor']}: {t['detection_s']:.2f} s, {t['steps_with_fewer_trainers']} steps, "
+                                f"{t['rejoined_s']:.1f} s (at step {t['replacement_joined_at_step']})"
+                                for t in r["trainer_failures"] if t.get("rejoined_s") is not None)
+            lines.append(f"| {name} | {r['checkpoints_saved']} | {r['save_split_s']['training_path']:.2f} s "
+                         f"({r['overhead_pct_of_wall']['save']:.2f} % of the run) | {r['save_split_s']['background']:.1f} s | "
+                         f"{r['lost_samples']:,.0f} ({r['pls']:.3f}) | {shard} | {trainer} |")
     lines += ["", "Peak RSS (MB; the largest process of each kind, and how many) beside the plan's estimate of the "
               "model state (weights and Adagrad state a shard, and with a full save's copy):", "",
               "| run | driver | shard | trainer | supervisor | estimate: shard (at a save) | checkpoint size |",

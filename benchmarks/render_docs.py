@@ -53,6 +53,7 @@ RENDERERS: dict[str, str] = {
     "reshard": "benchmarks.reshard:render",
     "replica_cost": "benchmarks.replica_cost:render",
     "scaling": "benchmarks.scaling:render",
+    "kaggle": "benchmarks.kaggle:render",
     "soak": "benchmarks.soak:render",
     "supervisor_state": "benchmarks.supervisor_state:render",
     "soak-hosts": "benchmarks.soak:render",
