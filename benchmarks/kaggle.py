@@ -83,46 +83,53 @@ def base_sets(data: dict, workdir: Path) -> list[str]:
 
 
 class RssSampler:
-    """Peak RSS of a process and of all its descendants, by role, sampled every ``period_s``."""
+    """Peak RSS of a process and of all its descendants (with ``every_ray_process``, of every
+    ``ray::`` process on the machine too), by role, sampled from /proc every ``period_s``."""
 
     def __init__(self, pid: int, period_s: float = 1.0, every_ray_process: bool = False):
-        import psutil
-
-        self._psutil, self._root, self._period = psutil, psutil.Process(pid), period_s
-        self._everywhere = every_ray_process  # a namespace cluster's hosts are not the driver's children
+        self._root, self._period, self._everywhere = pid, period_s, every_ray_process
         self.peak: dict[int, tuple[str, int]] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
 
-    def _role(self, proc) -> str:
-        args = proc.cmdline()
-        if proc.pid == self._root.pid or (args[2:5] == ["-m", "app", "train"] if len(args) > 4 else False):
+    @staticmethod
+    def _read(pid: int) -> tuple[int, list[str], int] | None:
+        """(parent pid, argv, RSS bytes) of ``pid``; None if it is gone."""
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
+            fields = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines()
+                          if ":" in line)
+        except OSError:
+            return None
+        rss = int(fields.get("VmRSS", "0 kB").split()[0]) * 1024
+        return int(fields["PPid"]), [a for a in argv if a], rss
+
+    def _role(self, pid: int, argv: list[str]) -> str:
+        if argv[1:4] == ["-m", "app", "train"]:
             return "driver"
-        name = args[0] if args else proc.name()
+        name = argv[0] if argv else "?"
         if name.startswith("ray::"):
-            name = name[5:].split(".")[0]
-            return name.split(":")[-1]  # a spare's name is "cpr-shard-...-spare0:EmbeddingShard"
+            return name[5:].split(".")[0].split(":")[-1]  # a spare: "cpr-shard-...-spare0:EmbeddingShard"
         return os.path.basename(name.split()[0])
 
     def _run(self) -> None:
         while not self._stop.wait(self._period):
-            try:
-                procs = [self._root] + self._root.children(recursive=True)
-            except self._psutil.Error:
-                return
+            procs = {}
+            for entry in os.listdir("/proc"):
+                if entry.isdigit() and (info := self._read(int(entry))) is not None:
+                    procs[int(entry)] = info
+            mine, grew = {self._root}, True
+            while grew:  # the root's descendants
+                more = {pid for pid, (ppid, _, _) in procs.items() if ppid in mine} - mine
+                mine |= more
+                grew = bool(more)
             if self._everywhere:
-                seen = {p.pid for p in procs}
-                for p in self._psutil.process_iter(["cmdline"]):
-                    if p.pid not in seen and (p.info["cmdline"] or [""])[0].startswith("ray::"):
-                        procs.append(p)
-            for p in procs:
-                try:
-                    rss, role = p.memory_info().rss, self._role(p)
-                except self._psutil.Error:
-                    continue
-                if rss > self.peak.get(p.pid, ("", 0))[1]:
-                    self.peak[p.pid] = (role, rss)
+                mine |= {pid for pid, (_, argv, _) in procs.items() if argv and argv[0].startswith("ray::")}
+            for pid in mine & procs.keys():
+                _, argv, rss = procs[pid]
+                if rss > self.peak.get(pid, ("", 0))[1]:
+                    self.peak[pid] = (self._role(pid, argv), rss)
 
     def stop(self) -> dict:
         """{role: {"processes", "max_mb", "sum_mb"}} of the peaks."""
