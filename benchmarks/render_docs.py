@@ -127,9 +127,13 @@ def meta_line(result: dict, json_path: Path, page: Path) -> str:
     else:
         machine_s = f"machine {NOT_RECORDED}"
     link = os.path.relpath(json_path, page.parent)
+    # A part measured again later (``remeasured``: part -> its own meta) says so, with its commit.
+    again = "".join(f" Its {part} measured again: `{m.get('command', NOT_RECORDED)}` at commit "
+                    f"`{m.get('commit', NOT_RECORDED)}`, {m.get('date', NOT_RECORDED)}."
+                    for part, m in (result.get("remeasured") or {}).items() if isinstance(m, dict))
     return (f"*Rendered from [`{_rel(json_path)}`]({link}): "
             f"`{command or NOT_RECORDED}` at commit `{commit or NOT_RECORDED}` "
-            f"on {machine_s}; date {date or NOT_RECORDED}.*")
+            f"on {machine_s}; date {date or NOT_RECORDED}.{again}*")
 
 
 def _command(result: dict) -> str | None:
