@@ -85,12 +85,15 @@ class MirrorFeed:
 
     def _send_linked(self, step: int, lengths: np.ndarray, indices: np.ndarray, grad: np.ndarray,
                      try_: tuple[int, int] | None) -> None:
+        """The step over the link, sent and answered within ``timeout_s`` in all (one deadline:
+        the push's whole wait must stay under its trainer's)."""
+        deadline = time.monotonic() + self.timeout_s
         arrays = (lengths, indices, grad)
         where = self._slab.layout([(a.shape, a.dtype) for a in arrays])
         for a, w in zip(arrays, where):
             self._slab.view(w)[...] = a
         self._link.send("replicate", step, *where, try_)
-        self._link.receive(time.monotonic() + self.timeout_s)
+        self._link.receive(deadline)
 
     def kill(self) -> bool:
         """Kills the mirror, only while this primary holds its place (``may_act``; a fenced one
@@ -150,6 +153,8 @@ class MirrorRole:
         with self._lock:
             if self._feed is not None and self._feed.name != name:
                 self._feed.kill()  # a mirror replaced: the old one must never serve
+            elif self._feed is not None:
+                self._feed.close_link()  # the same mirror attached again: a new feed, a new link
             applied = self.applied_step
             weights = [w.detach().cpu().numpy() for w in self.tbe.split_embedding_weights()]
             states = [s[0].detach().cpu().numpy() for s in self.tbe.split_optimizer_states()]
@@ -250,11 +255,11 @@ class MirrorRole:
         it). The steps it holds before ``step`` are committed: the mirror's thread applies them
         after this answer. Step ``step`` again (redone after a failure) replaces its inputs. A
         gap breaks the mirror for good."""
-        lengths, indices, grad = (self._shm.get(a) for a in (lengths, indices, grad))  # copies of a slab's arrays
         with self._lock:
             m = self._mirror
             if m is None or not m.based or m.broken:
                 raise MirrorMissed(f"{self.spare}: no base, or broken ({m.broken if m else 'not a mirror'})")
+            lengths, indices, grad = (self._shm.get(a) for a in (lengths, indices, grad))  # copies of a slab's arrays
             last = self._last_held()
             if not last <= step <= last + 1 or step <= self.applied_step:
                 m.broken = f"got step {step} after step {last} (applied {self.applied_step})"
@@ -305,6 +310,8 @@ class MirrorRole:
         self._mirror = None
         self._promoted = True
         m.work.set()
+        # The primary that fed it over its link is gone: its slab files with it.
+        self._shm.remove_mapped(f"-mirror{shard_id}-")
         self._activate(shard_id, generation)
         self._log({"event": "load", "chain": [], "why": "replica", "step": self.applied_step + 1,
                    "pending": [self._complete] if self._complete is not None else [], "mirror_log": m.log})

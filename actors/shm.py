@@ -136,7 +136,9 @@ class ShmSlab:
         path = f"{self._stem}-{self._files}"
         fd = os.open(path, os.O_CREAT | os.O_RDWR | os.O_TRUNC, 0o600)
         try:
-            os.ftruncate(fd, size)
+            # Reserved now: a full /dev/shm is an OSError here (the call fails), never a SIGBUS
+            # when a page of a file that could not grow is first written.
+            os.posix_fallocate(fd, 0, size)
             self._mm = mmap.mmap(fd, size)
         finally:
             os.close(fd)
@@ -200,6 +202,20 @@ class ShmReader:
             mm.close()
         except BufferError:
             pass
+
+    def remove_mapped(self, marker: str) -> int:
+        """Unmaps and removes the slab files mapped here whose name holds ``marker`` (a dead
+        writer's: nobody else removes them before the run ends). Returns how many."""
+        n = 0
+        for stem in [k for k in self._maps if marker in os.path.basename(k)]:
+            path = self._maps[stem][0]
+            self._drop(stem)
+            try:
+                os.unlink(path)
+                n += 1
+            except FileNotFoundError:
+                pass
+        return n
 
     def _array(self, x: ShmArray) -> np.ndarray:
         """The array ``x`` describes, in its slab (bounds checked)."""
