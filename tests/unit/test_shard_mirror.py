@@ -320,30 +320,8 @@ def test_a_mirror_on_the_primarys_node_takes_its_steps_over_its_link(monkeypatch
     """A mirror on the primary's node is fed over its link, the arrays in a shared-memory slab
     (a Ray call carrying them cost most of a demo step): the mirror holds the primary's rows bit
     for bit, through a redo; a mirror that refuses a step over the link is killed, and the step
-    is redone without it."""
-    from actors.shard_link import link_supported
-    from actors.shm import shm_available
-
-    if not (link_supported() and shm_available()):
-        pytest.skip("needs Linux's abstract Unix sockets and /dev/shm")
-
-    class Handle:  # the base is already in the mirror (_mirror); no step may go by Ray
-        class sync_base:
-            remote = staticmethod(lambda *args: None)
-
-        class replicate:
-            @staticmethod
-            def remote(*args):
-                raise AssertionError("a linked mirror's step went by a Ray call")
-
-    killed = []
-    context = type("C", (), {"namespace": "ns", "get_node_id": lambda self: "n"})()
-    monkeypatch.setattr("ray.get_runtime_context", lambda: context)
-    monkeypatch.setattr("ray.get_actor", lambda name, namespace=None: Handle)
-    monkeypatch.setattr("ray.get", lambda refs, timeout=None: None)
-    monkeypatch.setattr("ray.kill", lambda handle, no_restart=True: killed.append(handle))
-    primary = _shard()
-    mirror = _mirror(primary)
+    is redone without it. Neither leaves its slab file behind."""
+    primary, mirror, killed = _linked_pair(monkeypatch)
     run = f"t{time.monotonic_ns()}"
     assert primary.attach_mirror("mirror", 5.0, run, mirror._link.address)["linked"]
     for step in range(4):
@@ -366,15 +344,22 @@ def test_a_mirror_on_the_primarys_node_takes_its_steps_over_its_link(monkeypatch
     other = _mirror(primary)
     assert primary.attach_mirror("mirror2", 5.0, run, other._link.address)["linked"]
     other._mirror.broken = "lost a step"  # it refuses the next step
-    rng = np.random.default_rng(5)
+    last = _half_pushed(primary, 5)
+    assert primary.push_grads(5, (5 * M,), last) == PushResult(applied=False, stale=True)
+    assert len(killed) == 1 and primary._feed is None
+    assert slabs() == [], "a killed mirror's slab goes with its feed"
+
+
+def _half_pushed(shard, step: int) -> np.ndarray:
+    """Step ``step`` looked up and its second chunk pushed; returns the first chunk's gradient,
+    whose push completes the step."""
+    rng = np.random.default_rng(step)
     for mb in (0, 1):
         sb = PLAN.route(rng.integers(0, 60, size=(8, 26)), 0)
-        primary.lookup(5, (5 * M + mb,), sb.lengths, sb.indices)
+        shard.lookup(step, (step * M + mb,), sb.lengths, sb.indices)
     grads = [rng.standard_normal((8, len(PLAN.shards[0]) * DIM)).astype(np.float32) for _ in (0, 1)]
-    assert primary.push_grads(5, (5 * M + 1,), grads[1]) == PushResult(applied=False)
-    assert primary.push_grads(5, (5 * M,), grads[0]) == PushResult(applied=False, stale=True)
-    assert killed == [Handle] and primary._feed is None
-    assert slabs() == [], "a killed mirror's slab goes with its feed"
+    assert shard.push_grads(step, (step * M + 1,), grads[1]) == PushResult(applied=False)
+    return grads[0]
 
 
 def _linked_pair(monkeypatch, **kw):
@@ -410,14 +395,9 @@ def test_a_mirror_stalled_on_its_link_is_killed_within_the_primarys_deadline(mon
     held = threading.Thread(target=lambda: (mirror._lock.acquire(), release.wait(10), mirror._lock.release()))
     held.start()  # the mirror is stalled: its replicate waits for its lock
     try:
-        rng = np.random.default_rng(1)
-        for mb in (0, 1):
-            sb = PLAN.route(rng.integers(0, 60, size=(8, 26)), 0)
-            primary.lookup(1, (1 * M + mb,), sb.lengths, sb.indices)
-        grads = [rng.standard_normal((8, len(PLAN.shards[0]) * DIM)).astype(np.float32) for _ in (0, 1)]
-        assert primary.push_grads(1, (1 * M + 1,), grads[1]) == PushResult(applied=False)
+        last = _half_pushed(primary, 1)
         t0 = time.monotonic()
-        assert primary.push_grads(1, (1 * M,), grads[0]) == PushResult(applied=False, stale=True)
+        assert primary.push_grads(1, (1 * M,), last) == PushResult(applied=False, stale=True)
         waited = time.monotonic() - t0
     finally:
         release.set()
