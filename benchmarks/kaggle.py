@@ -373,8 +373,9 @@ def render(result: dict) -> str:
                 f"on a {result['hosts']}-host namespace cluster of this machine (`scripts/local_cluster.sh`: the "
                 "driver and the supervisor on host 0, shards and trainers on the others, each mirror on "
                 "another host than its primary)."), "",
-             "| run | steps | samples/s | ms a step | lookup | dense | push | commit | checkpoint | AUC | kill to serving |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+             "| run | steps | samples/s | ms a step | quorum | lookup | dense | push | all-reduce | commit | checkpoint | "
+             "AUC | kill to serving |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for name, r in runs.items():
         ph = r.get("phase_ms") or {}
         cell = (lambda k: f"{ph[k]:.1f}" if k in ph else "")
@@ -383,8 +384,9 @@ def render(result: dict) -> str:
         heals = "; ".join(f"{t['actor']} replaced, healed {t['rejoined_s']:.1f} s after its kill"
                           for t in r.get("trainer_failures") or [] if t.get("rejoined_s") is not None)
         auc = f"{r['auc']:.4f}" if r.get("auc") is not None else ""
-        lines.append(f"| {name} | {r.get('steps', '')} | {r['samples_per_s']:,.0f} | {r['step_ms']:.1f} | {cell('lookup')} | "
-                     f"{cell('dense') or cell('dense+update')} | {cell('push')} | {cell('commit')} | "
+        lines.append(f"| {name} | {r.get('steps', '')} | {r['samples_per_s']:,.0f} | {r['step_ms']:.1f} | {cell('quorum')} | "
+                     f"{cell('lookup')} | {cell('dense') or cell('dense+update')} | {cell('push')} | {cell('allreduce')} | "
+                     f"{cell('commit')} | "
                      f"{cell('checkpoint')} | {auc} | {'; '.join(x for x in (kills, heals) if x)} |")
     if "ratio_steady_to_single" in result:
         lines += ["", f"cpr (steady) to the single process: **{result['ratio_steady_to_single']:.2f}**."]

@@ -54,6 +54,8 @@ RENDERERS: dict[str, str] = {
     "replica_cost": "benchmarks.replica_cost:render",
     "scaling": "benchmarks.scaling:render",
     "kaggle": "benchmarks.kaggle:render",
+    "kaggle_hosts": "benchmarks.kaggle:render",
+    "kaggle_reference": "benchmarks.kaggle:render",
     "soak": "benchmarks.soak:render",
     "supervisor_state": "benchmarks.supervisor_state:render",
     "soak-hosts": "benchmarks.soak:render",
