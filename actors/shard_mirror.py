@@ -46,6 +46,11 @@ __all__ = ["MirrorFeed", "MirrorRole", "MirrorMissed"]
 logger = logging.getLogger(__name__)
 
 
+def mirror_slab(shard_id: int) -> str:
+    """The name of the slab a primary feeds shard ``shard_id``'s mirror through (``ShmSlab``)."""
+    return f"mirror{shard_id}"
+
+
 class MirrorMissed(RuntimeError):
     """This mirror cannot serve: it missed a step its primary's trainers may have committed."""
 
@@ -107,7 +112,6 @@ class MirrorFeed:
         except (ValueError, ray.exceptions.RayError):
             pass
         return True
-
 
     def close_link(self) -> None:
         link, slab, self._link, self._slab = self._link, self._slab, None, None
@@ -191,7 +195,7 @@ class MirrorRole:
             if self._feed is not feed:  # replaced or dropped meanwhile
                 link.close()
                 return False
-            feed.use_link(link, ShmSlab(run_id, f"mirror{self.shard_id}"))
+            feed.use_link(link, ShmSlab(run_id, mirror_slab(self.shard_id)))
         return True
 
     def _send_to_mirror(self, step: int) -> bool:
@@ -311,7 +315,7 @@ class MirrorRole:
         self._promoted = True
         m.work.set()
         # The primary that fed it over its link is gone: its slab files with it.
-        self._shm.remove_mapped(f"-mirror{shard_id}-")
+        self._shm.remove_mapped(f"-{mirror_slab(shard_id)}-")
         self._activate(shard_id, generation)
         self._log({"event": "load", "chain": [], "why": "replica", "step": self.applied_step + 1,
                    "pending": [self._complete] if self._complete is not None else [], "mirror_log": m.log})
