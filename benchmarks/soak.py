@@ -236,7 +236,6 @@ def _args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--recovery", choices=["replica"],
                    help="soak-replica: every shard with a mirror; mirrors killed and stalled, a promoted shard "
                         "killed again before its new mirror, slow storage")
-    p.add_argument("--name", help="The results' name (RESULTS/NAME.json; default soak, soak-hosts, soak-replica...)")
     p.add_argument("--render", action="store_true", help="Render the table again from its JSON, run nothing.")
     p.add_argument("--append", action="store_true",
                    help="Add these seeds' runs to the JSON's (each run names its own commit).")
@@ -271,7 +270,7 @@ def _short_of_disk(runs: Path, min_free_gib: float, seed: int) -> str | None:
 def main(argv: list[str] | None = None) -> None:
     args = _args(argv)
     out = Path(args.out)
-    name = args.name or ("soak" if args.hosts == 1 else "soak-hosts") + (f"-{args.recovery}" if args.recovery else "")
+    name = ("soak" if args.hosts == 1 else "soak-hosts") + (f"-{args.recovery}" if args.recovery else "")
     if args.render:
         (out / f"{name}.md").write_text(render(json.loads((out / f"{name}.json").read_text())))
         return

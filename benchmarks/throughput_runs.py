@@ -140,16 +140,21 @@ def product(config: str, steps: int, trainers: int, run_dir: Path, sets: list[st
     report = json.loads((run_dir / "report.json").read_text())
     if report["steps"] != steps:
         raise RuntimeError(f"the cpr run trained {report['steps']} steps, expected {steps}")
-    totals = dict.fromkeys(PHASES, 0.0)
-    for p in report.get("progress") or []:
-        for k in PHASES:
-            totals[k] += (p.get("phase_s") or {}).get(k, 0.0)
-    # Phase times are the saving trainer's (participant 0's); every trainer runs every step.
     return {
         "samples_per_s": report["samples_per_s"],
-        "phase_ms": {k: 1e3 * v / steps for k, v in totals.items()},
+        "phase_ms": phase_ms(report, steps),
         "auc": report.get("auc"),
     }
+
+
+def phase_ms(report: dict, steps: int, phases: tuple[str, ...] = PHASES) -> dict[str, float]:
+    """ms a step in each of ``phases``, summed over a run report's progress records. Phase
+    times are the saving trainer's (participant 0's); every trainer runs every step."""
+    totals = dict.fromkeys(phases, 0.0)
+    for p in report.get("progress") or []:
+        for k in phases:
+            totals[k] += (p.get("phase_s") or {}).get(k, 0.0)
+    return {k: 1e3 * v / steps for k, v in totals.items()}
 
 
 def startup_times(config: str, reps: int, runs_root: Path, label: str, address: str | None = None) -> list[float]:
